@@ -1,0 +1,23 @@
+# peat: kernel validation in training, checkpoint alteration and SDC checks.
+# Thin entry point: validate the config, include one rule file per stage.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+# The default config, unless the user names another with --configfile: configs are
+# complete descriptions of a study, so they replace the default instead of merging into it.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/golden.smk"
+
+
+rule all:
+    input:
+        final_targets(),
+    default_target: True

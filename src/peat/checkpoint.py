@@ -1,0 +1,96 @@
+"""Training checkpoints in HDF5, readable by any HDF5 tool.
+
+Layout: ``/model/<state_dict name>`` (attrs ``module_type``, ``kind`` = parameter|buffer),
+``/optimizer/state/<parameter name>/<key>`` with the param groups as JSON in
+``/optimizer`` attribute ``param_groups``, ``/history`` (JSON metric rows so far), and
+root attributes ``step``, ``epoch`` and the run's metadata (model, vendor, config_hash, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import numpy as np
+import torch
+from torch import nn
+
+from .io import PeatError, atomic_path, open_h5
+
+
+def _module_types(model: nn.Module) -> dict[str, str]:
+    return {name: type(m).__name__ for name, m in model.named_modules()}
+
+
+def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int, epoch: int,
+         meta: dict, history: list[dict] | None = None) -> None:
+    types = _module_types(model)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    with atomic_path(path) as tmp, open_h5(tmp, "w") as f:
+        f.attrs.update(step=step, epoch=epoch, **meta)
+        for name, tensor in model.state_dict().items():
+            ds = f.create_dataset(f"model/{name}", data=tensor.detach().cpu().numpy())
+            ds.attrs["module_type"] = types.get(name.rpartition(".")[0], "")
+            ds.attrs["kind"] = "parameter" if name in params else "buffer"
+        if optimizer is not None:
+            _save_optimizer(f, model, optimizer)
+        f.create_dataset("history", data=json.dumps(history or []))
+
+
+def _param_names(model: nn.Module) -> list[str]:
+    # Same order and de-duplication of tied weights as model.parameters(), which built the optimizer.
+    return [name for name, _ in model.named_parameters()]
+
+
+def _save_optimizer(f, model, optimizer) -> None:
+    names = _param_names(model)
+    state = optimizer.state_dict()
+    group = f.create_group("optimizer")
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    group.attrs["param_groups"] = json.dumps(groups)
+    group.attrs["class"] = type(optimizer).__name__
+    for index, entries in state["state"].items():
+        for key, value in entries.items():
+            data = value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
+            group.create_dataset(f"state/{names[index]}/{key}", data=data)
+
+
+def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         skip_mismatched: bool = False) -> dict:
+    """Load weights (and optimizer state) into ``model``; return root attributes and history.
+
+    ``skip_mismatched`` keeps the model's own init for entries whose shape differs
+    (a new classification head when fine-tuning on another task).
+    """
+    with open_h5(path) as f:
+        if "model" not in f:
+            raise PeatError(f"{path}: not a peat checkpoint (no /model group)")
+        own = model.state_dict()
+        stored = f["model"]
+        missing = [n for n in own if n not in stored]
+        if missing:
+            raise PeatError(f"{path}: missing parameters: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        new_state = {}
+        for name, tensor in own.items():
+            data = torch.from_numpy(np.asarray(stored[name][()]))
+            if data.shape != tensor.shape:
+                if skip_mismatched:
+                    continue
+                raise PeatError(f"{path}: '{name}' has shape {tuple(data.shape)}, model expects {tuple(tensor.shape)}")
+            new_state[name] = data.to(tensor.dtype)
+        model.load_state_dict(new_state, strict=False)
+        if optimizer is not None:
+            if "optimizer" not in f:
+                raise PeatError(f"{path}: no optimizer state to resume from")
+            optimizer.load_state_dict(_load_optimizer(f["optimizer"], model))
+        attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+        attrs["history"] = json.loads(f["history"][()]) if "history" in f else []
+    return attrs
+
+
+def _load_optimizer(group, model) -> dict:
+    names = _param_names(model)
+    index = {n: i for i, n in enumerate(names)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in json.loads(group.attrs["param_groups"])]
+    state = {}
+    for name, entries in group.get("state", {}).items():
+        state[index[name]] = {k: torch.from_numpy(np.asarray(v[()])) for k, v in entries.items()}
+    return {"state": state, "param_groups": groups}

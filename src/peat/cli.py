@@ -1,0 +1,36 @@
+"""The ``peat`` command: one sub-command per user-facing tool.
+
+Each sub-command lives in the module of its concern as ``cli(argv) -> int``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .io import PeatError
+
+COMMANDS = {
+    "alter": ("peat.alter", "flip bits in an HDF5 checkpoint (peat alter IN.h5 OUT.h5 ...)"),
+    "h5diff": ("peat.alter", "compare two HDF5 files dataset by dataset"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: peat COMMAND [options]\n\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:10s} {text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    handler = getattr(module, f"cli_{argv[0]}", None) or module.cli
+    try:
+        return int(handler(argv[1:]) or 0)
+    except PeatError as err:
+        print(f"peat {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

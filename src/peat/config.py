@@ -1,0 +1,82 @@
+"""Config validation with one-line errors, and the config hash stamped on every result."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from .io import PeatError
+
+VENDORS = ("cpu", "nvidia", "amd")
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def _message(err: jsonschema.ValidationError) -> str:
+    key = _key(err.absolute_path)
+    if err.validator == "enum":
+        return f"config key '{key}': {err.instance!r} is not allowed; allowed: {', '.join(map(str, err.validator_value))}"
+    if err.validator == "required":
+        missing = err.message.split("'")[1]
+        return f"config key '{_key([*err.absolute_path, missing])}' is missing"
+    if err.validator == "additionalProperties":
+        return f"config key '{key}': {err.message}"
+    return f"config key '{key}': {err.message}"
+
+
+def validate(config: dict, schema_path: str | Path) -> dict:
+    """Validate ``config`` in place (filling schema defaults) and cross-check references.
+
+    Raises PeatError with one line naming the offending key and what is allowed.
+    """
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    validator_cls = _with_defaults(jsonschema.Draft202012Validator)
+    errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: (len(e.absolute_path), e.path))
+    if errors:
+        raise PeatError(_message(jsonschema.exceptions.best_match(errors)))
+    _cross_check(config)
+    return config
+
+
+def _with_defaults(cls):
+    """A validator that also fills in ``default`` values, as Snakemake's validate() does."""
+    validate_properties = cls.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = json.loads(json.dumps(sub["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(cls, {"properties": set_defaults})
+
+
+def _cross_check(config: dict) -> None:
+    datasets, models = config["datasets"], config["models"]
+    for name, model in models.items():
+        if model["dataset"] not in datasets:
+            raise PeatError(
+                f"config key 'models.{name}.dataset': unknown dataset {model['dataset']!r}; "
+                f"defined: {', '.join(datasets)}"
+            )
+        base = model.get("init_from")
+        if base is not None and base not in models:
+            raise PeatError(f"config key 'models.{name}.init_from': unknown model {base!r}; defined: {', '.join(models)}")
+        if base == name:
+            raise PeatError(f"config key 'models.{name}.init_from': a model cannot start from itself")
+    ref = config.get("reference_vendor", "cpu")
+    if ref not in config["vendors"]:
+        raise PeatError(f"config key 'reference_vendor': {ref!r} is not in 'vendors' ({', '.join(config['vendors'])})")
+
+
+def config_hash(obj) -> str:
+    """Short stable hash of a JSON-able config fragment (key order does not matter)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

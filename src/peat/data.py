@@ -1,0 +1,137 @@
+"""Dataset prep: real, learnable data that ships with installed packages, written to HDF5.
+
+Every prepared dataset is one HDF5 file with ``/train/x``, ``/train/y``, ``/val/x``,
+``/val/y`` and root attributes ``kind`` ("image" or "text") plus ``num_classes`` (images)
+or ``vocab_size`` and ``seq_len`` (text). Text is byte-level tokenized: token = byte value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .io import PeatError, atomic_path, open_h5, require
+
+IMAGE_MEAN, IMAGE_STD = 0.5, 0.5
+
+
+@dataclass
+class Split:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Dataset:
+    kind: str
+    train: Split
+    val: Split
+    attrs: dict
+
+
+def prepare(name: str, spec: dict, out: str | Path) -> None:
+    """Build dataset ``name`` from its config ``spec`` and write it atomically to ``out``."""
+    source = spec["source"]
+    if source in ("digits", "cifar10"):
+        x, y, attrs = _digits(spec) if source == "digits" else _cifar10(name, spec)
+        kind = "image"
+    else:
+        tokens = _pydoc_bytes(spec) if source == "pydoc" else _text_bytes(name, spec)
+        x, y, attrs = _sequences(tokens, spec["seq_len"])
+        kind = "text"
+    order = np.random.default_rng(spec.get("seed", 0)).permutation(len(x))
+    n_val = max(1, int(round(len(x) * spec["val_fraction"])))
+    val, train = order[:n_val], order[n_val:]
+    with atomic_path(out) as tmp, open_h5(tmp, "w") as f:
+        f.attrs.update(kind=kind, source=source, name=name, **attrs)
+        for split, idx in (("train", np.sort(train)), ("val", np.sort(val))):
+            f.create_dataset(f"{split}/x", data=x[idx], compression="gzip", shuffle=True)
+            f.create_dataset(f"{split}/y", data=y[idx], compression="gzip", shuffle=True)
+
+
+def load(path: str | Path) -> Dataset:
+    with open_h5(path) as f:
+        if "kind" not in f.attrs:
+            raise PeatError(f"{path}: not a peat dataset (no 'kind' attribute)")
+        splits = {s: Split(torch.from_numpy(require(f, f"{s}/x", path)[()]),
+                           torch.from_numpy(require(f, f"{s}/y", path)[()]).long())
+                  for s in ("train", "val")}
+        attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+    return Dataset(attrs["kind"], splits["train"], splits["val"], attrs)
+
+
+def _images(x: np.ndarray, size: int) -> np.ndarray:
+    """(N, C, H, W) in [0, 1] -> (N, 3, size, size) normalized float32."""
+    t = torch.from_numpy(x).float()
+    if t.shape[1] == 1:
+        t = t.expand(-1, 3, -1, -1)
+    t = torch.nn.functional.interpolate(t, size=(size, size), mode="bilinear", align_corners=False)
+    return ((t - IMAGE_MEAN) / IMAGE_STD).contiguous().numpy()
+
+
+def _labels(y: np.ndarray, spec: dict) -> tuple[np.ndarray, int]:
+    if spec.get("labels", "class") == "parity":
+        return (y % 2).astype(np.int64), 2
+    return y.astype(np.int64), int(y.max()) + 1
+
+
+def _digits(spec: dict):
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.images / 16.0)[:, None].astype(np.float32)
+    y, classes = _labels(bunch.target, spec)
+    return _images(x, spec["image_size"]), y, {"num_classes": classes}
+
+
+def _cifar10(name: str, spec: dict):
+    from torchvision.datasets import CIFAR10
+
+    root = _local_path(name, spec)
+    try:
+        sets = [CIFAR10(root, train=t, download=False) for t in (True, False)]
+    except RuntimeError:
+        raise PeatError(f"config key 'datasets.{name}.path': no CIFAR-10 python batches under {root}") from None
+    x = np.concatenate([s.data for s in sets]).transpose(0, 3, 1, 2).astype(np.float32) / 255.0
+    y, classes = _labels(np.concatenate([np.asarray(s.targets) for s in sets]), spec)
+    return _images(x, spec["image_size"]), y, {"num_classes": classes}
+
+
+def _pydoc_bytes(spec: dict) -> np.ndarray:
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    lo, hi = spec.get("part", [0.0, 1.0])
+    chosen = keys[int(lo * len(keys)):int(hi * len(keys))]
+    text = "\n\n".join(topics[k] for k in chosen)
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def _text_bytes(name: str, spec: dict) -> np.ndarray:
+    root = _local_path(name, spec)
+    files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
+    if not files:
+        raise PeatError(f"config key 'datasets.{name}.path': no .txt files under {root}")
+    return np.frombuffer(b"\n\n".join(f.read_bytes() for f in files), dtype=np.uint8)
+
+
+def _local_path(name: str, spec: dict) -> Path:
+    if "path" not in spec:
+        raise PeatError(f"config key 'datasets.{name}.path' is missing (source {spec['source']} reads local files)")
+    root = Path(spec["path"]).expanduser()
+    if not root.exists():
+        raise PeatError(f"config key 'datasets.{name}.path': {root} does not exist")
+    return root
+
+
+def _sequences(tokens: np.ndarray, seq_len: int):
+    n = (len(tokens) - 1) // seq_len
+    if n < 2:
+        raise PeatError(f"text too short for seq_len {seq_len}: {len(tokens)} bytes")
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len)[None, :]
+    x = tokens[idx].astype(np.int64)
+    y = tokens[idx + 1].astype(np.int64)
+    return x, y, {"vocab_size": 256, "seq_len": seq_len}

@@ -1,0 +1,41 @@
+"""Map a GPU vendor name to a torch device, or fail with one line saying what to do."""
+
+from __future__ import annotations
+
+import torch
+
+from .io import PeatError
+
+
+def for_vendor(vendor: str) -> torch.device:
+    if vendor == "cpu":
+        return torch.device("cpu")
+    stack = {"nvidia": ("CUDA", torch.version.cuda), "amd": ("ROCm/HIP", torch.version.hip)}.get(vendor)
+    if stack is None:
+        raise PeatError(f"vendor {vendor!r} is unknown; allowed: cpu, nvidia, amd")
+    name, version = stack
+    if version is None or not torch.cuda.is_available():
+        raise PeatError(
+            f"vendor {vendor!r}: no {name} GPU visible to torch {torch.__version__} "
+            f"(torch.version.{'cuda' if vendor == 'nvidia' else 'hip'}={version}); "
+            f"run this job on a node with an {vendor.upper()} GPU, e.g. with the SLURM profile"
+        )
+    return torch.device("cuda")
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    """Fix every source of run-to-run variation we control on one machine."""
+    import os
+    import random
+
+    import numpy as np
+
+    # cuBLAS needs this before its first call to give deterministic GEMMs.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False

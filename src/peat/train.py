@@ -1,0 +1,178 @@
+"""Deterministic training: golden runs, candidate-kernel runs and resumed runs share this loop.
+
+Same config, same machine -> bit-identical weights, metrics and recorded context: seeds are
+fixed, deterministic algorithms are enforced, the thread count is fixed and the batch order
+of epoch ``e`` depends only on ``(seed, e)``, so a run resumed from a checkpoint replays
+exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from . import checkpoint
+from .data import Dataset
+from .io import write_csv
+from .models import loss_and_metrics
+
+
+@dataclass
+class Run:
+    """Everything the loop needs besides the model and the data."""
+
+    epochs: int
+    batch_size: int
+    optimizer: dict
+    seed: int = 0
+    checkpoint_epochs: list[int] = field(default_factory=list)
+    max_train_samples: int | None = None
+    max_val_samples: int | None = None
+    device: torch.device = torch.device("cpu")
+    meta: dict = field(default_factory=dict)  # stamped on every checkpoint
+
+    @classmethod
+    def from_spec(cls, spec: dict, **extra) -> "Run":
+        keys = ("epochs", "batch_size", "optimizer", "checkpoint_epochs", "max_train_samples", "max_val_samples")
+        return cls(**{k: spec[k] for k in keys if k in spec}, **extra)
+
+
+def make_optimizer(model: torch.nn.Module, spec: dict) -> torch.optim.Optimizer:
+    kwargs = {k: v for k, v in spec.items() if k != "name"}
+    if spec["name"] == "sgd":
+        return torch.optim.SGD(model.parameters(), **kwargs)
+    return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return [order[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+
+
+def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
+        profiler=None, before_step: Callable[[int, int], None] | None = None,
+        start: str | Path | None = None, progress: bool = True) -> pd.DataFrame:
+    """Train ``model``; write ``metrics.csv``, ``final.h5`` and ``checkpoints/epochNNN.h5``.
+
+    ``start`` is a checkpoint to resume from (weights, optimizer, step, epoch, history).
+    While running, ``resume.h5`` in ``out_dir`` holds the last finished epoch so that a
+    killed job restarts from there; it is removed when training completes.
+    """
+    out_dir = Path(out_dir)
+    model.to(run.device)
+    optimizer = make_optimizer(model, run.optimizer)
+    train_x, train_y = _subset(data.train, run.max_train_samples)
+    val_x, val_y = _subset(data.val, run.max_val_samples)
+    step, first_epoch, history = 0, 1, []
+    resume = out_dir / "resume.h5"
+    start = resume if resume.exists() else start
+    if start is not None:
+        state = checkpoint.load(start, model, optimizer)
+        step, first_epoch, history = int(state["step"]), int(state["epoch"]) + 1, state["history"]
+    if profiler is not None:
+        profiler.attach(model, first_step=step)
+    t0 = time.perf_counter() - (history[-1]["wall_time"] if history else 0.0)
+    batches_per_epoch = len(epoch_batches(len(train_x), run.batch_size, run.seed, 0))
+    bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
+    for epoch in range(first_epoch, run.epochs + 1):
+        model.train()
+        for idx in epoch_batches(len(train_x), run.batch_size, run.seed, epoch):
+            if before_step is not None:
+                before_step(step, epoch)
+            if profiler is not None:
+                profiler.begin_step(step, epoch)
+            optimizer.zero_grad(set_to_none=True)
+            x, y = train_x[idx].to(run.device), train_y[idx].to(run.device)
+            loss, counts = loss_and_metrics(model, data.kind, x, y)
+            loss.backward()
+            if profiler is not None:
+                profiler.end_step()
+            optimizer.step()
+            history.append(_row(step, epoch, "train", loss.item(), counts, data.kind, t0))
+            step += 1
+            bar.update()
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}", refresh=False)
+        history.append(_evaluate(model, data.kind, val_x, val_y, run, step, epoch, t0))
+        save = dict(step=step, epoch=epoch, meta=run.meta, history=history)
+        if epoch in run.checkpoint_epochs:
+            checkpoint.save(out_dir / "checkpoints" / f"epoch{epoch:03d}.h5", model, optimizer, **save)
+        if epoch < run.epochs:
+            checkpoint.save(resume, model, optimizer, **save)
+            if profiler is not None:
+                profiler.flush()
+    bar.close()
+    checkpoint.save(out_dir / "final.h5", model, optimizer, step=step, epoch=run.epochs, meta=run.meta, history=history)
+    if profiler is not None:
+        profiler.close()
+    metrics = pd.DataFrame(history)
+    write_csv(out_dir / "metrics.csv", metrics)
+    resume.unlink(missing_ok=True)
+    return metrics
+
+
+def _subset(split, limit):
+    return (split.x, split.y) if limit is None else (split.x[:limit], split.y[:limit])
+
+
+def _row(step, epoch, split, loss, counts, kind, t0) -> dict:
+    return {
+        "step": step, "epoch": epoch, "split": split, "loss": loss,
+        "accuracy": counts["correct"] / counts["count"],
+        "perplexity": math.exp(min(loss, 50.0)) if kind == "text" else float("nan"),
+        "wall_time": time.perf_counter() - t0,
+    }
+
+
+@torch.no_grad()
+def _evaluate(model, kind, x, y, run: Run, step: int, epoch: int, t0: float) -> dict:
+    model.eval()
+    total, correct, count = 0.0, 0, 0
+    for i in range(0, len(x), run.batch_size):
+        xb, yb = x[i:i + run.batch_size].to(run.device), y[i:i + run.batch_size].to(run.device)
+        loss, counts = loss_and_metrics(model, kind, xb, yb)
+        total += loss.item() * counts["count"]
+        correct += counts["correct"]
+        count += counts["count"]
+    return _row(step, epoch, "val", total / count, {"correct": correct, "count": count}, kind, t0)
+
+
+def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Path, *, vendor: str = "cpu",
+                seed: int = 0, threads: int = 1, init: str | Path | None = None, config_hash: str = "",
+                prepare_model: Callable[[torch.nn.Module], None] | None = None,
+                before_step: Callable[[int, int], None] | None = None, record: bool = True) -> pd.DataFrame:
+    """Golden (or candidate) training of model ``name`` from its config ``spec``, with the Profiler.
+
+    ``init`` fine-tunes from another run's checkpoint (a new head keeps its own init);
+    ``prepare_model`` may patch the built model (candidate kernels) before training starts.
+    """
+    from .data import load
+    from .device import for_vendor, seed_everything
+    from .models import build
+    from .profiler import Profiler
+
+    device = for_vendor(vendor)
+    seed_everything(seed, threads)
+    data = load(data_path)
+    model = build(spec, data.attrs, seed)
+    if init is not None:
+        checkpoint.load(init, model, skip_mismatched=True)
+    if prepare_model is not None:
+        prepare_model(model)
+    meta = {"model": name, "arch": spec["arch"], "dataset": spec["dataset"], "vendor": vendor,
+            "config_hash": config_hash, "torch_version": str(torch.__version__), "seed": seed}
+    out_dir = Path(out_dir)
+    profiler = None
+    if record:
+        rec = spec["record"]
+        profiler = Profiler(out_dir / "context.h5", rec["layers"], every=rec.get("every", 10),
+                            epochs=rec.get("epochs"), meta=meta, key=f"models.{name}.record.layers")
+    run = Run.from_spec(spec, seed=seed, device=device, meta=meta)
+    return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step)

@@ -1,0 +1,36 @@
+"""Shared fixtures: run the real workflow on config/test.yaml once per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_CONFIG = REPO / "config" / "test.yaml"
+BIN = Path(sys.executable).parent
+
+
+def snakemake(workdir: Path, *args: str, configfile: Path | None = TEST_CONFIG, check: bool = True,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the real ``snakemake`` on this repository's Snakefile with ``workdir`` as its directory."""
+    cmd = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--cores", "2", *args]
+    if configfile is not None:
+        cmd += ["--configfile", str(configfile)]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def workflow_run(tmp_path_factory) -> Path:
+    """The whole test workflow, run once; tests using it must be in xdist group 'workflow'."""
+    workdir = tmp_path_factory.mktemp("workflow")
+    snakemake(workdir)
+    return workdir

@@ -1,0 +1,55 @@
+# Helpers shared by the rule files: config validation, paths and target lists.
+import os
+import sys
+
+from peat.config import config_hash, validate
+from peat.io import PeatError
+
+try:
+    validate(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml"))
+except PeatError as err:
+    sys.exit(f"peat: {err}")
+
+MODELS = list(config["models"])
+VENDORS = config["vendors"]
+
+
+wildcard_constraints:
+    model="|".join(MODELS),
+    vendor="|".join(VENDORS),
+    dataset="|".join(config["datasets"]),
+
+
+def golden(model, vendor, name):
+    return f"results/golden/{model}/{vendor}/{name}"
+
+
+def dataset_file(wildcards):
+    return f"results/data/{config['models'][wildcards.model]['dataset']}.h5"
+
+
+def init_checkpoint(wildcards):
+    base = config["models"][wildcards.model].get("init_from")
+    return [golden(base, wildcards.vendor, "final.h5")] if base else []
+
+
+def model_hash(model):
+    """What a model's golden results depend on: its spec, its dataset and the seed."""
+    spec = config["models"][model]
+    return config_hash(
+        {"model": spec, "dataset": config["datasets"][spec["dataset"]], "seed": config["seed"]}
+    )
+
+
+def golden_targets():
+    return expand(
+        golden("{model}", "{vendor}", "{name}"),
+        model=MODELS,
+        vendor=VENDORS,
+        name=["metrics.csv", "context.h5"],
+    )
+
+
+def final_targets():
+    # Each stage adds its outputs here.
+    return golden_targets()

@@ -1,0 +1,19 @@
+rule golden_train:
+    input:
+        data=dataset_file,
+        init=init_checkpoint,
+    output:
+        metrics=golden("{model}", "{vendor}", "metrics.csv"),
+        final=golden("{model}", "{vendor}", "final.h5"),
+        context=golden("{model}", "{vendor}", "context.h5"),
+        storage=golden("{model}", "{vendor}", "storage.json"),
+        checkpoints=directory(golden("{model}", "{vendor}", "checkpoints")),
+    params:
+        spec=lambda w: config["models"][w.model],
+        seed=config["seed"],
+        config_hash=lambda w: model_hash(w.model),
+    log:
+        "logs/golden/{model}/{vendor}.log",
+    threads: config["threads"]
+    script:
+        "../scripts/golden_train.py"

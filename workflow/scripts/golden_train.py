@@ -1,0 +1,17 @@
+import sys
+
+sys.stderr = sys.stdout = open(snakemake.log[0], "w")
+
+from peat.train import train_model
+
+train_model(
+    snakemake.wildcards.model,
+    snakemake.params.spec,
+    snakemake.input.data,
+    snakemake.output.checkpoints.rsplit("/", 1)[0],
+    vendor=snakemake.wildcards.vendor,
+    seed=snakemake.params.seed,
+    threads=snakemake.threads,
+    init=snakemake.input.init[0] if snakemake.input.init else None,
+    config_hash=snakemake.params.config_hash,
+)
