@@ -15,6 +15,11 @@ if not workflow.overwrite_configfiles:
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/golden.smk"
+include: "workflow/rules/kernels.smk"
+include: "workflow/rules/playback.smk"
+include: "workflow/rules/alter.smk"
+include: "workflow/rules/sdc.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

@@ -51,5 +51,12 @@ def golden_targets():
 
 
 def final_targets():
-    # Each stage adds its outputs here.
-    return golden_targets()
+    # Each stage's rule file defines its *_targets(); the report depends on all of them.
+    return (
+        golden_targets()
+        + kernel_targets()
+        + playback_targets()
+        + alter_targets()
+        + sdc_targets()
+        + report_targets()
+    )

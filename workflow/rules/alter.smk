@@ -1,0 +1,5 @@
+# Checkpoint alteration study (issue: checkpoint alteration).
+
+
+def alter_targets():
+    return []
