@@ -60,6 +60,13 @@ def _with_defaults(cls):
 
 def _cross_check(config: dict) -> None:
     datasets, models = config["datasets"], config["models"]
+    for name, spec in datasets.items():
+        if spec["source"] in ("cifar10", "text"):
+            path = spec.get("path")
+            if path is None:
+                raise PeatError(f"config key 'datasets.{name}.path' is missing (source {spec['source']} reads local files)")
+            if not Path(path).expanduser().exists():
+                raise PeatError(f"config key 'datasets.{name}.path': {path} does not exist")
     for name, model in models.items():
         if model["dataset"] not in datasets:
             raise PeatError(

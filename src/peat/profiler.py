@@ -99,7 +99,8 @@ class Profiler:
     def __init__(self, path: str | Path, layers: list[str], *, every: int = 1, epochs: list[int] | None = None,
                  meta: dict | None = None, key: str = "record.layers"):
         self.path = Path(path)
-        self.partial = self.path.with_name(self.path.name + ".partial")
+        # Kept beside the training state so that a killed run resumes the same file.
+        self.partial = self.path.parent / ".partial" / self.path.name
         self.patterns, self.every, self.epochs = layers, every, epochs
         self.meta, self.key = meta or {}, key
 
@@ -122,6 +123,7 @@ class Profiler:
             self.file = open_h5(self.partial, "a")
             self._truncate(self.first_step)
             return
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
         self.file = open_h5(self.partial, "w")
         self.file.attrs.update(self.meta)
         self.file.attrs.update(torch_version=str(torch.__version__), dtype="float32", every=self.every,

@@ -9,6 +9,7 @@ exactly the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,9 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     """Train ``model``; write ``metrics.csv``, ``final.h5`` and ``checkpoints/epochNNN.h5``.
 
     ``start`` is a checkpoint to resume from (weights, optimizer, step, epoch, history).
-    While running, ``resume.h5`` in ``out_dir`` holds the last finished epoch so that a
-    killed job restarts from there; it is removed when training completes.
+    While running, everything lives in ``out_dir/.partial/``: epoch checkpoints and
+    ``resume.h5`` (the last finished epoch), so that a killed job restarts from there. The
+    declared outputs appear only when training completes, so none of them is ever half written.
     """
     out_dir = Path(out_dir)
     model.to(run.device)
@@ -72,7 +74,8 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     train_x, train_y = _subset(data.train, run.max_train_samples)
     val_x, val_y = _subset(data.val, run.max_val_samples)
     step, first_epoch, history = 0, 1, []
-    resume = out_dir / "resume.h5"
+    partial = out_dir / ".partial"
+    resume = partial / "resume.h5"
     start = resume if resume.exists() else start
     if start is not None:
         state = checkpoint.load(start, model, optimizer)
@@ -103,7 +106,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         history.append(_evaluate(model, data.kind, val_x, val_y, run, step, epoch, t0))
         save = dict(step=step, epoch=epoch, meta=run.meta, history=history)
         if epoch in run.checkpoint_epochs:
-            checkpoint.save(out_dir / "checkpoints" / f"epoch{epoch:03d}.h5", model, optimizer, **save)
+            checkpoint.save(partial / f"epoch{epoch:03d}.h5", model, optimizer, **save)
         if epoch < run.epochs:
             checkpoint.save(resume, model, optimizer, **save)
             if profiler is not None:
@@ -113,8 +116,11 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     if profiler is not None:
         profiler.close()
     metrics = pd.DataFrame(history)
+    (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    for saved in sorted(partial.glob("epoch*.h5")):
+        saved.replace(out_dir / "checkpoints" / saved.name)
     write_csv(out_dir / "metrics.csv", metrics)
-    resume.unlink(missing_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)
     return metrics
 
 
@@ -147,7 +153,8 @@ def _evaluate(model, kind, x, y, run: Run, step: int, epoch: int, t0: float) -> 
 def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Path, *, vendor: str = "cpu",
                 seed: int = 0, threads: int = 1, init: str | Path | None = None, config_hash: str = "",
                 prepare_model: Callable[[torch.nn.Module], None] | None = None,
-                before_step: Callable[[int, int], None] | None = None, record: bool = True) -> pd.DataFrame:
+                before_step: Callable[[int, int], None] | None = None, record: bool = True,
+                progress: bool = True) -> pd.DataFrame:
     """Golden (or candidate) training of model ``name`` from its config ``spec``, with the Profiler.
 
     ``init`` fine-tunes from another run's checkpoint (a new head keeps its own init);
@@ -175,4 +182,4 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
         profiler = Profiler(out_dir / "context.h5", rec["layers"], every=rec.get("every", 10),
                             epochs=rec.get("epochs"), meta=meta, key=f"models.{name}.record.layers")
     run = Run.from_spec(spec, seed=seed, device=device, meta=meta)
-    return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step)
+    return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step, progress=progress)

@@ -1,0 +1,235 @@
+"""Backbone: config validation, dataset prep, deterministic golden training, resume, the Profiler."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, TEST_CONFIG, snakemake
+from peat import checkpoint, data, models
+from peat.device import for_vendor
+from peat.io import PeatError
+from peat.profiler import read_layer
+from peat.train import train_model
+
+CONFIG = yaml.safe_load(TEST_CONFIG.read_text())
+SPEC = CONFIG["models"]["resnet18"]
+
+
+def write_config(tmp_path: Path, mutate) -> Path:
+    cfg = yaml.safe_load(TEST_CONFIG.read_text())
+    mutate(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# -- config and DAG ------------------------------------------------------------------------
+
+def test_dry_run_of_default_config_lists_every_golden_job(tmp_path):
+    proc = snakemake(tmp_path, "-n", configfile=REPO / "config" / "config.yaml")
+    default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    for model in default["models"]:
+        assert f"model={model}, vendor=cpu" in proc.stdout
+    assert "prepare_dataset" in proc.stdout
+
+
+BAD_CONFIGS = [
+    (lambda c: c["models"]["resnet18"].update(arch="resnet99"), "models.resnet18.arch", "allowed: resnet18"),
+    (lambda c: c["models"]["resnet18"].update(dataset="nope"), "models.resnet18.dataset", "unknown dataset 'nope'"),
+    (lambda c: c.update(vendors=["intel"]), "vendors.0", "allowed: cpu, nvidia, amd"),
+    (lambda c: c["models"]["resnet18"].update(epochs="two"), "models.resnet18.epochs", "is not of type 'integer'"),
+    (lambda c: c["models"]["resnet18"].pop("record"), "models.resnet18.record", "is missing"),
+    (lambda c: c.pop("datasets"), "datasets", "is missing"),
+    (lambda c: c["datasets"].update(cifar={"source": "cifar10", "path": "/no/such/dir"}),
+     "datasets.cifar.path", "/no/such/dir does not exist"),
+    (lambda c: c["models"]["resnet18_parity"].update(init_from="ghost"), "models.resnet18_parity.init_from", "unknown model"),
+]
+
+
+@pytest.mark.parametrize("mutate,key,text", BAD_CONFIGS)
+def test_invalid_config_stops_before_any_job_with_one_line(tmp_path, mutate, key, text):
+    proc = snakemake(tmp_path, "-n", configfile=write_config(tmp_path, mutate), check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
+    assert len(lines) == 1, proc.stderr
+    assert f"config key '{key}'" in lines[0] and text in lines[0]
+    assert not (tmp_path / "results").exists()
+
+
+# -- data ----------------------------------------------------------------------------------
+
+def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):
+    data.prepare("digits", {"source": "digits", "image_size": 32, "val_fraction": 0.2}, tmp_path / "d.h5")
+    ds = data.load(tmp_path / "d.h5")
+    assert ds.kind == "image" and ds.attrs["num_classes"] == 10
+    assert ds.train.x.shape == (1438, 3, 32, 32) and ds.val.x.shape == (359, 3, 32, 32)
+    data.prepare("pydoc", {"source": "pydoc", "seq_len": 32, "val_fraction": 0.1, "part": [0, 0.1]}, tmp_path / "t.h5")
+    text = data.load(tmp_path / "t.h5")
+    assert text.kind == "text" and text.train.x.shape[1] == 32
+    assert torch.equal(text.train.x[:, 1:], text.train.y[:, :-1])  # next-byte targets
+    data.prepare("pydoc", {"source": "pydoc", "seq_len": 32, "val_fraction": 0.1, "part": [0, 0.1]}, tmp_path / "t2.h5")
+    assert torch.equal(data.load(tmp_path / "t2.h5").val.x, text.val.x)
+
+
+def test_truncated_or_foreign_hdf5_fails_naming_the_file(tmp_path):
+    data.prepare("digits", {"source": "digits", "image_size": 32, "val_fraction": 0.2}, tmp_path / "d.h5")
+    blob = (tmp_path / "d.h5").read_bytes()
+    (tmp_path / "cut.h5").write_bytes(blob[: len(blob) // 3])
+    with pytest.raises(PeatError, match=r"cut\.h5: not a readable HDF5 file"):
+        data.load(tmp_path / "cut.h5")
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = np.zeros(3)
+    with pytest.raises(PeatError, match=r"other\.h5: not a peat dataset"):
+        data.load(tmp_path / "other.h5")
+
+
+def test_missing_gpu_vendor_fails_with_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(PeatError, match=r"vendor 'nvidia': no CUDA GPU visible .* run this job on a node with an NVIDIA GPU"):
+        for_vendor("nvidia")
+
+
+# -- golden training -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "digits.h5"
+    data.prepare("digits", CONFIG["datasets"]["digits"] | {"val_fraction": 0.2}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def golden_twice(digits, tmp_path_factory):
+    runs = []
+    for _ in range(2):
+        out = tmp_path_factory.mktemp("golden")
+        train_model("resnet18", SPEC, digits, out, seed=0, threads=1, config_hash="abc", progress=False)
+        runs.append(out)
+    return runs
+
+
+def h5_datasets(path: Path) -> dict[str, np.ndarray]:
+    items = {}
+    with h5py.File(path) as f:
+        f.visititems(lambda name, obj: items.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return items
+
+
+def assert_bit_identical(a: Path, b: Path, skip=("history",)):
+    da, db = h5_datasets(a), h5_datasets(b)
+    assert da.keys() == db.keys()
+    for name in da:
+        if name not in skip:
+            assert da[name].tobytes() == db[name].tobytes(), name
+
+
+def test_golden_training_is_bit_identical(golden_twice):
+    a, b = golden_twice
+    for name in ("final.h5", "context.h5", "checkpoints/epoch001.h5", "checkpoints/epoch002.h5"):
+        assert_bit_identical(a / name, b / name)
+    ma, mb = (np.genfromtxt(p / "metrics.csv", delimiter=",", names=True) for p in (a, b))
+    assert np.array_equal(ma["loss"], mb["loss"]) and np.array_equal(ma["accuracy"], mb["accuracy"])
+    assert not (a / ".partial").exists()
+
+
+def test_context_holds_the_promised_tensors(golden_twice):
+    path = golden_twice[0] / "context.h5"
+    with h5py.File(path) as f:
+        assert f.attrs["model"] == "resnet18" and f.attrs["config_hash"] == "abc"
+        assert f.attrs["torch_version"] == str(torch.__version__) and f.attrs["vendor"] == "cpu"
+        assert sorted(f["layers"]) == ["bn1", "conv1", "fc", "layer1.0.conv2"]
+        assert [f["layers/conv1"].attrs[k] for k in ("op", "groups")] == ["conv2d", 1]
+        assert list(f["layers/conv1"].attrs["stride"]) == [2, 2]
+        assert f["layers/bn1"].attrs["op"] == "batch_norm" and f["layers/fc"].attrs["op"] == "linear"
+        steps = sorted(f["layers/fc"])
+        assert steps == ["0000000", "0000002", "0000004", "0000006"]  # every: 2, 8 steps
+        summaries = f["summaries"][()]
+        assert set(summaries["step"]) == set(range(8))
+        assert np.all(summaries["nonfinite"] == 0)
+    attrs, samples = read_layer(path, "conv1")
+    s = samples[1]
+    assert s["step"] == 2 and s["epoch"] == 1
+    assert set(s) >= {"A", "W", "O", "dO", "dW"} and "dA" not in s  # the first conv's input needs no grad
+    # The recorded output is exactly what the golden op gives on the recorded inputs.
+    out = torch.nn.functional.conv2d(s["A"], s["W"], None, stride=2, padding=3)
+    assert torch.equal(out, s["O"])
+    grad_w = torch.nn.grad.conv2d_weight(s["A"], s["W"].shape, s["dO"], stride=2, padding=3)
+    torch.testing.assert_close(grad_w, s["dW"], rtol=1e-4, atol=1e-5)
+    _, fc = read_layer(path, "fc")
+    assert torch.equal(fc[0]["dA"], fc[0]["dO"] @ fc[0]["W"])
+    _, bn = read_layer(path, "bn1")
+    assert {"running_mean", "running_var", "dA", "dB"} <= set(bn[0])
+
+
+def test_storage_accounting(golden_twice):
+    import json
+
+    info = json.loads((golden_twice[0] / "storage.json").read_text())
+    assert info["context_bytes"] == (golden_twice[0] / "context.h5").stat().st_size
+    assert info["steps"] == 8 and info["naive_bytes"] == 8 * info["naive_bytes_per_step"]
+    assert 0 < info["ratio"] < 1
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(digits, golden_twice, tmp_path):
+    """Kill training after its first epoch; rerunning resumes from there and ends bit-identical."""
+    script = (
+        "import sys, yaml; from peat.train import train_model; "
+        f"spec = yaml.safe_load(open({str(TEST_CONFIG)!r}))['models']['resnet18']; "
+        f"train_model('resnet18', spec, {str(digits)!r}, sys.argv[1], seed=0, threads=1, config_hash='abc')"
+    )
+    cmd = [sys.executable, "-c", script, str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (tmp_path / ".partial" / "resume.h5").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "final.h5").exists() and not (tmp_path / "context.h5").exists()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for name in ("final.h5", "context.h5", "checkpoints/epoch001.h5", "checkpoints/epoch002.h5"):
+        assert_bit_identical(golden_twice[0] / name, tmp_path / name)
+
+
+def test_fine_tuning_starts_from_the_pretrained_checkpoint(digits, golden_twice):
+    ds = data.load(digits)
+    parity = dict(ds.attrs, num_classes=2)
+    model = models.build(CONFIG["models"]["resnet18_parity"], parity, seed=0)
+    checkpoint.load(golden_twice[0] / "final.h5", model, skip_mismatched=True)
+    base = h5_datasets(golden_twice[0] / "final.h5")
+    assert np.array_equal(model.conv1.weight.detach().numpy(), base["model/conv1.weight"])
+    assert model.fc.weight.shape == (2, 512)  # new head keeps its own init
+
+
+def test_checkpoint_with_missing_parameters_fails_naming_them(golden_twice, tmp_path):
+    broken = tmp_path / "broken.h5"
+    broken.write_bytes((golden_twice[0] / "final.h5").read_bytes())
+    with h5py.File(broken, "a") as f:
+        del f["model/fc.weight"]
+    model = models.build(SPEC, {"num_classes": 10}, seed=0)
+    with pytest.raises(PeatError, match=r"broken\.h5: missing parameters: fc\.weight"):
+        checkpoint.load(broken, model)
+
+
+# -- the workflow as a user runs it ----------------------------------------------------------
+
+@pytest.mark.xdist_group("workflow")
+def test_test_config_workflow_runs_and_is_up_to_date_after(workflow_run):
+    for model in CONFIG["models"]:
+        base = workflow_run / "results" / "golden" / model / "cpu"
+        for name in ("metrics.csv", "final.h5", "context.h5", "storage.json"):
+            assert (base / name).exists(), f"{model}/{name}"
+        assert (workflow_run / "logs" / "golden" / model / "cpu.log").stat().st_size > 0
+    proc = snakemake(workflow_run, "-n")
+    assert "Nothing to be done" in proc.stdout + proc.stderr
