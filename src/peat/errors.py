@@ -1,0 +1,295 @@
+"""Pseudo-error models: what a wrong GPU kernel does to its output, each doing exactly what it says.
+
+Spec grammar (also the schema's pattern, see ``SPEC_PATTERN``):
+
+    fp16 | bf16 | tf32 | fp64          operands rounded to that precision (fp64: computed in float64);
+                                       ``apply`` on an output rounds the output itself
+    rv:N                               N distinct positions set to values drawn from N(mean, std) of the tensor
+    rz:N                               N distinct non-zero positions set to zero
+    nan:N | inf:N                      N distinct positions set to NaN / to inf with the element's sign
+    bit_flip:WHERE[xB][:N]             N distinct elements each get B adjacent bits (default 1) flipped in
+                                       the float32 pattern; WHERE is sign|exponent|mantissa|any or a bit 0-31
+                                       (the burst starts there and runs towards the sign bit)
+    lane:K[:offset|stuck][:col|row]    every K-th column (or row), from a random lane l < K, offset by the
+                                       tensor's std (default) or stuck at the lane's first value
+    tile:T[:stale|zero|splitk]         one random TxT tile keeps the previous call's values (stale, zeros on
+                                       the first call), is zeroed, or misses one split-K partial sum
+                                       (K chunks of T; GEMM-like computations via ``faulty`` only)
+
+Columns and rows are those of the output's matrix view: the last dimension against the rest,
+except 4-D (NCHW) tensors, whose columns are the channels (implicit-GEMM convention).
+Every model is seeded through the ``torch.Generator`` it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .io import PeatError
+
+CASTS = ("fp16", "bf16", "tf32", "fp64")
+REGIONS = {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22), "any": (0, 31)}
+SPEC_PATTERN = (r"^(fp16|bf16|tf32|fp64|(rv|rz|nan|inf):[1-9][0-9]*"
+                r"|bit_flip:(sign|exponent|mantissa|any|[0-9]|[12][0-9]|3[01])(x[1-9][0-9]?)?(:[1-9][0-9]*)?"
+                r"|lane:[1-9][0-9]*(:(offset|stuck))?(:(col|row))?"
+                r"|tile:[1-9][0-9]*(:(stale|zero|splitk))?)$")
+# Ground truth for the detector (docs/design.md).
+TRUTH = {"fp16": "reduced_precision", "bf16": "reduced_precision", "tf32": "reduced_precision",
+         "fp64": "reduced_precision", "rv": "random_value", "rz": "random_zero", "bit_flip": "bit_flip",
+         "lane": "periodic_lane", "tile": "block_structured", "nan": "non_finite", "inf": "non_finite"}
+
+
+@dataclass
+class ErrorModel:
+    """A parsed spec; ``apply`` returns a corrupted copy and never changes its input."""
+
+    spec: str
+    kind: str
+    count: int = 1          # rv, rz, nan, inf, bit_flip: elements; lane: period K; tile: size T
+    mode: str = ""          # lane: offset|stuck; tile: stale|zero|splitk; bit_flip: region or bit
+    burst: int = 1
+    axis: str = "col"
+    _previous: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def truth(self) -> str:
+        return TRUTH[self.kind]
+
+    @property
+    def on_operands(self) -> bool:
+        return self.kind in CASTS
+
+    def apply(self, t: torch.Tensor, generator: torch.Generator, operands=None) -> torch.Tensor:
+        """A corrupted copy of ``t``. ``operands`` = (op, computation, args, kwargs) for tile splitk."""
+        if self.kind in CASTS:
+            out = round_to(t, self.kind) if self.kind != "fp64" else t.clone()
+        elif self.kind in ("rv", "rz", "nan", "inf"):
+            out = _positions(self, t, generator)
+        elif self.kind == "bit_flip":
+            out = _bit_flip(self, t, generator)
+        elif self.kind == "lane":
+            out = _lane(self, t, generator)
+        else:
+            out = _tile(self, t, generator, operands)
+        self._previous = t.detach().clone()  # what a stale tile would still hold next call
+        return out
+
+
+def parse(spec: str) -> ErrorModel:
+    """An ErrorModel from a spec such as ``rv:3``, ``bit_flip:exponentx2:4`` or ``tile:16:zero``."""
+    if not isinstance(spec, str) or not re.match(SPEC_PATTERN, spec):
+        raise PeatError(f"error spec {spec!r}: not understood; e.g. fp16, bf16, tf32, fp64, rv:3, rz:1, "
+                        "bit_flip:exponent, bit_flip:30x2:4, lane:16, lane:8:stuck:row, tile:16:splitk, nan:1, inf:1")
+    kind, *rest = spec.split(":")
+    if kind in CASTS:
+        return ErrorModel(spec, kind)
+    if kind in ("rv", "rz", "nan", "inf"):
+        return ErrorModel(spec, kind, count=int(rest[0]))
+    if kind == "bit_flip":
+        where, burst = re.fullmatch(r"(sign|exponent|mantissa|any|\d+)(?:x(\d+))?", rest[0]).groups()
+        model = ErrorModel(spec, kind, count=int(rest[1]) if len(rest) > 1 else 1, mode=where, burst=int(burst or 1))
+        lo, hi = _bit_range(model)
+        if hi - lo + 1 < model.burst:
+            raise PeatError(f"error spec {spec!r}: a burst of {model.burst} bits does not fit in bits {lo}-{hi}")
+        return model
+    if kind == "lane":
+        opts = set(rest[1:])
+        return ErrorModel(spec, kind, count=int(rest[0]), mode="stuck" if "stuck" in opts else "offset",
+                          axis="row" if "row" in opts else "col")
+    return ErrorModel(spec, kind, count=int(rest[0]), mode=rest[1] if len(rest) > 1 else "stale")
+
+
+# -- precision -----------------------------------------------------------------------------
+def round_to(t: torch.Tensor, precision: str) -> torch.Tensor:
+    """``t`` rounded to fp16, bf16 or tf32 (10 mantissa bits, nearest-even), kept in its dtype."""
+    if precision == "fp16":
+        return t.half().to(t.dtype)
+    if precision == "bf16":
+        return t.bfloat16().to(t.dtype)
+    if precision == "tf32":
+        bits = t.float().view(torch.int32)
+        # Round-to-nearest-even at bit 13, then clear the 13 low mantissa bits.
+        rounded = (bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF
+        out = torch.where(torch.isfinite(t.float()), rounded, bits).view(torch.float32)
+        return out.to(t.dtype)
+    if precision == "fp64":
+        return t.double()
+    raise PeatError(f"unknown precision {precision!r}; allowed: {', '.join(CASTS)}")
+
+
+# -- element errors ------------------------------------------------------------------------
+def _choose(n: int, k: int, generator) -> torch.Tensor:
+    return torch.randperm(n, generator=generator)[:k]
+
+
+def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
+    out = t.detach().clone()
+    flat = out.view(-1)
+    if model.kind == "rz":
+        candidates = torch.nonzero(flat != 0).view(-1)
+        idx = candidates[_choose(len(candidates), model.count, generator)]
+        flat[idx] = 0
+        return out
+    idx = _choose(flat.numel(), model.count, generator)
+    if model.kind == "nan":
+        flat[idx] = float("nan")
+    elif model.kind == "inf":
+        flat[idx] = torch.where(flat[idx] < 0, -math.inf, math.inf).to(flat.dtype)
+    else:
+        mean, std = _finite_stats(t)
+        values = (mean + std * torch.randn(len(idx), generator=generator, dtype=torch.float64)).to(flat.dtype)
+        # A draw equal to the old value would change nothing: nudge it by one std.
+        values = torch.where(values == flat[idx], values + std, values)
+        flat[idx] = values
+    return out
+
+
+def _finite_stats(t: torch.Tensor) -> tuple[float, float]:
+    finite = t.detach().double()[torch.isfinite(t)]
+    if finite.numel() == 0:
+        return 0.0, 1.0
+    std = float(finite.std()) if finite.numel() > 1 else 0.0
+    return float(finite.mean()), std if std > 0 else 1.0
+
+
+def _bit_range(model: ErrorModel) -> tuple[int, int]:
+    if model.mode in REGIONS:
+        return REGIONS[model.mode]
+    return int(model.mode), 31
+
+
+def _bit_flip(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
+    if t.dtype != torch.float32:
+        raise PeatError(f"error spec {model.spec!r}: bit flips act on float32 tensors, got {t.dtype}")
+    out = t.detach().clone()
+    bits = out.view(-1).view(torch.int32)
+    idx = _choose(bits.numel(), model.count, generator)
+    lo, hi = _bit_range(model)
+    if model.mode in REGIONS:
+        start = torch.randint(lo, hi - model.burst + 2, (len(idx),), generator=generator)
+    else:
+        start = torch.full((len(idx),), lo)
+    width = (1 << model.burst) - 1
+    masks = torch.tensor([_int32(width << int(s)) for s in start], dtype=torch.int32)
+    bits[idx] ^= masks
+    return out
+
+
+def _int32(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+# -- structured errors ----------------------------------------------------------------------
+def matrix(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D copy of ``t``: channels as columns for NCHW tensors, else the last dimension."""
+    if t.dim() == 4:
+        return t.movedim(1, -1).reshape(-1, t.shape[1]).clone()
+    return t.reshape(-1, t.shape[-1] if t.dim() else 1).clone()
+
+
+def unmatrix(m: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if like.dim() == 4:
+        n, c, h, w = like.shape
+        return m.reshape(n, h, w, c).movedim(-1, 1).contiguous()
+    return m.reshape(like.shape)
+
+
+def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
+    m = matrix(t.detach())
+    if model.axis == "row":
+        m = m.t()
+    period = model.count
+    lane = int(torch.randint(min(period, m.shape[1]), (1,), generator=generator))
+    cols = m[:, lane::period]
+    if model.mode == "stuck":
+        m[:, lane::period] = cols[:1].expand_as(cols)
+    else:
+        m[:, lane::period] = cols + _finite_stats(t)[1]
+    return unmatrix(m.t() if model.axis == "row" else m, t)
+
+
+def _tile(model: ErrorModel, t: torch.Tensor, generator, operands) -> torch.Tensor:
+    size = model.count
+    m = matrix(t.detach())
+    grid = (math.ceil(m.shape[0] / size), math.ceil(m.shape[1] / size))
+    pick = int(torch.randint(grid[0] * grid[1], (1,), generator=generator))
+    rows = slice((pick // grid[1]) * size, (pick // grid[1] + 1) * size)
+    cols = slice((pick % grid[1]) * size, (pick % grid[1] + 1) * size)
+    if model.mode == "zero":
+        m[rows, cols] = 0
+    elif model.mode == "stale":
+        previous = model._previous
+        fresh = previous is None or previous.shape != t.shape
+        m[rows, cols] = 0 if fresh else matrix(previous.to(t.dtype))[rows, cols]
+    else:
+        m[rows, cols] -= matrix(_splitk_partial(model, t, generator, operands))[rows, cols]
+    return unmatrix(m, t)
+
+
+def _splitk_partial(model: ErrorModel, t, generator, operands) -> torch.Tensor:
+    """The contribution of one K chunk (of ``model.count`` elements) to the whole output."""
+    if operands is None:
+        raise PeatError(f"error spec {model.spec!r}: needs the kernel's operands; use peat.errors.faulty")
+    op, computation, args, kwargs = operands
+    size = model.count
+    if op == "linear":
+        a, b = args[0], args[1]
+        if computation == "forward":
+            k = a.shape[-1]
+            func = lambda s: torch.nn.functional.linear(a[..., s], b[:, s])  # noqa: E731
+        elif computation == "input_grad":
+            k = a.shape[-1]
+            func = lambda s: a[..., s] @ b[s, :]  # noqa: E731
+        else:
+            a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+            k = a2.shape[0]
+            func = lambda s: a2[s].t() @ b2[s]  # noqa: E731
+    elif op == "conv2d" and computation == "forward" and kwargs.get("groups", 1) == 1:
+        x, w = args[0], args[1]
+        k = x.shape[1]
+        hp = {n: kwargs[n] for n in ("stride", "padding", "dilation")}
+        func = lambda s: torch.nn.functional.conv2d(x[:, s], w[:, s], None, **hp)  # noqa: E731
+    else:
+        raise PeatError(f"error spec {model.spec!r}: split-K applies to linear and ungrouped conv2d forward, "
+                        f"not {op} {computation}")
+    chunk = int(torch.randint(math.ceil(k / size), (1,), generator=generator))
+    return func(slice(chunk * size, (chunk + 1) * size)).to(t.dtype)
+
+
+# -- faulty kernels --------------------------------------------------------------------------
+def faulty(kernel, error, computation: str = "forward", seed: int = 0):
+    """``kernel`` with ``error`` injected into one computation (casts act on its operands).
+
+    The generator and the model's state (a stale tile) persist across calls, so consecutive
+    calls see consecutive draws, reproducibly from ``seed``.
+    """
+    model = parse(error) if isinstance(error, str) else dataclasses.replace(error)
+    func = kernel.computation(computation)
+    generator = torch.Generator().manual_seed(seed)
+    op = kernel.op
+
+    def wrapped(*args, **kwargs):
+        if model.on_operands:
+            return _cast_call(func, model.kind, args, kwargs)
+        return model.apply(func(*args, **kwargs), generator, operands=(op, computation, args, kwargs))
+
+    wrapped.error = model
+    return dataclasses.replace(kernel, name=f"{kernel.name}+{model.spec}", **{computation: wrapped},
+                               meta=kernel.meta | {"error": model.spec, "computation": computation, "seed": seed})
+
+
+def _cast_call(func, precision: str, args, kwargs):
+    """Call ``func`` on operands rounded to ``precision``; the result keeps the input dtype."""
+    dtype = next(a.dtype for a in args if torch.is_tensor(a))
+    cast = lambda a: round_to(a, precision) if torch.is_tensor(a) and a.is_floating_point() else a  # noqa: E731
+    new = {k: cast(v) for k, v in kwargs.items()}
+    out = func(*map(cast, args), **new)
+    for key, value in kwargs.items():  # running statistics are updated in place: write them back
+        if torch.is_tensor(value) and value.is_floating_point():
+            value.copy_(new[key])
+    return out.to(dtype)

@@ -1,0 +1,508 @@
+"""The kernel interface: golden ops, user kernels, replaying one recorded computation, routing.
+
+PEAT splits every layer into three computations, each a separate GPU kernel in practice:
+``forward``, ``input_grad`` and ``weight_grad``. A kernel is a Python module (file path,
+dotted import, or a C++ source compiled on first use) defining any of these functions for
+one op; a missing one falls back to the golden implementation (PyTorch's own op).
+
+Signatures (all tensors; weights in ``nn.Linear`` / ``nn.Conv2d`` convention):
+
+    linear      forward(x, weight, bias)
+                input_grad(grad_out, weight)
+                weight_grad(grad_out, x)
+    conv2d      forward(x, weight, bias, *, stride, padding, dilation, groups)
+                input_grad(grad_out, weight, *, input_shape, stride, padding, dilation, groups)
+                weight_grad(grad_out, x, *, weight_shape, stride, padding, dilation, groups)
+    batch_norm  forward(x, weight, bias, *, running_mean, running_var, training, momentum, eps)
+                    (when training, updates running_mean/running_var in place, as F.batch_norm does)
+                input_grad(grad_out, x, weight, *, running_mean, running_var, training, eps)
+                weight_grad(grad_out, x, *, running_mean, running_var, training, eps)
+    layer_norm  forward(x, weight, bias, *, normalized_shape, eps)
+                input_grad(grad_out, x, weight, *, normalized_shape, eps)
+                weight_grad(grad_out, x, *, normalized_shape, eps)
+
+The bias gradient is always golden (a plain reduction of ``grad_out``). A module serving
+several ops may instead define a namespace per op (``class linear: forward = ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import importlib
+import importlib.util
+import io
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .io import PeatError
+
+OPS = ("linear", "conv2d", "batch_norm", "layer_norm")
+COMPUTATIONS = ("forward", "input_grad", "weight_grad")
+# The recorded tensor each computation reproduces (see the context file in docs/design.md).
+TARGET = {"forward": "O", "input_grad": "dA", "weight_grad": "dW"}
+CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".cu")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Kernel:
+    """One op's three computations; ``custom`` lists those the kernel defines itself."""
+
+    name: str
+    op: str
+    forward: Callable
+    input_grad: Callable
+    weight_grad: Callable
+    custom: tuple[str, ...] = ()
+    source: str | None = None  # the file it came from (a workflow input), None for golden
+    meta: dict = field(default_factory=dict)
+
+    def computation(self, computation: str) -> Callable:
+        if computation not in COMPUTATIONS:
+            raise PeatError(f"unknown computation {computation!r}; allowed: {', '.join(COMPUTATIONS)}")
+        return getattr(self, computation)
+
+
+# -- golden ops ---------------------------------------------------------------------------
+def _linear_weight_grad(grad_out, x):
+    return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def _conv_input_grad(grad_out, weight, *, input_shape, stride, padding, dilation, groups):
+    return torch.nn.grad.conv2d_input(list(input_shape), weight, grad_out, stride, padding, dilation, groups)
+
+
+def _conv_weight_grad(grad_out, x, *, weight_shape, stride, padding, dilation, groups):
+    return torch.nn.grad.conv2d_weight(x, list(weight_shape), grad_out, stride, padding, dilation, groups)
+
+
+def _bn_forward(x, weight, bias, *, running_mean, running_var, training, momentum, eps):
+    return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _bn_backward(grad_out, x, weight, running_mean, running_var, training, eps, mask):
+    training = bool(training or running_mean is None)
+    # The statistics autograd would have saved, so golden routing is bit-identical to PyTorch.
+    mean, invstd = torch.ops.aten.native_batch_norm(x, None, None, None, None, True, 0.0, eps)[1:] \
+        if training else (None, None)
+    if weight is None:
+        weight = torch.ones(x.shape[1], dtype=x.dtype)
+    return torch.ops.aten.native_batch_norm_backward(
+        grad_out, x, weight, running_mean, running_var, mean, invstd, training, eps, mask)
+
+
+def _bn_input_grad(grad_out, x, weight, *, running_mean, running_var, training, eps):
+    return _bn_backward(grad_out, x, weight, running_mean, running_var, training, eps, [True, False, False])[0]
+
+
+def _bn_weight_grad(grad_out, x, *, running_mean, running_var, training, eps):
+    return _bn_backward(grad_out, x, None, running_mean, running_var, training, eps, [False, True, False])[1]
+
+
+def _ln_forward(x, weight, bias, *, normalized_shape, eps):
+    return F.layer_norm(x, list(normalized_shape), weight, bias, eps)
+
+
+def _ln_backward(grad_out, x, weight, normalized_shape, eps, mask):
+    mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), None, None, eps)[1:]
+    if weight is None:
+        weight = torch.ones(list(normalized_shape), dtype=x.dtype)
+    return torch.ops.aten.native_layer_norm_backward(grad_out, x, list(normalized_shape), mean, rstd, weight,
+                                                     torch.zeros_like(weight), mask)
+
+
+def _ln_input_grad(grad_out, x, weight, *, normalized_shape, eps):
+    return _ln_backward(grad_out, x, weight, normalized_shape, eps, [True, False, False])[0]
+
+
+def _ln_weight_grad(grad_out, x, *, normalized_shape, eps):
+    return _ln_backward(grad_out, x, None, normalized_shape, eps, [False, True, False])[1]
+
+
+GOLDEN = {
+    "linear": dict(forward=F.linear, input_grad=lambda grad_out, weight: grad_out @ weight,
+                   weight_grad=_linear_weight_grad),
+    "conv2d": dict(forward=lambda x, weight, bias, **hp: F.conv2d(x, weight, bias, **hp),
+                   input_grad=_conv_input_grad, weight_grad=_conv_weight_grad),
+    "batch_norm": dict(forward=_bn_forward, input_grad=_bn_input_grad, weight_grad=_bn_weight_grad),
+    "layer_norm": dict(forward=_ln_forward, input_grad=_ln_input_grad, weight_grad=_ln_weight_grad),
+}
+
+
+def _check_op(op: str, key: str = "op") -> None:
+    if op not in OPS:
+        raise PeatError(f"{key}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+
+
+def golden(op: str) -> Kernel:
+    """PyTorch's own op (float32 inputs give the golden result, float64 the reference)."""
+    _check_op(op)
+    return Kernel(name="golden", op=op, **GOLDEN[op])
+
+
+# -- loading user kernels -------------------------------------------------------------------
+def load(impl: str, op: str, name: str | None = None) -> Kernel:
+    """A kernel from ``impl``: "golden", a .py file, a C++ source, or a dotted import."""
+    _check_op(op)
+    name = name or Path(impl).stem.split(".")[-1]
+    if impl == "golden":
+        return dataclasses.replace(golden(op), name=name)
+    module, source = _import(impl)
+    namespace = getattr(module, op, module)
+    if namespace is not module and not hasattr(namespace, "forward") and callable(namespace):
+        namespace = module  # a top-level function named like the op is not a namespace
+    funcs = {c: getattr(namespace, c) for c in COMPUTATIONS if callable(getattr(namespace, c, None))}
+    if not funcs:
+        raise PeatError(f"{impl}: defines none of {', '.join(COMPUTATIONS)} for op {op!r}")
+    return Kernel(name=name, op=op, **(GOLDEN[op] | funcs), custom=tuple(funcs), source=source)
+
+
+def source_of(impl: str) -> str | None:
+    """The file a kernel spec refers to, without importing it (for workflow inputs)."""
+    if impl == "golden":
+        return None
+    if impl.endswith(".py") or impl.endswith(CPP_SUFFIXES):
+        return impl
+    try:
+        spec = importlib.util.find_spec(impl)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        raise PeatError(f"kernel impl {impl!r}: no such file or importable module")
+    origin = Path(spec.origin)
+    return str(origin.relative_to(REPO)) if origin.is_relative_to(REPO) else str(origin)
+
+
+def _resolve(path: str) -> Path:
+    for base in (Path.cwd(), REPO):
+        if (base / path).is_file():
+            return base / path
+    raise PeatError(f"kernel impl {path!r}: no such file (relative to {Path.cwd()} or {REPO})")
+
+
+def _import(impl: str):
+    if impl.endswith(CPP_SUFFIXES):
+        path = _resolve(impl)
+        return compile_cpp(path), impl
+    if impl.endswith(".py"):
+        path = _resolve(impl)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+        spec = importlib.util.spec_from_file_location(f"peat_kernel_{path.stem}_{digest}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # the user's file is at fault: say where
+            raise PeatError(f"{impl}: import failed: {type(err).__name__}: {err}") from None
+        return module, impl
+    try:
+        module = importlib.import_module(impl)
+    except ImportError as err:
+        raise PeatError(f"kernel impl {impl!r}: cannot import ({err})") from None
+    return module, source_of(impl)
+
+
+def compile_cpp(path: Path):
+    """Build a C++ (or, with CUDA, .cu) kernel once; later calls reuse the build of the same source."""
+    from torch.utils import cpp_extension
+
+    source = path.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    name = f"peat_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    cache = Path(os.environ.get("PEAT_KERNEL_CACHE", Path.home() / ".cache" / "peat" / "kernels")) / name
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(name=name, sources=[str(path)], build_directory=str(cache),
+                                  extra_cflags=["-O2"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as err:
+        raise PeatError(f"{path}: compile failed: {first_compiler_error(str(err))}") from None
+
+
+def first_compiler_error(log: str) -> str:
+    for line in log.splitlines():
+        if re.search(r"\berror\b", line) and not line.lstrip().startswith(("FAILED", "ninja:", "subprocess")):
+            return line.strip()
+    return log.strip().splitlines()[-1] if log.strip() else "unknown error"
+
+
+# -- replaying one recorded computation ----------------------------------------------------
+def _conv_hp(attrs: dict) -> dict:
+    return {"stride": tuple(attrs["stride"]), "padding": tuple(attrs["padding"]),
+            "dilation": tuple(attrs["dilation"]), "groups": int(attrs["groups"])}
+
+
+def _norm_hp(op: str, sample: dict, attrs: dict, computation: str) -> dict:
+    if op == "layer_norm":
+        return {"normalized_shape": tuple(attrs["normalized_shape"]), "eps": float(attrs["eps"])}
+    hp = {"running_mean": sample.get("running_mean"), "running_var": sample.get("running_var"),
+          "training": bool(sample.get("training", True)), "eps": float(attrs["eps"])}
+    if computation == "forward":
+        momentum = float(attrs.get("momentum", 0.1))
+        hp["momentum"] = None if momentum < 0 else momentum
+    return hp
+
+
+def arguments(op: str, computation: str, sample: dict, attrs: dict) -> tuple[list, dict]:
+    """Positional and keyword arguments of ``computation`` for one recorded sample."""
+    x, w, b, dO = sample.get("A"), sample.get("W"), sample.get("B"), sample.get("dO")
+    hp = _conv_hp(attrs) if op == "conv2d" else _norm_hp(op, sample, attrs, computation) if op != "linear" else {}
+    if computation == "forward":
+        return [x, w, b], hp
+    if op == "linear":
+        return ([dO, w] if computation == "input_grad" else [dO, x]), {}
+    if op == "conv2d":
+        shape = {"input_shape": tuple(x.shape)} if computation == "input_grad" else {"weight_shape": tuple(w.shape)}
+        return ([dO, w] if computation == "input_grad" else [dO, x]), hp | shape
+    hp.pop("momentum", None)
+    return ([dO, x, w] if computation == "input_grad" else [dO, x]), hp
+
+
+def _cast(value, dtype):
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.detach().to(dtype).clone()  # clone: kernels may write in place (running stats)
+    return value
+
+
+def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torch.float32) -> torch.Tensor:
+    """Run one computation of ``kernel`` on one recorded sample (from ``profiler.read_layer``).
+
+    Floating inputs are cast to ``dtype``: golden with float64 gives the rounding reference.
+    """
+    func = kernel.computation(computation)
+    if computation == "input_grad" and "dA" not in sample:
+        raise PeatError(f"{kernel.name}: sample at step {sample.get('step')} has no input gradient (first layer)")
+    args, kwargs = arguments(kernel.op, computation, sample, attrs)
+    args = [_cast(a, dtype) for a in args]
+    kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+    return func(*args, **kwargs)
+
+
+def expected(computation: str, sample: dict) -> torch.Tensor:
+    """The golden result recorded for ``computation`` in this sample."""
+    return sample[TARGET[computation]]
+
+
+# -- running a kernel in a child process -------------------------------------------------------
+STATUSES = ("ok", "crash", "oom", "timeout", "shape_mismatch")
+OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "MemoryError", "std::bad_alloc")
+
+
+@dataclass
+class Outcome:
+    """What happened when a kernel ran: status (one of STATUSES), message, result, seconds."""
+
+    status: str
+    message: str = ""
+    value: object = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def record(self) -> dict:
+        return {"status": self.status, "message": self.message, "seconds": self.seconds}
+
+
+def _child(conn, func, args, kwargs, memory_mb):
+    import resource
+    import traceback
+
+    torch.set_num_threads(1)
+    if memory_mb:
+        # The forked child already maps what the parent mapped: allow that much more.
+        limit = _address_space() + memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        value = func(*args, **kwargs)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        payload = ("ok", buf.getvalue())
+    except BaseException as err:  # anything the kernel raises is its outcome
+        text = f"{type(err).__name__}: {err}".strip().splitlines()
+        oom = isinstance(err, MemoryError) or any(m in str(err) for m in OOM_MARKERS)
+        payload = ("oom" if oom else "crash", text[0] if text else type(err).__name__)
+        del traceback
+    conn.send(payload)
+    conn.close()
+
+
+def _address_space() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | None = None,
+                 expect: torch.Tensor | None = None, **kwargs) -> Outcome:
+    """Call ``func(*args, **kwargs)`` in a forked child, so a crash, hang or leak cannot take us down.
+
+    ``expect`` (a tensor) makes a result of another shape or dtype a ``shape_mismatch``.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    start = time.perf_counter()
+    proc = ctx.Process(target=_child, args=(child, func, args, kwargs, memory_mb), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        got = parent.poll(timeout)
+        payload = parent.recv() if got else None
+    except (EOFError, OSError):
+        payload = None
+        got = True
+    seconds = time.perf_counter() - start
+    if not got:
+        proc.kill()
+        proc.join()
+        return Outcome("timeout", f"no result after {timeout:g} s (killed)", seconds=seconds)
+    proc.join()
+    if payload is None:
+        return _died(proc.exitcode, seconds)
+    status, body = payload
+    if status != "ok":
+        return Outcome(status, body, seconds=seconds)
+    value = torch.load(io.BytesIO(body), weights_only=False)
+    return _checked(value, expect, seconds)
+
+
+def _died(exitcode: int | None, seconds: float) -> Outcome:
+    if exitcode is not None and exitcode < 0:
+        sig = signal.Signals(-exitcode).name
+        status = "oom" if sig == "SIGKILL" else "crash"
+        return Outcome(status, f"killed by {sig}", seconds=seconds)
+    return Outcome("crash", f"exited with code {exitcode} without a result", seconds=seconds)
+
+
+def _checked(value, expect, seconds) -> Outcome:
+    if expect is None:
+        return Outcome("ok", value=value, seconds=seconds)
+    if not torch.is_tensor(value):
+        return Outcome("shape_mismatch", f"returned {type(value).__name__}, expected a tensor", seconds=seconds)
+    if tuple(value.shape) != tuple(expect.shape) or value.dtype != expect.dtype:
+        return Outcome("shape_mismatch", f"returned {tuple(value.shape)} {value.dtype}, expected "
+                       f"{tuple(expect.shape)} {expect.dtype}", seconds=seconds)
+    bad = int((~torch.isfinite(value)).sum())
+    return Outcome("ok", f"{bad} non-finite values" if bad else "", value=value, seconds=seconds)
+
+
+# -- routing layers through a kernel during training ------------------------------------------
+class _Routed(torch.autograd.Function):
+    """One routed layer call: forward, input and weight gradients by the kernel, bias grad golden."""
+
+    @staticmethod
+    def forward(ctx, kernel, attrs, state, x, weight, bias):
+        ctx.kernel, ctx.attrs, ctx.state = kernel, attrs, state
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        sample = {"A": x, "W": weight, "B": bias, **state}
+        args, kwargs = arguments(kernel.op, "forward", sample, attrs)
+        return kernel.forward(*args, **kwargs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        kernel, (x, weight) = ctx.kernel, ctx.saved_tensors
+        sample = {"A": x, "W": weight, "dO": grad_out.contiguous(), **ctx.state}
+        grads = {}
+        for computation, index in (("input_grad", 3), ("weight_grad", 4)):
+            if ctx.needs_input_grad[index]:
+                args, kwargs = arguments(kernel.op, computation, sample, ctx.attrs)
+                grads[computation] = kernel.computation(computation)(*args, **kwargs)
+        bias_grad = _bias_grad(kernel.op, sample, ctx.attrs) if ctx.has_bias and ctx.needs_input_grad[5] else None
+        return None, None, None, grads.get("input_grad"), grads.get("weight_grad"), bias_grad
+
+
+def _bias_grad(op: str, sample: dict, attrs: dict) -> torch.Tensor:
+    """Golden bias gradient, computed the way PyTorch's own backward does (bit-identical)."""
+    dO, x, w = sample["dO"], sample["A"], sample["W"]
+    if op == "linear":
+        return dO.reshape(-1, dO.shape[-1]).sum(0)
+    if op == "conv2d":
+        hp = _conv_hp(attrs)
+        return torch.ops.aten.convolution_backward(
+            dO, x, w, [w.shape[0]], hp["stride"], hp["padding"], hp["dilation"], False, [0, 0], hp["groups"],
+            [False, False, True])[2]
+    mask = [False, False, True]
+    if op == "batch_norm":
+        return _bn_backward(dO, x, w, sample["running_mean"], sample["running_var"], sample["training"],
+                            float(attrs["eps"]), mask)[2]
+    return _ln_backward(dO, x, w, tuple(attrs["normalized_shape"]), float(attrs["eps"]), mask)[2]
+
+
+def _routed_forward(module, kernel: Kernel, active: Callable[[], bool] | None):
+    from .profiler import hyper_params
+
+    original = module.forward
+    attrs = hyper_params(module)
+    transposed = bool(attrs.get("transposed"))
+
+    def forward(x, *rest, **kw):
+        if active is not None and not active():
+            return original(x, *rest, **kw)
+        weight = module.weight.t() if transposed else module.weight
+        state, call_attrs = {}, attrs
+        if kernel.op == "batch_norm":
+            state, call_attrs = _bn_state(module, attrs)
+        return _Routed.apply(kernel, call_attrs, state, x, weight, module.bias)
+
+    forward.routed = kernel
+    return forward
+
+
+def _bn_state(module, attrs: dict) -> tuple[dict, dict]:
+    """Running statistics and momentum exactly as ``nn.BatchNorm`` would use them this call."""
+    training = module.training or module.running_mean is None
+    momentum = 0.0 if module.momentum is None else module.momentum
+    if module.training and module.track_running_stats and module.num_batches_tracked is not None:
+        module.num_batches_tracked.add_(1)
+        if module.momentum is None:
+            momentum = 1.0 / float(module.num_batches_tracked)
+    use_running = not module.training or module.track_running_stats
+    state = {"running_mean": module.running_mean if use_running else None,
+             "running_var": module.running_var if use_running else None, "training": training}
+    return state, attrs | {"momentum": momentum}
+
+
+def route(model: torch.nn.Module, kernel: Kernel, layers: list[str] | None = None,
+          active: Callable[[], bool] | None = None, key: str = "kernels.layers") -> list[str]:
+    """Route the chosen layers of ``model`` (globs; default all of the kernel's op) through ``kernel``.
+
+    Other layers are untouched. ``active()``, when given, is asked at every call: False runs the
+    layer's own (golden) forward, as frequency-based runtime FI needs. Returns the routed names.
+    """
+    from .profiler import match_layers, op_of
+
+    candidates = match_layers(model, layers or ["*"], key)
+    chosen = [name for name, m in candidates.items() if op_of(m) == kernel.op]
+    if not chosen:
+        raise PeatError(f"config key '{key}': {layers} matches no {kernel.op} layer; matched: "
+                        f"{', '.join(candidates) or 'none'}")
+    for name in chosen:
+        module = model.get_submodule(name)
+        module.forward = _routed_forward(module, kernel, active)
+    return chosen
+
+
+def layer_ops(path, layers: list[str] | None, op: str) -> list[str]:
+    """Recorded layers of ``op`` in a context file that match ``layers`` (globs; None: all)."""
+    from .io import open_h5
+
+    with open_h5(path) as f:
+        recorded = {name: g.attrs["op"] for name, g in f.get("layers", {}).items()}
+    return [n for n, o in recorded.items() if o == op and (not layers or any(fnmatch.fnmatchcase(n, p) for p in layers))]
