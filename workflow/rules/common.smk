@@ -60,3 +60,35 @@ def final_targets():
         + sdc_targets()
         + report_targets()
     )
+
+
+# --- SLURM (issue 7): vendor -> partition and GPU request, from the config's slurm: section.
+# Every rule adds `resources: slurm_partition=slurm_partition, gres=slurm_gres, gpu_jobs=gpu_jobs`;
+# a rule without a {vendor} wildcard is a CPU-only stage and goes to slurm.cpu_partition.
+import peat.slurm
+
+
+def _job_vendor(wildcards):
+    return getattr(wildcards, "vendor", None)
+
+
+def slurm_partition(wildcards):
+    return peat.slurm.resources(config, _job_vendor(wildcards))["slurm_partition"]
+
+
+def slurm_gres(wildcards):
+    return peat.slurm.resources(config, _job_vendor(wildcards))["gres"]
+
+
+def gpu_jobs(wildcards):
+    # 1 for a GPU vendor's job: the workstation profile caps these at one at a time.
+    return int(_job_vendor(wildcards) in peat.slurm.GPU_VENDORS)
+
+
+onstart:
+    # Before the first sbatch: a partition the cluster lacks fails here, with one line.
+    if workflow.executor_plugin.name == "slurm":
+        try:
+            peat.slurm.preflight(config, workflow.dag.needrun_jobs())
+        except PeatError as err:
+            sys.exit(f"peat: {err}")

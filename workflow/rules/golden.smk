@@ -8,12 +8,16 @@ rule golden_train:
         context=golden("{model}", "{vendor}", "context.h5"),
         storage=golden("{model}", "{vendor}", "storage.json"),
         checkpoints=directory(golden("{model}", "{vendor}", "checkpoints")),
+    log:
+        "logs/golden/{model}/{vendor}.log",
+    threads: config["threads"]
+    resources:
+        slurm_partition=slurm_partition,
+        gres=slurm_gres,
+        gpu_jobs=gpu_jobs,
     params:
         spec=lambda w: config["models"][w.model],
         seed=config["seed"],
         config_hash=lambda w: model_hash(w.model),
-    log:
-        "logs/golden/{model}/{vendor}.log",
-    threads: config["threads"]
     script:
         "../scripts/golden_train.py"

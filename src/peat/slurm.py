@@ -1,0 +1,86 @@
+"""Where jobs go on a SLURM cluster: vendor -> partition and GPU request, checked before submitting.
+
+The mapping lives in the config's ``slurm:`` section so that one profile
+(``workflow/profiles/slurm``) serves every cluster; the rule files turn it into the
+``slurm_partition`` and ``gres`` resources that snakemake-executor-plugin-slurm reads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from .io import PeatError
+
+GPU_VENDORS = ("nvidia", "amd")
+
+
+def resources(config: dict, vendor: str | None) -> dict[str, str]:
+    """``slurm_partition`` and ``gres`` for a job of ``vendor`` (None: a CPU-only stage).
+
+    "" means "not set": the plugin then leaves the option out of the sbatch call.
+    """
+    slurm = config.get("slurm") or {}
+    if vendor is None:
+        return {"slurm_partition": slurm.get("cpu_partition") or "", "gres": ""}
+    spec = (slurm.get("vendors") or {}).get(vendor) or {}
+    return {"slurm_partition": spec.get("partition") or "", "gres": spec.get("gres") or ""}
+
+
+def check_config(config: dict) -> None:
+    """Every GPU vendor the study runs on needs a GPU request, or its jobs would land on CPUs."""
+    vendors = (config.get("slurm") or {}).get("vendors") or {}
+    for vendor in config["vendors"]:
+        if vendor in GPU_VENDORS and not (vendors.get(vendor) or {}).get("gres"):
+            raise PeatError(
+                f"config key 'slurm.vendors.{vendor}.gres' is missing: {vendor} jobs need a GPU request "
+                f"such as \"gpu:1\" (and usually a partition)"
+            )
+
+
+def config_origins(config: dict) -> dict[str, str]:
+    """Partition name -> the config key that names it (for error messages)."""
+    slurm = config.get("slurm") or {}
+    origins = {}
+    for vendor, spec in sorted((slurm.get("vendors") or {}).items(), reverse=True):
+        if spec and spec.get("partition"):
+            origins[spec["partition"]] = f"slurm.vendors.{vendor}.partition"
+    if slurm.get("cpu_partition"):
+        origins[slurm["cpu_partition"]] = "slurm.cpu_partition"
+    return origins
+
+
+def cluster_partitions() -> list[str]:
+    """Partition names that ``sinfo`` lists (the default one is marked with '*')."""
+    if shutil.which("sinfo") is None:
+        raise PeatError("executor 'slurm': 'sinfo' is not on PATH (run this on a SLURM login node)")
+    proc = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PeatError(f"executor 'slurm': sinfo failed: {reason}")
+    return sorted({line.strip().rstrip("*") for line in proc.stdout.split() if line.strip()})
+
+
+def check_partitions(requested: dict[str, str], origins: dict[str, str], available: list[str]) -> None:
+    """Fail on the first requested partition the cluster does not have.
+
+    ``requested`` maps partition -> the rule that asks for it; ``origins`` maps partition ->
+    the config key that named it, so the message points at the line to fix.
+    """
+    for partition, rule in sorted(requested.items()):
+        if partition and partition not in available:
+            where = f"config key '{origins[partition]}'" if partition in origins else f"rule {rule} (slurm_partition)"
+            raise PeatError(
+                f"{where}: SLURM partition {partition!r} does not exist on this cluster; "
+                f"sinfo lists: {', '.join(available) or 'none'}"
+            )
+
+
+def preflight(config: dict, jobs) -> None:
+    """Run before the first sbatch: config sanity, then every job's partition against sinfo."""
+    check_config(config)
+    requested = {}
+    for job in jobs:
+        partition = job.resources.get("slurm_partition") or ""
+        requested.setdefault(partition, job.rule.name)
+    check_partitions(requested, config_origins(config), cluster_partitions())
