@@ -1,0 +1,803 @@
+"""Checkpoint alteration: bit flips (or scaling) in any HDF5 file, an injection log, and h5diff.
+
+Works on any HDF5 checkpoint (peat's own layout, Keras, Chainer, hand-made): every numeric
+dataset is a candidate. Everything is vectorized over whole datasets: positions are drawn at
+once, flips are XOR masks applied to integer views, and contiguous uncompressed datasets are
+edited through a memory map of the copied file, so cost grows with the number of flips, not
+with the size of the checkpoint (besides the copy).
+
+Bit numbering (the ``hdf5_corrupter`` convention): bit 0 is the most significant bit of a value,
+i.e. the sign of a float or of a signed integer; then come the exponent bits (most significant
+first) and the mantissa bits; the last bit (width - 1) is the least significant. For float32,
+bit 0 = sign, bits 1-8 = exponent (bit 1 its most significant bit), bits 9-31 = mantissa.
+
+bfloat16 has no numpy/HDF5 type: a ``uint16`` dataset is read as bfloat16 when it has the
+attribute ``dtype`` equal to ``bfloat16`` (or ``bf16``), or when its name ends in ``bf16`` or
+``bfloat16`` (e.g. ``weight.bf16``, ``weight_bfloat16``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import fnmatch
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .io import PeatError, atomic_path, open_h5, write_json
+
+CLASSES = ("weight", "norm_weight", "norm_stats", "bias", "embedding", "optimizer", "other")
+CLASS_HELP = {
+    "weight": "conv and linear weights",
+    "norm_weight": "normalization affine parameters (gamma and beta of BatchNorm/LayerNorm/RMSNorm)",
+    "norm_stats": "normalization running statistics (running_mean, running_var, num_batches_tracked)",
+    "bias": "biases of conv and linear layers",
+    "embedding": "embedding tables",
+    "optimizer": "optimizer state (momentum, Adam moments, step counters)",
+    "other": "anything else numeric (buffers such as rotary frequencies, counters)",
+}
+CLI_REGIONS = ("sign", "exponent", "mantissa", "any")
+# The study grid also splits the exponent into its most significant bit and the rest.
+REGIONS = CLI_REGIONS + ("exponent_msb", "exponent_other")
+BIT_NUMBERING = "bit 0 = most significant bit (sign of floats and signed integers), then exponent, then mantissa"
+
+
+# ---------------------------------------------------------------------------------------------
+# Value layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the bits of one element are laid out."""
+
+    name: str
+    width: int
+    exponent: int = 0  # exponent bits (floats only)
+    signed: bool = True
+    is_float: bool = True
+
+    @property
+    def mantissa(self) -> int:
+        return self.width - 1 - self.exponent if self.is_float else 0
+
+    def region(self, region: str) -> tuple[int, int] | None:
+        """Inclusive bit range of a named region in peat's numbering, or None if it has none."""
+        w, e = self.width, self.exponent
+        if region == "any":
+            return 0, w - 1
+        if region == "sign":
+            return (0, 0) if self.signed else None
+        if not self.is_float:
+            # Integers: "mantissa" is the value bits below the sign; they have no exponent.
+            return ((1 if self.signed else 0), w - 1) if region == "mantissa" else None
+        return {"exponent": (1, e), "exponent_msb": (1, 1), "exponent_other": (2, e) if e > 1 else None,
+                "mantissa": (e + 1, w - 1)}[region]
+
+
+FLOAT_LAYOUTS = {"float16": Layout("float16", 16, 5), "bfloat16": Layout("bfloat16", 16, 8),
+                 "float32": Layout("float32", 32, 8), "float64": Layout("float64", 64, 11)}
+
+
+def _is_bfloat16(ds: h5py.Dataset) -> bool:
+    tag = ds.attrs.get("dtype", b"")
+    tag = tag.decode() if isinstance(tag, bytes) else str(tag)
+    return ds.dtype == np.uint16 and (tag.lower() in ("bfloat16", "bf16")
+                                       or ds.name.lower().endswith(("bf16", "bfloat16")))
+
+
+def layout_of(ds: h5py.Dataset) -> Layout | None:
+    """The layout of a dataset's elements, or None for non-numeric datasets (strings, compounds)."""
+    dt = ds.dtype
+    if _is_bfloat16(ds):
+        return FLOAT_LAYOUTS["bfloat16"]
+    if dt.kind == "f" and dt.itemsize in (2, 4, 8):
+        return FLOAT_LAYOUTS[f"float{8 * dt.itemsize}"]
+    if dt.kind in "iu":
+        return Layout(dt.name, 8 * dt.itemsize, signed=dt.kind == "i", is_float=False)
+    return None
+
+
+def _raw_dtype(dt: np.dtype) -> np.dtype:
+    """Unsigned integer type of the same width and byte order: the view flips are applied to."""
+    return np.dtype(f"{dt.byteorder if dt.itemsize > 1 else '|'}u{dt.itemsize}")
+
+
+def _values(raw: np.ndarray, dtype: np.dtype, layout: Layout) -> np.ndarray:
+    """Raw bits -> numeric values (bfloat16 widened exactly to float32)."""
+    if layout.name == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.view(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Location classes
+
+
+_STATS = {"running_mean", "running_var", "num_batches_tracked", "moving_mean", "moving_variance", "avg_mean",
+          "avg_var", "n_averaged"}
+_NORM = re.compile(r"(norm|^bn\d*$|^bn_|_bn\d*$|^ln(_|\d|$)|batch_normalization|layernorm|^gn\d*$)")
+_EMBED = re.compile(r"(embed|^wte$|^wpe$|^tok_embeddings$)")
+
+
+def _parts(path: str) -> list[str]:
+    # Keras names end in ":0"; Chainer separates with "/" as HDF5 does; PyTorch names use ".".
+    return [p.split(":")[0].lower() for p in re.split(r"[/.]", path.strip("/")) if p]
+
+
+def location_class(path: str, attrs) -> str:
+    """Which class of model state a dataset holds (see CLASSES), from peat's attrs or its name."""
+    parts = _parts(path)
+    if any(p.startswith(("optimizer", "optim")) for p in parts):
+        return "optimizer"
+    leaf = parts[-1] if parts else ""
+    owner = parts[:-1]
+    if leaf in _STATS:
+        return "norm_stats"
+    module_type = attrs.get("module_type", b"")
+    module_type = (module_type.decode() if isinstance(module_type, bytes) else str(module_type)).lower()
+    kind = attrs.get("kind", b"")
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    if module_type:
+        if "norm" in module_type:
+            return "norm_weight"
+        if kind == "buffer":
+            return "other"
+        if "embedding" in module_type:
+            return "embedding"
+        if leaf == "bias":
+            return "bias"
+        return "weight" if leaf == "weight" else "other"
+    if leaf in ("gamma", "beta") or any(_NORM.search(p) for p in owner):
+        return "norm_weight"
+    if any(_EMBED.search(p) for p in owner) or leaf in ("embeddings", "embedding"):
+        return "embedding"
+    if leaf in ("bias", "b"):
+        return "bias"
+    if leaf in ("weight", "kernel", "w", "depthwise_kernel", "pointwise_kernel"):
+        return "weight"
+    return "other"
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets of a file
+
+
+@dataclass
+class Entry:
+    """One numeric dataset of the file and where its bytes are."""
+
+    path: str
+    shape: tuple
+    dtype: np.dtype
+    layout: Layout
+    cls: str
+    offset: int | None  # file offset of a contiguous, unfiltered, allocated dataset (memory-mappable)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def scan(path: str | os.PathLike) -> list[Entry]:
+    """Every numeric dataset in the file, sorted by path."""
+    entries = []
+    with open_h5(path) as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                layout = layout_of(obj)
+                if layout is not None and obj.shape is not None and obj.size > 0:
+                    entries.append(Entry("/" + name, tuple(obj.shape), obj.dtype, layout,
+                                         location_class(name, obj.attrs), _offset(obj)))
+        try:
+            f.visititems(visit)
+        except (OSError, RuntimeError) as err:
+            raise PeatError(f"{path}: damaged HDF5 file ({str(err).split('(')[0].strip()})") from None
+    return sorted(entries, key=lambda e: e.path)
+
+
+def _offset(ds: h5py.Dataset) -> int | None:
+    if ds.chunks is not None or ds.compression is not None or ds.dtype.byteorder not in "<>=|":
+        return None
+    try:
+        return ds.id.get_offset()  # None for compact storage or unallocated data
+    except Exception:
+        return None
+
+
+class Storage:
+    """Read and edit whole datasets of one file: memory maps where possible, h5py otherwise."""
+
+    def __init__(self, path, mode: str = "r"):
+        self.path, self.mode = Path(path), mode
+        self._maps: dict[str, np.memmap] = {}
+        self._arrays: dict[str, np.ndarray] = {}  # h5py-read datasets (edited in memory, written on close)
+
+    def raw(self, entry: Entry) -> np.ndarray:
+        """Flat raw-bits view of a dataset (editable when the storage is opened with mode 'r+')."""
+        if entry.offset is not None:
+            if entry.path not in self._maps:
+                self._maps[entry.path] = np.memmap(self.path, dtype=_raw_dtype(entry.dtype), mode=self.mode,
+                                                   offset=entry.offset, shape=(entry.size,))
+            return self._maps[entry.path]
+        if entry.path not in self._arrays:
+            with open_h5(self.path) as f:
+                try:
+                    data = f[entry.path][()]
+                except (OSError, RuntimeError) as err:
+                    raise PeatError(f"{self.path}: cannot read {entry.path} ({str(err).split('(')[0].strip()})") from None
+            self._arrays[entry.path] = np.ascontiguousarray(data).reshape(-1).view(_raw_dtype(entry.dtype))
+        return self._arrays[entry.path]
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            if self.mode == "r+":
+                mm.flush()
+        self._maps.clear()
+        if self.mode == "r+" and self._arrays:
+            with open_h5(self.path, "r+") as f:
+                for name, raw in self._arrays.items():
+                    ds = f[name]
+                    ds[...] = raw.view(ds.dtype).reshape(ds.shape)
+        self._arrays.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection
+
+
+def _match(pattern: str, path: str) -> bool:
+    bare = path.lstrip("/")
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], bare) is not None or re.search(pattern[3:], path) is not None
+    pat = pattern.lstrip("/")
+    return bare == pat or fnmatch.fnmatchcase(bare, pat)
+
+
+def select(entries: list[Entry], patterns: list[str], classes: list[str], source) -> list[Entry]:
+    """Datasets matching any pattern (all if none) and any class (all if none); errors name the file."""
+    chosen = entries
+    names = [e.path.lstrip("/") for e in entries]
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise PeatError(f"--select {pattern!r}: bad regular expression ({err})") from None
+        if not any(_match(pattern, e.path) for e in entries):
+            close = difflib.get_close_matches(pattern.removeprefix("re:").lstrip("/"), names, n=5, cutoff=0.3)
+            hint = f"closest: {', '.join(close)}" if close else f"datasets: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+            raise PeatError(f"{source}: no numeric dataset matches {pattern!r}; {hint}")
+    if patterns:
+        chosen = [e for e in chosen if any(_match(p, e.path) for p in patterns)]
+    if classes:
+        present = sorted({e.cls for e in chosen})
+        for cls in classes:
+            if cls not in present:
+                raise PeatError(f"{source}: no dataset of class {cls!r} among the selected ones; present: {', '.join(present)}")
+        chosen = [e for e in chosen if e.cls in classes]
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan of one alteration
+
+
+@dataclass
+class Plan:
+    """What to corrupt and how (mirrors the command-line options)."""
+
+    select: list[str] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
+    count: int | None = None
+    fraction: float | None = None
+    probability: float | None = None
+    region: str | None = None  # default "any" unless bits/scale are given
+    bits: tuple[int, int] | None = None
+    burst: int = 1
+    mask: str | None = None
+    scale: float | None = None
+    sign_change: bool = True
+    nonfinite: bool = True
+    seed: int = 0
+
+    def check(self) -> None:
+        amounts = [x is not None for x in (self.count, self.fraction, self.probability)]
+        if sum(amounts) > 1:
+            raise PeatError("give only one of --count, --fraction, --probability")
+        if self.count is not None and self.count < 0:
+            raise PeatError(f"--count {self.count}: must be >= 0")
+        if self.fraction is not None and not 0 <= self.fraction <= 1:
+            raise PeatError(f"--fraction {self.fraction}: must be in [0, 1]")
+        if self.probability is not None and not 0 <= self.probability <= 1:
+            raise PeatError(f"--probability {self.probability}: must be in [0, 1]")
+        if self.region is not None and self.bits is not None:
+            raise PeatError("give either --region or --bits, not both")
+        if self.region is not None and self.region not in REGIONS:
+            raise PeatError(f"--region {self.region!r}: allowed: {', '.join(CLI_REGIONS)}")
+        if self.bits is not None and not 0 <= self.bits[0] <= self.bits[1] <= 63:
+            raise PeatError(f"--bits {self.bits[0]}-{self.bits[1]}: need 0 <= A <= B <= 63 (bit 0 = sign)")
+        if self.burst < 1:
+            raise PeatError(f"--burst {self.burst}: must be >= 1")
+        if self.mask is not None and (self.burst != 1 or not self.mask or set(self.mask) - {"0", "1"} or "1" not in self.mask):
+            raise PeatError(f"--mask {self.mask!r}: a string of 0 and 1 with at least one 1, not combined with --burst")
+        if self.scale is not None and (self.mask is not None or self.burst != 1 or self.bits or self.region):
+            raise PeatError("--scale replaces bit flips: do not combine it with --region, --bits, --burst or --mask")
+        if self.scale is not None and not math.isfinite(self.scale):
+            raise PeatError(f"--scale {self.scale}: must be finite")
+        for cls in self.classes:
+            if cls not in CLASSES:
+                raise PeatError(f"--class {cls!r}: allowed: {', '.join(CLASSES)}")
+
+    @property
+    def pattern(self) -> list[int]:
+        """Bit offsets (relative to the placement) flipped in one value."""
+        if self.mask is not None:
+            return [i for i, c in enumerate(self.mask) if c == "1"]
+        return list(range(self.burst))
+
+    @property
+    def pattern_width(self) -> int:
+        return len(self.mask) if self.mask is not None else self.burst
+
+    def candidates(self, layout: Layout) -> np.ndarray:
+        """XOR masks (uint64, machine bit order) one of which is applied to each chosen value."""
+        if self.bits is not None:
+            if self.bits[1] >= layout.width:
+                return np.zeros(0, np.uint64)
+            lo, hi = self.bits
+        else:
+            span = layout.region(self.region or "any")
+            if span is None:
+                return np.zeros(0, np.uint64)
+            lo, hi = span
+        forbidden = {0} if (not self.sign_change and layout.signed) else set()
+        masks = []
+        for start in range(lo, hi - self.pattern_width + 2):
+            bits = [start + o for o in self.pattern]
+            if not forbidden.intersection(bits):
+                masks.append(sum(1 << (layout.width - 1 - b) for b in bits))
+        return np.array(masks, dtype=np.uint64)
+
+
+def _nonfinite_targets(masks: np.ndarray, layout: Layout) -> np.ndarray:
+    """For each mask, the exponent field that the mask turns into all ones (NaN/Inf)."""
+    full = (1 << layout.exponent) - 1
+    exp_part = (masks >> np.uint64(layout.mantissa)) & np.uint64(full)
+    return (np.uint64(full) ^ exp_part).astype(np.int64)
+
+
+def _exponent_field(raw: np.ndarray, layout: Layout) -> np.ndarray:
+    full = (1 << layout.exponent) - 1
+    return ((raw >> raw.dtype.type(layout.mantissa)) & raw.dtype.type(full)).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drawing the edits
+
+
+@dataclass
+class Edit:
+    """The edits of one dataset: flat positions and the XOR mask of each (or a scale factor)."""
+
+    entry: Entry
+    positions: np.ndarray
+    xor: np.ndarray | None = None  # uint64 per position
+    scale: float | None = None
+
+
+def _eligible(entry: Entry, raw: np.ndarray, plan: Plan, masks: np.ndarray) -> np.ndarray | None:
+    """Boolean mask of values that can be corrupted under --no-nonfinite (None: all of them)."""
+    if plan.nonfinite:
+        return None
+    if plan.scale is not None:
+        if not entry.layout.is_float:
+            return None
+        vals = _values(raw, entry.dtype, entry.layout)
+        with np.errstate(over="ignore", invalid="ignore"):
+            new = (vals * vals.dtype.type(plan.scale)) if entry.layout.name != "bfloat16" else _bf16_round(vals * np.float32(plan.scale))
+        return np.isfinite(vals) & np.isfinite(new)
+    if not entry.layout.is_float:
+        return None
+    bad = _bad_counts(masks, entry.layout)
+    return bad[_exponent_field(raw, entry.layout)] < len(masks)
+
+
+def _bad_counts(masks: np.ndarray, layout: Layout) -> np.ndarray:
+    """Per exponent field value, how many candidate masks would make it NaN/Inf."""
+    return np.bincount(_nonfinite_targets(masks, layout), minlength=1 << layout.exponent)
+
+
+def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> list[Edit]:
+    """Choose positions and masks for the whole selection, uniformly over eligible values."""
+    rng = np.random.default_rng(plan.seed)
+    if plan.scale is not None:
+        entries = [e for e in entries if e.layout.is_float]
+        masks_of = {e.path: np.zeros(1, np.uint64) for e in entries}
+    else:
+        masks_of = {e.path: plan.candidates(e.layout) for e in entries}
+        entries = [e for e in entries if len(masks_of[e.path])]
+    if not entries:
+        raise PeatError(f"{source}: no selected dataset can take this corruption (dtype, --region/--bits width)")
+    eligible = {e.path: _eligible(e, storage.raw(e), plan, masks_of[e.path]) for e in entries} \
+        if not plan.nonfinite else {e.path: None for e in entries}
+    counts = np.array([e.size if eligible[e.path] is None else int(eligible[e.path].sum()) for e in entries], np.int64)
+    total = int(counts.sum())
+    n = _amount(plan, total, rng)
+    if n > total:
+        raise PeatError(f"{source}: {n} values to corrupt but only {total} eligible values in "
+                        f"{len(entries)} selected dataset(s)")
+    ranks = np.sort(rng.choice(total, size=n, replace=False)) if n else np.zeros(0, np.int64)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    which = np.searchsorted(bounds, ranks, side="right") - 1
+    edits = []
+    for i in np.unique(which):
+        entry = entries[i]
+        local = ranks[which == i] - bounds[i]
+        ok = eligible[entry.path]
+        positions = local if ok is None else np.flatnonzero(ok)[local]
+        if plan.scale is not None:
+            edits.append(Edit(entry, positions, scale=plan.scale))
+        else:
+            edits.append(Edit(entry, positions, xor=_choose_masks(entry, storage, plan, masks_of[entry.path], positions, rng)))
+    return edits
+
+
+def _amount(plan: Plan, total: int, rng: np.random.Generator) -> int:
+    if plan.fraction is not None:
+        return int(round(plan.fraction * total))
+    if plan.probability is not None:
+        return int(rng.binomial(total, plan.probability))
+    return 1 if plan.count is None else plan.count
+
+
+def _choose_masks(entry, storage, plan, masks, positions, rng) -> np.ndarray:
+    """One candidate mask per position, uniform among those that keep the value finite if asked."""
+    pick = rng.integers(len(masks), size=len(positions))
+    if not plan.nonfinite and entry.layout.is_float:
+        field_ = _exponent_field(storage.raw(entry)[positions], entry.layout)
+        constrained = np.flatnonzero(_bad_counts(masks, entry.layout)[field_] > 0)
+        if len(constrained):
+            valid = field_[constrained, None] != _nonfinite_targets(masks, entry.layout)[None, :]
+            k = (rng.random(len(constrained)) * valid.sum(1)).astype(np.int64)
+            pick[constrained] = np.argmax(np.cumsum(valid, 1) > k[:, None], axis=1)
+    return masks[pick]
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying edits and the injection log
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest-even bfloat16, returned widened to float32."""
+    u = x.astype(np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    rounded = np.where(np.isnan(x), u | np.uint32(0x00400000), rounded)
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def apply(edits: list[Edit], storage: Storage) -> list[dict]:
+    """Apply edits in place through ``storage``; return per-dataset columns for the log."""
+    done = []
+    for edit in edits:
+        raw = storage.raw(edit.entry)
+        old = raw[edit.positions].copy()
+        if edit.scale is not None:
+            new = _scaled(old, edit.entry, edit.scale)
+        else:
+            new = old ^ edit.xor.astype(raw.dtype)
+        raw[edit.positions] = new
+        done.append({"entry": edit.entry, "positions": edit.positions, "old": old, "new": new, "scale": edit.scale})
+    return done
+
+
+def _scaled(old: np.ndarray, entry: Entry, factor: float) -> np.ndarray:
+    vals = _values(old, entry.dtype, entry.layout)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if entry.layout.name == "bfloat16":
+            return (_bf16_round(vals * np.float32(factor)).view(np.uint32) >> np.uint32(16)).astype(old.dtype)
+        return (vals * vals.dtype.type(factor)).astype(entry.dtype).view(old.dtype)
+
+
+def _bit_list(xor: np.ndarray, width: int) -> list:
+    """Per value, the flipped bits in peat's numbering: an int for one bit, a list for several."""
+    shifts = (width - 1 - np.arange(width)).astype(np.uint64)
+    table = ((xor.astype(np.uint64)[:, None] >> shifts) & np.uint64(1)).astype(bool)
+    out = np.argmax(table, 1).tolist()
+    for i in np.flatnonzero(table.sum(1) != 1):  # bursts and masks only
+        out[i] = np.flatnonzero(table[i]).tolist()
+    return out
+
+
+def _jsonable_values(raw: np.ndarray, entry: Entry) -> list:
+    vals = _values(raw, entry.dtype, entry.layout)
+    if not entry.layout.is_float:
+        return vals.tolist()
+    with np.errstate(invalid="ignore"):  # signalling NaNs made by flips
+        wide = vals.astype(np.float64)
+    return [v if math.isfinite(v) else str(v) for v in wide.tolist()]
+
+
+def records(done: list[dict]) -> list[dict]:
+    """Injection-log rows: dataset, index, bit, old, new (old and new as numbers; NaN/Inf as strings)."""
+    rows = []
+    for d in done:
+        e = d["entry"]
+        index = np.stack(np.unravel_index(d["positions"], e.shape), 1).tolist() if e.shape else [[]] * len(d["positions"])
+        bits = [None] * len(index) if d["scale"] is not None else _bit_list(d["old"] ^ d["new"], e.layout.width)
+        rows += [{"dataset": e.path, "index": i, "bit": b, "old": o, "new": n}
+                 for i, b, o, n in zip(index, bits, _jsonable_values(d["old"], e), _jsonable_values(d["new"], e))]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The alteration of a file
+
+
+@dataclass
+class Result:
+    flips: int
+    datasets: int
+    eligible_datasets: int
+    timings: dict
+    records: list[dict] | None
+
+
+def _prepare_output(src: Path, dst: Path | None, in_place: bool) -> Path:
+    if not src.exists():
+        raise PeatError(f"{src}: no such file")
+    if in_place:
+        if dst is not None and dst.resolve() != src.resolve():
+            raise PeatError("--in-place takes only the input file")
+        if not os.access(src, os.W_OK):
+            raise PeatError(f"{src}: read-only; refusing to alter it in place")
+        return src
+    if dst is None:
+        raise PeatError("give an output file (or --in-place to alter the input)")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise PeatError(f"{dst}: output is the input file; use --in-place to alter it")
+    return dst
+
+
+def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLike | None = None,
+          replay: str | os.PathLike | None = None, keep_records: bool = False) -> Result:
+    """Copy ``src`` to ``dst`` (temp name, then rename) and corrupt the copy as ``plan`` says.
+
+    ``replay`` applies the injections of a log instead of drawing new ones.
+    """
+    src = Path(src)
+    plan.check()
+    out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
+    t0 = time.perf_counter()
+    entries = scan(src)
+    if not entries:
+        raise PeatError(f"{src}: no numeric datasets to alter")
+    reader = Storage(src, "r")
+    if replay is not None:
+        edits = edits_from_log(replay, entries, reader, src)
+        chosen = [e.entry for e in edits]
+    else:
+        chosen = select(entries, plan.select, plan.classes, src)
+        edits = draw(chosen, reader, plan, src)
+    reader.close()
+    t_select = time.perf_counter()
+    with atomic_path(out) as tmp:
+        shutil.copyfile(src, tmp)
+        t_copy = time.perf_counter()
+        storage = Storage(tmp, "r+")
+        done = apply(edits, storage)
+        storage.close()
+        t_flip = time.perf_counter()
+    rows = records(done) if (log is not None or keep_records) else None
+    if log is not None:
+        write_json(log, {"tool": "peat alter", "format": 1, "input": str(src), "bit_numbering": BIT_NUMBERING,
+                         "plan": asdict(plan) if replay is None else {"replay": str(replay)},
+                         "scale": plan.scale if replay is None else _log_scale(replay), "injections": rows})
+    t_end = time.perf_counter()
+    n = int(sum(len(e.positions) for e in edits))
+    timings = {"select": t_select - t0, "copy": t_copy - t_select, "flip": t_flip - t_copy, "log": t_end - t_flip,
+               "total": t_end - t0}
+    return Result(n, len({e.entry.path for e in edits}), len(chosen), timings, rows)
+
+
+def _log_scale(log) -> float | None:
+    return json.loads(Path(log).read_text()).get("scale")
+
+
+def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[Edit]:
+    """Edits that repeat a log exactly: same datasets, positions and bits (or scale factor)."""
+    try:
+        data = json.loads(Path(log).read_text())
+        rows, scale = data["injections"], data.get("scale")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PeatError(f"{log}: not a peat alter injection log ({type(err).__name__}: {err})") from None
+    by_path = {e.path: e for e in entries}
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["dataset"], []).append(row)
+    edits = []
+    for name, group in sorted(groups.items()):
+        entry = by_path.get(name)
+        if entry is None:
+            close = difflib.get_close_matches(name, list(by_path), n=3, cutoff=0.3)
+            raise PeatError(f"{source}: log {log} names {name!r}, absent here; closest: {', '.join(close) or 'none'}")
+        index = np.array([r["index"] for r in group], np.int64).reshape(len(group), len(entry.shape))
+        if entry.shape and ((index < 0) | (index >= np.array(entry.shape))).any():
+            raise PeatError(f"{source}: log {log} has an index outside {name} of shape {entry.shape}")
+        positions = np.ravel_multi_index(index.T, entry.shape) if entry.shape else np.zeros(len(group), np.int64)
+        if scale is not None:
+            edits.append(Edit(entry, positions, scale=scale))
+            continue
+        bits = [r["bit"] if isinstance(r["bit"], list) else [r["bit"]] for r in group]
+        xor = np.array([sum(1 << (entry.layout.width - 1 - b) for b in bs) for bs in bits], np.uint64)
+        edits.append(Edit(entry, positions, xor=xor))
+        _warn_if_different(storage, entry, positions, group, source, log)
+    return edits
+
+
+def _warn_if_different(storage, entry, positions, group, source, log) -> None:
+    have = _jsonable_values(storage.raw(entry)[positions], entry)
+    differ = sum(1 for h, r in zip(have, group) if h != r["old"] and not (h == r["old"] == "nan"))
+    if differ:
+        print(f"peat alter: warning: {differ} value(s) of {entry.path} in {source} differ from the 'old' values "
+              f"in {log}; the same bits are flipped anyway", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# h5diff
+
+
+def diff(a, b, *, positions: bool = False) -> dict:
+    """Per dataset of two HDF5 files: differing elements, relative differences, distance, bits."""
+    ea, eb = {e.path: e for e in scan(a)}, {e.path: e for e in scan(b)}
+    sa, sb = Storage(a), Storage(b)
+    rows, listing = [], []
+    for name in sorted(set(ea) & set(eb)):
+        x, y = ea[name], eb[name]
+        if x.shape != y.shape or x.dtype != y.dtype or x.layout != y.layout:
+            rows.append({"dataset": name, "status": f"differs in shape/dtype: {x.shape} {x.dtype} vs {y.shape} {y.dtype}"})
+            continue
+        ra, rb = sa.raw(x), sb.raw(y)
+        where = np.flatnonzero(ra != rb)
+        rows.append(_diff_row(x, ra, rb, where))
+        if positions and len(where):
+            listing += records([{"entry": x, "positions": where, "old": ra[where], "new": rb[where], "scale": None}])
+    sa.close()
+    sb.close()
+    out = {"a": str(a), "b": str(b), "bit_numbering": BIT_NUMBERING, "datasets": rows,
+           "only_in_a": sorted(set(ea) - set(eb)), "only_in_b": sorted(set(eb) - set(ea))}
+    if positions:
+        out["positions"] = listing
+    return out
+
+
+def _diff_row(entry: Entry, ra: np.ndarray, rb: np.ndarray, where: np.ndarray) -> dict:
+    with np.errstate(invalid="ignore"):  # signalling NaNs made by flips
+        va = _values(ra[where], entry.dtype, entry.layout).astype(np.float64)
+        vb = _values(rb[where], entry.dtype, entry.layout).astype(np.float64)
+    finite = np.isfinite(va) & np.isfinite(vb)
+    delta = np.abs(vb - va)[finite]
+    rel = delta / np.abs(va[finite])  # inf where the old value was zero
+    flipped = (ra[where] ^ rb[where]).astype(np.uint64)
+    w = entry.layout.width
+    hist = {b: int(((flipped >> np.uint64(w - 1 - b)) & np.uint64(1)).sum()) for b in range(w)}
+    return {
+        "dataset": entry.path, "dtype": entry.layout.name, "class": entry.cls, "elements": entry.size,
+        "differing": int(len(where)), "nonfinite_new": int((~np.isfinite(vb)).sum()),
+        "max_rel": _num(rel.max()) if len(rel) else 0.0,
+        "mean_rel": _num(rel[np.isfinite(rel)].mean()) if np.isfinite(rel).any() else (_num(np.inf) if len(rel) else 0.0),
+        "euclidean": _num(np.sqrt((delta ** 2).sum())),
+        "bits": {str(b): c for b, c in hist.items() if c},
+    }
+
+
+def _num(x):
+    x = float(x)
+    return x if math.isfinite(x) else str(x)
+
+
+def format_table(result: dict, all_rows: bool = False) -> str:
+    rows = [r for r in result["datasets"] if all_rows or r.get("differing", 1)]
+    lines = [f"{'dataset':48s} {'dtype':8s} {'differing':>10s} {'max_rel':>10s} {'mean_rel':>10s} {'euclidean':>10s}  bits"]
+    for r in rows:
+        if "status" in r:
+            lines.append(f"{r['dataset']:48s} {r['status']}")
+            continue
+        bits = " ".join(f"{b}:{c}" for b, c in r["bits"].items())
+        lines.append(f"{r['dataset']:48s} {r['dtype']:8s} {r['differing']:>10d} {_fmt(r['max_rel'])} "
+                     f"{_fmt(r['mean_rel'])} {_fmt(r['euclidean'])}  {bits}")
+    same = sum(1 for r in result["datasets"] if r.get("differing") == 0)
+    lines.append(f"{len(rows)} dataset(s) differ, {same} identical"
+                 + (f"; only in A: {', '.join(result['only_in_a'])}" if result["only_in_a"] else "")
+                 + (f"; only in B: {', '.join(result['only_in_b'])}" if result["only_in_b"] else ""))
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return f"{x:>10.3g}" if isinstance(x, float) else f"{x:>10s}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _bits(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected A-B (bit 0 = sign)")
+    lo = int(m.group(1))
+    return lo, int(m.group(2) or lo)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="peat alter", description=__doc__.split("\n\n")[0],
+                                epilog=f"Bit numbering: {BIT_NUMBERING}. Classes: " +
+                                "; ".join(f"{k}: {v}" for k, v in CLASS_HELP.items()))
+    p.add_argument("input", help="HDF5 file to corrupt (never modified unless --in-place)")
+    p.add_argument("output", nargs="?", help="altered copy to write")
+    g = p.add_argument_group("where")
+    g.add_argument("--select", action="append", default=[], metavar="PATTERN",
+                   help="dataset path, glob, or re:REGEX (repeatable; default: every numeric dataset)")
+    g.add_argument("--class", dest="classes", action="append", default=[], choices=CLASSES, metavar="CLASS",
+                   help=f"location class (repeatable): {', '.join(CLASSES)}")
+    g = p.add_argument_group("how many (default: --count 1)")
+    g.add_argument("--count", type=int, help="exactly N values")
+    g.add_argument("--fraction", type=float, help="this fraction of the eligible values")
+    g.add_argument("--probability", type=float, help="each eligible value independently with probability P")
+    g = p.add_argument_group("which bits (default: --region any, one bit per value)")
+    g.add_argument("--region", choices=CLI_REGIONS)
+    g.add_argument("--bits", type=_bits, metavar="A-B", help="bit range, inclusive; bit 0 = sign (most significant)")
+    g.add_argument("--burst", type=int, default=1, metavar="K", help="flip K adjacent bits per value")
+    g.add_argument("--mask", metavar="BITS", help="bit pattern such as 101, placed at a random offset in the range")
+    g.add_argument("--scale", type=float, metavar="F", help="multiply the chosen values by F instead of flipping bits")
+    g.add_argument("--no-sign-change", action="store_true", help="never flip the sign bit")
+    g.add_argument("--no-nonfinite", action="store_true", help="never produce NaN or Inf")
+    g = p.add_argument_group("reproducibility and output")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--log", metavar="LOG.json", help="write the injection log (dataset, index, bit, old, new)")
+    g.add_argument("--replay", metavar="LOG.json", help="apply the injections of a log instead of drawing new ones")
+    g.add_argument("--in-place", action="store_true", help="alter the input file itself")
+    return p
+
+
+def cli_alter(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.replay is not None and (args.select or args.classes or args.count is not None or args.fraction is not None
+                                    or args.probability is not None or args.region or args.bits or args.mask
+                                    or args.scale is not None or args.burst != 1):
+        raise PeatError("--replay repeats a log: do not combine it with selection or corruption options")
+    plan = Plan(select=args.select, classes=args.classes, count=args.count, fraction=args.fraction,
+                probability=args.probability, region=args.region, bits=args.bits, burst=args.burst, mask=args.mask,
+                scale=args.scale, sign_change=not args.no_sign_change, nonfinite=not args.no_nonfinite, seed=args.seed)
+    result = alter(args.input, args.output, plan, in_place=args.in_place, log=args.log, replay=args.replay)
+    t = result.timings
+    print(f"peat alter: {result.flips} value(s) altered in {result.datasets} of {result.eligible_datasets} "
+          f"selected dataset(s) -> {args.input if args.in_place else args.output} "
+          f"({t['total']:.3f} s: copy {t['copy']:.3f} s, draw {t['select']:.3f} s, flips {t['flip']:.3f} s)")
+    return 0
+
+
+def cli_h5diff(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="peat h5diff", description="Compare two HDF5 files dataset by dataset.",
+                                epilog=f"Bit numbering: {BIT_NUMBERING}.")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", metavar="OUT.json", help="also write the comparison as JSON")
+    p.add_argument("--positions", action="store_true",
+                   help="list every differing element (dataset, index, bit, old, new), as in the injection log")
+    p.add_argument("--all", action="store_true", help="show identical datasets in the table too")
+    args = p.parse_args(argv)
+    result = diff(args.a, args.b, positions=args.positions)
+    print(format_table(result, args.all))
+    if args.json:
+        write_json(args.json, result)
+    return 0

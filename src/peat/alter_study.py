@@ -1,0 +1,175 @@
+"""The checkpoint-alteration study: corrupt golden checkpoints over a grid, resume, compare.
+
+One cell = (model, vendor, epoch, location class, bit region, number of flips, seed): flip bits
+in the golden checkpoint of that epoch with ``peat.alter``, resume training from the altered
+checkpoint to the end of the golden schedule, and compare its validation curve with golden.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .alter import Plan, alter
+from .io import PeatError, write_csv, write_json
+
+GRID = ("model", "vendor", "epoch", "cls", "region", "flips", "seed")
+
+
+def check_config(config: dict) -> None:
+    """Cross-check the ``alter`` section against the models (one line per problem, before any job)."""
+    section = config.get("alter", {})
+    for name in section.get("models", []):
+        spec = config["models"].get(name)
+        if spec is None:
+            raise PeatError(f"config key 'alter.models': unknown model {name!r}; defined: {', '.join(config['models'])}")
+        for epoch in section["epochs"]:
+            if epoch not in spec.get("checkpoint_epochs", []) or epoch >= spec["epochs"]:
+                raise PeatError(
+                    f"config key 'alter.epochs': epoch {epoch} of model {name!r} is not a golden checkpoint "
+                    f"before the last epoch (checkpoint_epochs: {spec.get('checkpoint_epochs', [])}, epochs: {spec['epochs']})"
+                )
+
+
+def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions: list[str], flips: list[int],
+              seeds: list[int], *, checkpoints: str | Path, data: str | Path, golden_metrics: str | Path,
+              tolerance: float, run_seed: int, threads: int, config_hash: str, out_csv: str | Path,
+              log_dir: str | Path) -> pd.DataFrame:
+    """Every (region, flips, seed) cell of one (model, vendor, epoch, class); one row each.
+
+    The cells of a class share one process: importing torch and transformers costs more than
+    resuming the small models of a test run.
+    """
+    source = Path(checkpoints) / f"epoch{epoch:03d}.h5"
+    golden = _val_curve(pd.read_csv(golden_metrics))
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for region, n, seed in itertools.product(regions, flips, seeds):
+        key = dict(model=model, vendor=vendor, epoch=epoch, cls=cls, region=region, flips=n, seed=seed)
+        plan = Plan(classes=[cls], count=n, region=region, seed=seed)
+        rows.append({**key, **_cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data,
+                                    run_seed, threads, config_hash, log_dir / f"{region}_n{n}_seed{seed}.json")})
+        print(rows[-1], flush=True)
+    table = pd.DataFrame(rows)
+    write_csv(out_csv, table)
+    return table
+
+
+def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run_seed, threads, config_hash, log):
+    from .train import train_model
+
+    with tempfile.TemporaryDirectory(dir=log.parent, prefix=".cell") as tmp:
+        altered = Path(tmp) / "altered.h5"
+        try:
+            result = alter(source, altered, plan, log=log, keep_records=True)
+        except PeatError as err:
+            # A class the model lacks, or fewer eligible values than flips: recorded, not fatal.
+            write_json(log, {"injections": [], "skipped": str(err)})
+            return {"status": "not_applicable", "reason": str(err)}
+        metrics = train_model(model, spec, data, Path(tmp) / "run", vendor=vendor, seed=run_seed, threads=threads,
+                              config_hash=config_hash, record=False, progress=False, start=altered)
+    injected = sum(1 for r in result.records if isinstance(r["new"], str))
+    return {"status": "ok", "reason": "", "altered_values": result.flips, "datasets_hit": result.datasets,
+            "nonfinite_injected": injected, **compare(_val_curve(metrics), golden, epoch, tolerance)}
+
+
+def _val_curve(metrics: pd.DataFrame) -> pd.DataFrame:
+    return metrics[metrics["split"] == "val"].set_index("epoch")[["accuracy", "loss"]]
+
+
+def compare(run: pd.DataFrame, golden: pd.DataFrame, epoch: int, tolerance: float) -> dict:
+    """Final accuracy/loss against golden, divergence, and epochs until back within ``tolerance``.
+
+    ``tolerance`` is an absolute difference of validation accuracy; epochs are counted from the
+    alteration (1 = the first resumed epoch was already within tolerance).
+    """
+    resumed = run.loc[run.index > epoch]
+    final, ref = resumed.iloc[-1], golden.loc[resumed.index[-1]]
+    diverged = not bool(np.isfinite(resumed["loss"]).all())
+    close = (resumed["accuracy"] - golden.loc[resumed.index, "accuracy"]).abs() <= tolerance
+    close &= np.isfinite(resumed["loss"])
+    recover = int(close.idxmax() - epoch) if close.any() else math.nan
+    return {
+        "final_accuracy": float(final["accuracy"]), "final_loss": float(final["loss"]),
+        "golden_accuracy": float(ref["accuracy"]), "golden_loss": float(ref["loss"]),
+        "accuracy_loss_pct": 100.0 * (ref["accuracy"] - final["accuracy"]) / max(ref["accuracy"], 1e-12),
+        "loss_change_pct": 100.0 * (final["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
+        if np.isfinite(final["loss"]) else math.inf,
+        "diverged": diverged, "epochs_to_recover": recover, "resumed_epochs": len(resumed),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+
+
+def collect(parts: list[str | Path], out_csv: str | Path) -> pd.DataFrame:
+    table = pd.concat([pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in parts], ignore_index=True)
+    table["diverged"] = table["diverged"].astype(str).eq("True")
+    table = table.sort_values(list(GRID), kind="stable").reset_index(drop=True)
+    write_csv(out_csv, table)
+    return table
+
+
+def absorbed(table: pd.DataFrame, max_loss_pct: float) -> pd.DataFrame:
+    """Per class x region: the most flips absorbed (every run at that count and below lost < X%)."""
+    ok = table[table["status"] == "ok"].copy()
+    ok["absorbed"] = (ok["accuracy_loss_pct"] < max_loss_pct) & ~ok["diverged"]
+    rows = []
+    for (cls, region), group in ok.groupby(["cls", "region"], sort=True):
+        per_n = group.groupby("flips")["absorbed"].all().sort_index()
+        failing = per_n.index[~per_n.values]
+        below = per_n.index[per_n.index < failing.min()] if len(failing) else per_n.index
+        rows.append({
+            "cls": cls, "region": region, "max_loss_pct": max_loss_pct,
+            "max_absorbed_flips": int(below.max()) if len(below) else 0,
+            "first_harmful_flips": int(failing.min()) if len(failing) else None,
+            "runs": len(group), "absorbed_runs": int(group["absorbed"].sum()),
+            "diverged_runs": int(group["diverged"].sum()),
+        })
+    return pd.DataFrame(rows, columns=["cls", "region", "max_loss_pct", "max_absorbed_flips", "first_harmful_flips",
+                                       "runs", "absorbed_runs", "diverged_runs"]).astype({"first_harmful_flips": "Int64"})
+
+
+def summarize(parts: list[str | Path], sensitivity_csv, absorbed_csv, heatmap_png, max_loss_pct: float) -> None:
+    table = collect(parts, sensitivity_csv)
+    write_csv(absorbed_csv, absorbed(table, max_loss_pct))
+    heatmap(table, heatmap_png)
+
+
+def heatmap(table: pd.DataFrame, out_png: str | Path) -> None:
+    """Mean loss of final accuracy (%) per class x region, one panel per number of flips; † = diverged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from .io import atomic_path
+
+    ok = table[table["status"] == "ok"]
+    counts = sorted(ok["flips"].unique()) or [0]
+    fig, axes = plt.subplots(1, len(counts), figsize=(3.2 * len(counts) + 1.5, 0.45 * max(ok["cls"].nunique(), 2) + 2),
+                             squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        part = ok[ok["flips"] == n]
+        grid = part.pivot_table(index="cls", columns="region", values="accuracy_loss_pct", aggfunc="mean")
+        div = part.pivot_table(index="cls", columns="region", values="diverged", aggfunc="max").reindex_like(grid)
+        labels = grid.map(lambda v: f"{v:.1f}") + div.map(lambda d: "†" if d else "")
+        sns.heatmap(grid, annot=labels, fmt="", cmap="rocket_r", vmin=0, vmax=max(100.0, float(np.nanmax(ok["accuracy_loss_pct"], initial=0))),
+                    cbar=ax is axes[0][-1], ax=ax, linewidths=0.5)
+        ax.set_title(f"{n} flip{'s' if n != 1 else ''}")
+        ax.set_xlabel("bit region")
+        ax.set_ylabel("location class" if ax is axes[0][0] else "")
+    model, vendor = table["model"].iloc[0], table["vendor"].iloc[0]
+    fig.suptitle(f"{model} ({vendor}): loss of final validation accuracy, % (mean over seeds and epochs; † diverged)")
+    fig.tight_layout()
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Software": None})
+    plt.close(fig)
