@@ -1,0 +1,66 @@
+"""results.json and one seaborn figure per benchmark, for the collated report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from peat.io import atomic_path, write_json  # noqa: E402
+
+ORDER = ("profiler_overhead", "context_storage", "kernel_interface_overhead", "playback_vs_retraining",
+         "playback_efficiency", "sdc_checks", "checkpoint_alteration", "incremental_rerun", "end_to_end")
+
+
+def write(out: Path, header: dict, entries: list[dict], merge: bool = False) -> None:
+    out = Path(out)
+    path = out / "results.json"
+    if merge and path.exists():
+        fresh = {e["name"] for e in entries}
+        entries = [e for e in json.loads(path.read_text())["benchmarks"] if e["name"] not in fresh] + entries
+    for entry in entries:
+        entry.setdefault("quick", header["quick"])
+    entries.sort(key=lambda e: ORDER.index(e["name"]))
+    for entry in entries:
+        if entry.get("samples"):
+            figure(out / f"{entry['name']}.png", entry)
+    write_json(path, {"machine": header, "benchmarks": entries})
+
+
+def figure(path: Path, entry: dict) -> None:
+    """Each repeat as a point, the median as a bar, the goal as a dashed line."""
+    sns.set_theme(style="whitegrid", context="paper")
+    sweep = entry.get("details", {}).get("sweep")
+    if sweep:
+        fig = sweep_figure(entry, pd.DataFrame(sweep))
+    else:
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        frame = pd.DataFrame({"repeat": range(1, len(entry["samples"]) + 1), entry["unit"]: entry["samples"]})
+        sns.stripplot(frame, y=entry["unit"], ax=ax, size=7, color="tab:blue", jitter=0.05)
+        ax.axhline(entry["median"], color="tab:blue", lw=1, label=f"median {entry['median']:.4g}")
+        ax.axhline(entry["goal_value"], color="tab:red", ls="--", lw=1, label=f"goal {entry['goal']}")
+        ax.legend(loc="best", fontsize=7)
+    fig.suptitle(f"{entry['name']}: {'met' if entry['met'] else 'NOT met'}", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def sweep_figure(entry: dict, frame: pd.DataFrame):
+    """Checkpoint alteration: flip throughput against the number of flips, one line per file size."""
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    frame = frame.assign(size=frame["mb"].map(lambda mb: f"{mb:g} MB"))
+    sns.lineplot(frame, x="flips", y="flips_per_s", hue="size", marker="o", ax=axes[0])
+    sns.lineplot(frame, x="flips", y="seconds_beyond_copy", hue="size", marker="o", ax=axes[1], legend=False)
+    axes[1].axhline(entry["goal_value"], color="tab:red", ls="--", lw=1)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    return fig

@@ -1,0 +1,107 @@
+"""Timing harness: paired, interleaved measurements reduced to ratios with median, min and max.
+
+A shared machine drifts (other jobs start and stop), so a benchmark never divides two numbers
+taken minutes apart: each repeat measures both sides back to back, alternating which goes
+first, and the ratio of that pair is one sample. Drift that is slow against one pair cancels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass
+class Goal:
+    """``value op goal`` must hold for the goal to be met (op is "<=" or ">=")."""
+
+    op: str
+    value: float
+    text: str
+
+    def met(self, measured: float) -> bool:
+        return measured <= self.value if self.op == "<=" else measured >= self.value
+
+
+@dataclass
+class Result:
+    name: str
+    measured_as: str
+    goal: Goal
+    unit: str = "ratio"
+    samples: list[float] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # the raw numbers behind the samples, for the report
+    error: str | None = None
+
+    def as_json(self) -> dict:
+        finite = [s for s in self.samples if math.isfinite(s)]
+        median = float(np.median(finite)) if finite else None
+        entry = {
+            "name": self.name, "measured_as": self.measured_as, "unit": self.unit, "repeats": len(self.samples),
+            "median": median, "min": min(finite) if finite else None, "max": max(finite) if finite else None,
+            "samples": self.samples, "goal": self.goal.text, "goal_op": self.goal.op, "goal_value": self.goal.value,
+            "met": bool(self.goal.met(median)) if median is not None and self.error is None else False,
+            "details": self.details,
+        }
+        if self.error is not None:
+            entry["error"] = self.error
+        return entry
+
+
+def timed(func: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    func()
+    return time.perf_counter() - start
+
+
+def paired(subject: Callable[[], object], baseline: Callable[[], object], repeats: int,
+           warmup: int = 1) -> tuple[list[float], list[float]]:
+    """Wall times of ``subject`` and ``baseline``, interleaved; the first ``warmup`` pairs are dropped.
+
+    Odd repeats run the baseline first, so neither side always inherits a warm (or cold) cache.
+    """
+    subject_times, baseline_times = [], []
+    for i in range(warmup + repeats):
+        if i % 2:
+            b, s = timed(baseline), timed(subject)
+        else:
+            s, b = timed(subject), timed(baseline)
+        if i >= warmup:
+            subject_times.append(s)
+            baseline_times.append(b)
+    return subject_times, baseline_times
+
+
+def ratios(subject: list[float], baseline: list[float]) -> list[float]:
+    return [s / b for s, b in zip(subject, baseline)]
+
+
+def machine() -> dict:
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": str(torch.__version__), "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "cpu": _cpu_model(), "python": sys.version.split()[0], "platform": platform.platform(),
+        "load_average_at_start": [round(x, 2) for x in load],
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

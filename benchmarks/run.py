@@ -1,0 +1,117 @@
+"""Benchmarks of every stage, as ratios of two things measured in the same run.
+
+    python benchmarks/run.py                 # all benchmarks, default sizes
+    python benchmarks/run.py --quick         # smoke run: tiny sizes, 2 repeats
+    python benchmarks/run.py --only profiler_overhead sdc_checks
+
+Writes ``reports/benchmarks/results.json`` and one figure per benchmark (``<name>.png``). A
+benchmark that fails (e.g. its stage is missing) is reported with an ``error`` and does not
+stop the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+import figures  # noqa: E402
+import harness  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Settings:
+    quick: bool
+    repeats: int
+    workdir: Path  # scratch space for trainings and workflow runs
+    results: Path | None = None  # a finished default-config workflow directory, when one exists
+    storage_files: list[Path] = field(default_factory=list)
+    workflow_runs: dict = field(default_factory=dict)  # config name -> (workdir, config, wall seconds of a full run)
+    cache: dict = field(default_factory=dict)  # measurements shared by two benchmarks (playback)
+
+
+# Benchmark name -> "module:function" (function(settings) -> harness.Result), in the order they
+# run: the full workflow run goes first, since incremental_rerun reuses it and context_storage
+# reads its golden runs. results.json lists them in the issue's order (figures.ORDER).
+BENCHMARKS = {
+    "end_to_end": "workflow:end_to_end",
+    "incremental_rerun": "workflow:incremental_rerun",
+    "profiler_overhead": "training:profiler_overhead",
+    "context_storage": "training:context_storage",
+    "kernel_interface_overhead": "training:kernel_interface_overhead",
+    "playback_vs_retraining": "stages:playback_vs_retraining",
+    "playback_efficiency": "stages:playback_efficiency",
+    "sdc_checks": "stages:sdc_checks",
+    "checkpoint_alteration": "stages:checkpoint_alteration",
+}
+
+
+def resolve(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def run_one(name: str, settings: Settings) -> dict:
+    print(f"[bench] {name} ...", flush=True)
+    start = time.perf_counter()
+    try:
+        entry = resolve(BENCHMARKS[name])(settings).as_json()
+    except Exception as err:  # one broken stage must not hide the others' numbers
+        traceback.print_exc()
+        entry = {"name": name, "error": f"{type(err).__name__}: {err}".splitlines()[0], "repeats": 0,
+                 "median": None, "min": None, "max": None, "met": False, "samples": []}
+    entry["bench_seconds"] = round(time.perf_counter() - start, 1)
+    entry["finished"] = now()
+    entry["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"[bench] {name}: median={entry.get('median')} min={entry.get('min')} max={entry.get('max')} "
+          f"goal={entry.get('goal')} met={entry['met']}" + (f" ERROR {entry['error']}" if "error" in entry else ""),
+          flush=True)
+    return entry
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = list(BENCHMARKS)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 2 repeats")
+    parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=f"run only these: {', '.join(names)}")
+    parser.add_argument("--repeats", type=int, help="paired repeats per benchmark (default 5, quick 2)")
+    parser.add_argument("--out", type=Path, default=REPO / "reports" / "benchmarks", help="output folder")
+    parser.add_argument("--results", type=Path,
+                        help="a finished default-config workflow directory to read (context storage) instead of "
+                             "running end_to_end first")
+    parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one, removed)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory(prefix="peat-bench-") as tmp:
+        settings = Settings(quick=args.quick, repeats=args.repeats or (2 if args.quick else 5),
+                            workdir=(args.workdir or Path(tmp)).resolve(), results=args.results)
+        settings.workdir.mkdir(parents=True, exist_ok=True)
+        header = harness.machine() | {"quick": args.quick, "started": now()}
+        entries = [run_one(name, settings) for name in names if not args.only or name in args.only]
+    header["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    # --only updates its entries in an existing results.json and keeps the others.
+    figures.write(args.out, header, entries, merge=bool(args.only))
+    print(f"[bench] wrote {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

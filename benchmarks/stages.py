@@ -1,0 +1,161 @@
+"""Benchmarks that time the stages through their own code: playback, SDC checks, alteration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from harness import Goal, Result, paired, ratios
+from training import MODEL, case, dataset, default_config
+
+from peat import errors, kernels, playback
+from peat.profiler import read_layer
+
+# The paper's pseudo-errors, used when the default config lists none.
+PAPER_ERRORS = ["fp16", "rv:3", "rz:1"]
+OP = "conv2d"  # the op of the campaign: conv/GEMM kernels are what the paper validates first
+
+
+# -- playback -------------------------------------------------------------------------------------
+def campaign_kernel(config: dict) -> kernels.Kernel:
+    """The default config's first candidate kernel for ``OP`` (golden if it names none)."""
+    for name, spec in (config.get("kernels") or {}).items():
+        if isinstance(spec, dict) and spec.get("op") == OP and spec.get("impl"):
+            return kernels.load(spec["impl"], OP, name)
+    return kernels.golden(OP)
+
+
+def playback_runs(settings) -> dict:
+    """Campaigns interleaved with runtime-FI trainings; shared by both playback benchmarks."""
+    if "playback" in settings.cache:
+        return settings.cache["playback"]
+    config = default_config()
+    c = case(settings)
+    context = c.train("golden", record=True) / "context.h5"
+    kernel = campaign_kernel(config)
+    specs = list(config.get("errors") or PAPER_ERRORS)
+    layers = kernels.layer_ops(context, None, OP)
+    sidecars = []
+
+    def campaign():
+        plan = playback.Plan(context, kernel, errors=specs, seed=config.get("seed", 0),
+                             meta={"model": MODEL, "kernel": kernel.name})
+        sidecars.append(playback.replay(plan)[1])
+
+    def runtime_fi():
+        # One runtime-FI case: the same training with the first error model injected into the
+        # forward computation of the first recorded layer of the op.
+        faulty = errors.faulty(kernel, specs[0], "forward", seed=0)
+        c.train("rfi", record=False, prepare_model=lambda m: kernels.route(m, faulty, [layers[0]]))
+
+    campaign_s, training_s = paired(campaign, runtime_fi, settings.repeats)
+    sidecars = sidecars[-settings.repeats:]  # drop the warm-up
+    runs = {"campaign_s": campaign_s, "rfi_training_s": training_s, "cases": len(specs) * len(layers),
+            "errors": specs, "layers": layers, "kernel": kernel.name,
+            "samples_per_layer": len(read_layer(context, layers[0])[1]),
+            "training_steps": c.spec["max_train_samples"] // c.spec["batch_size"],
+            "timings": [s["timings"] for s in sidecars]}
+    settings.cache["playback"] = runs
+    return runs
+
+
+def playback_vs_retraining(settings) -> Result:
+    r = playback_runs(settings)
+    replaced = [t * r["cases"] for t in r["rfi_training_s"]]
+    return Result("playback_vs_retraining",
+                  f"one playback campaign ({r['kernel']} kernel, {len(r['layers'])} recorded {OP} layers of {MODEL}, "
+                  f"errors {', '.join(r['errors'])}, 3 computations each, {r['samples_per_layer']} recorded steps per "
+                  f"layer) / the runtime-FI trainings it replaces: one {r['training_steps']}-step training with the "
+                  f"fault routed in, measured, x {r['cases']} error-model x layer cases",
+                  Goal("<=", 0.01, "<= 0.01"), samples=ratios(r["campaign_s"], replaced),
+                  details={k: r[k] for k in ("campaign_s", "rfi_training_s", "cases", "errors", "layers",
+                                             "samples_per_layer", "training_steps")})
+
+
+def playback_efficiency(settings) -> Result:
+    r = playback_runs(settings)
+    return Result("playback_efficiency",
+                  "time inside kernel calls (kernel under test, faulty variants, golden, fp64 and reduced-precision "
+                  "references) / wall time of the playback campaign (reading the context, scoring included)",
+                  Goal(">=", 0.5, ">= 0.5"), samples=[t["kernel_s"] / t["wall_s"] for t in r["timings"]],
+                  details={"timings": r["timings"]})
+
+
+# -- SDC checks -----------------------------------------------------------------------------------
+def sdc_checks(settings) -> Result:
+    """The SDC stage's own benchmark (peat.sdc_drill --bench under torchrun), once per repeat.
+
+    Each launch interleaves plain DDP steps with guarded ones (non-finite check + weight
+    fingerprint; audit steps excluded) on twin models fed the same batches.
+    """
+    from peat import sdc_drill
+
+    config = default_config()
+    cfg = config["sdc"]
+    model = cfg["models"][0]
+    if settings.quick:
+        cfg["bench_steps"] = 4
+    data = dataset(settings, config, model)
+    benches = []
+    for i in range(settings.repeats):
+        out = settings.workdir / "sdc" / str(i)
+        sdc_drill.launch(config, model, data, out, bench=True)
+        benches.append(json.loads((out / "bench.json").read_text()))
+    return Result("sdc_checks",
+                  f"median guarded DDP step (non-finite gradient check + weight fingerprint) / median plain DDP step, "
+                  f"{model}, world size {cfg['world_size']} ({cfg.get('backend')}), {benches[0]['steps']} steps "
+                  "interleaved per launch; one sample per torchrun launch",
+                  Goal("<=", 1.02, "<= 1.02"), samples=[b["ratio"] for b in benches], details={"launches": benches})
+
+
+# -- checkpoint alteration ---------------------------------------------------------------------
+def synthetic_checkpoint(path: Path, mb: float) -> Path:
+    """A peat checkpoint of about ``mb`` MB: a stack of linear layers with SGD momentum state."""
+    from torch import nn
+
+    from peat import checkpoint
+
+    width = 512
+    # weights + momentum: 2 float32 copies of each parameter
+    layers = max(1, round(mb * 2**20 / (2 * 4 * (width * width + width))))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    checkpoint.save(path, model, optimizer, step=1, epoch=1, meta={"model": "bench"}, history=[])
+    return path
+
+
+def alteration_sweep(settings) -> list[dict]:
+    from peat import alter
+
+    sizes = [4, 40] if settings.quick else [4, 40, 200]
+    counts = [10**3, 10**5] if settings.quick else [10**3, 10**4, 10**5, 10**6]
+    rows = []
+    for mb in sizes:
+        src = synthetic_checkpoint(settings.workdir / "alter" / f"ckpt{mb}.h5", mb)
+        real_mb = src.stat().st_size / 2**20
+        for flips in counts:
+            for repeat in range(settings.repeats):
+                dst = settings.workdir / "alter" / "out.h5"
+                res = alter.alter(src, dst, alter.Plan(count=flips, seed=repeat))
+                beyond = res.timings["total"] - res.timings["copy"]
+                rows.append({"mb": mb, "file_mb": real_mb, "flips": flips, "done": res.flips, "repeat": repeat,
+                             **{f"{k}_s": v for k, v in res.timings.items()}, "seconds_beyond_copy": beyond,
+                             "flips_per_s": res.flips / beyond, "mb_per_s": real_mb / res.timings["total"]})
+                dst.unlink(missing_ok=True)
+        src.unlink()
+    return rows
+
+
+def checkpoint_alteration(settings) -> Result:
+    rows = alteration_sweep(settings)
+    goal = [r["seconds_beyond_copy"] for r in rows if r["mb"] == 40 and r["flips"] == 10**5]
+    return Result("checkpoint_alteration",
+                  "seconds beyond the file copy (select + draw + flip + log) to flip 100,000 random bits in a 40 MB "
+                  "peat checkpoint, via peat.alter.alter; details.sweep: flips/s and MB/s for 10^3..10^6 flips on "
+                  "4..200 MB", Goal("<=", 1.0, "100,000 flips on 40 MB in under 1 s beyond the copy"),
+                  unit="seconds", samples=goal, details={"sweep": rows})

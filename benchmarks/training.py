@@ -1,0 +1,125 @@
+"""Training-side benchmarks: Profiler overhead, context storage, kernel-interface overhead.
+
+All three train the default config's ResNet-18 on its dataset for a fixed number of steps
+(one epoch over a prefix of the training set), the same way the golden rule does
+(``peat.train.train_model``), and compare two variants of that training in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from harness import Goal, Result, paired, ratios
+
+from peat import data, kernels
+from peat.config import validate
+from peat.profiler import match_layers, op_of
+from peat.train import train_model
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "resnet18"
+
+
+@dataclass
+class Case:
+    """One model of the default config, trained for ``steps`` steps in ``workdir``."""
+
+    name: str
+    spec: dict
+    data: Path
+    workdir: Path
+
+    def train(self, tag: str, **kwargs) -> Path:
+        out = self.workdir / tag
+        shutil.rmtree(out, ignore_errors=True)
+        train_model(self.name, self.spec, self.data, out, progress=False, **kwargs)
+        return out
+
+
+def default_config() -> dict:
+    """config/config.yaml, validated, with the schema's defaults filled in (as the workflow sees it)."""
+    path = REPO / "config" / "config.yaml"
+    return validate(yaml.safe_load(path.read_text()), REPO / "workflow" / "schemas" / "config.schema.yaml")
+
+
+def dataset(settings, config: dict, model: str) -> Path:
+    """The prepared dataset of ``model`` (prepared once per benchmark session)."""
+    name = config["models"][model]["dataset"]
+    path = settings.workdir / "data" / f"{name}.h5"
+    if not path.exists():
+        data.prepare(name, config["datasets"][name], path)
+    return path
+
+
+def case(settings, model: str = MODEL) -> Case:
+    """The default config's ``model``, cut to one epoch of a few steps (quick: 2 steps, else 20)."""
+    config = default_config()
+    spec = config["models"][model]
+    steps = 2 if settings.quick else 20
+    spec = dict(spec, epochs=1, checkpoint_epochs=[], max_train_samples=steps * spec["batch_size"],
+                max_val_samples=spec["batch_size"])
+    return Case(model, spec, dataset(settings, config, model), settings.workdir / "train")
+
+
+def profiler_overhead(settings) -> Result:
+    c = case(settings)
+    every = c.spec["record"].get("every", 10)
+    result = Result("profiler_overhead",
+                    f"{MODEL} golden training ({c.spec['max_train_samples'] // c.spec['batch_size']} steps), "
+                    f"Profiler recording {len(c.spec['record']['layers'])} layers every {every} steps "
+                    "(+ summaries of every layer every step) / the same training without recording",
+                    Goal("<=", 1.10, "<= 1.10"))
+    with_rec, without = paired(lambda: c.train("recorded", record=True), lambda: c.train("plain", record=False),
+                               settings.repeats)
+    result.samples = ratios(with_rec, without)
+    result.details = {"recorded_s": with_rec, "plain_s": without}
+    settings.storage_files.append(c.workdir / "recorded" / "storage.json")
+    return result
+
+
+def context_storage(settings) -> Result:
+    """Bytes of context / a naive dump, one sample per golden run: the runs of a full workflow run
+    when one is available (end_to_end or ``--results``), else the recorded runs of profiler_overhead."""
+    found = sorted(Path(settings.results).glob("golden/*/*/storage.json")) if settings.results else []
+    if found:
+        source = f"golden runs of the default workflow in {settings.results}"
+        files = {"/".join(f.parts[-3:-1]): f for f in found}
+    else:
+        if not settings.storage_files:
+            c = case(settings)
+            c.train("recorded", record=True)
+            settings.storage_files.append(c.workdir / "recorded" / "storage.json")
+        source = f"{MODEL} truncated to {case(settings).spec['max_train_samples']} samples, default record spec"
+        files = {MODEL: settings.storage_files[-1]}
+    rows = {k: json.loads(f.read_text()) for k, f in files.items()}
+    return Result("context_storage",
+                  "bytes of the recorded context.h5 / bytes of a naive float32 dump of every layer's A, W and dO "
+                  f"at every step (one sample per golden run: {source})",
+                  Goal("<=", 0.02, "<= 0.02"), samples=[r["ratio"] for r in rows.values()],
+                  details={k: {x: r[x] for x in ("context_bytes", "naive_bytes", "steps", "every")}
+                           for k, r in rows.items()})
+
+
+def route_everything(model) -> list[str]:
+    """Route every layer the kernel interface supports through its op's golden kernel."""
+    ops = sorted({op_of(m) for m in match_layers(model, ["*"]).values()})
+    return [name for op in ops for name in kernels.route(model, kernels.golden(op))]
+
+
+def kernel_interface_overhead(settings) -> Result:
+    c = case(settings)
+    routed = []
+    result = Result("kernel_interface_overhead",
+                    f"{MODEL} training with every conv2d, batch_norm and linear layer routed through the kernel "
+                    "interface (peat.kernels.route with the golden kernels) / plain training, same steps, no recording",
+                    Goal("<=", 1.05, "<= 1.05"))
+    routed_s, plain_s = paired(lambda: c.train("routed", record=False, prepare_model=lambda m: routed.append(
+        route_everything(m))), lambda: c.train("plain", record=False), settings.repeats)
+    result.samples = ratios(routed_s, plain_s)
+    result.details = {"routed_s": routed_s, "plain_s": plain_s, "routed_layers": len(routed[-1])}
+    return result

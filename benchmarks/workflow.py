@@ -1,0 +1,132 @@
+"""Workflow benchmarks: the full run from scratch, and the rerun after editing one kernel.
+
+Both run the real ``snakemake`` on this repository's Snakefile in a scratch directory, the
+default config (quick: config/test.yaml).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from harness import Goal, Result
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def config_path(settings) -> Path:
+    return REPO / "config" / ("test.yaml" if settings.quick else "config.yaml")
+
+
+def snakemake(workdir: Path, configfile: Path, *args: str) -> float:
+    """Wall seconds of one ``snakemake --cores all`` run; raises with the log tail if it fails."""
+    cmd = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(configfile), "--cores", "all", *args]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    (workdir / "bench-snakemake.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = [line for line in proc.stderr.splitlines() if line.strip()][-3:]
+        raise RuntimeError(f"snakemake failed ({proc.returncode}) in {workdir}: {' | '.join(tail)}")
+    return seconds
+
+
+def full_run(settings) -> tuple[Path, Path, float]:
+    """The whole workflow from scratch (once per benchmark session; later callers reuse it)."""
+    configfile = config_path(settings)
+    if configfile.name not in settings.workflow_runs:
+        workdir = settings.workdir / "workflow" / configfile.stem
+        workdir.mkdir(parents=True, exist_ok=True)
+        configfile = private_config(configfile, workdir)
+        seconds = snakemake(workdir, configfile)
+        settings.workflow_runs[config_path(settings).name] = (workdir, configfile, seconds)
+        if not settings.quick and settings.results is None:
+            settings.results = workdir / "results"
+    return settings.workflow_runs[config_path(settings).name]
+
+
+def kernel_sources(config: dict) -> list[str]:
+    """Kernel source files named by the config's ``kernels`` section (the values that are files)."""
+    found = []
+    for spec in (config.get("kernels") or {}).values():
+        values = spec.values() if isinstance(spec, dict) else [spec]
+        found += [v for v in values if isinstance(v, str) and (REPO / v).is_file()]
+    return found
+
+
+def private_config(configfile: Path, workdir: Path) -> Path:
+    """A copy of the config whose kernel sources are copies inside ``workdir``.
+
+    The incremental benchmark edits one of them; editing the repository's own file would
+    invalidate everyone else's results.
+    """
+    config = yaml.safe_load(configfile.read_text())
+    for source in kernel_sources(config):
+        copy = workdir / "kernels" / source
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes((REPO / source).read_bytes())
+        _replace_value(config["kernels"], source, str(copy))
+    out = workdir / f"bench-{configfile.name}"
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
+def _replace_value(section: dict, old: str, new: str) -> None:
+    for name, spec in section.items():
+        if spec == old:
+            section[name] = new
+        elif isinstance(spec, dict):
+            section[name] = {k: new if v == old else v for k, v in spec.items()}
+
+
+def end_to_end(settings) -> Result:
+    configfile = config_path(settings)
+    workdir, _, seconds = full_run(settings)
+    return Result("end_to_end",
+                  f"wall seconds of `snakemake --cores all` from scratch on {configfile.relative_to(REPO)} "
+                  f"({os.cpu_count()} cores, machine shared with other jobs: see load averages)",
+                  Goal("<=", 1200.0, "< 20 minutes (1200 s)"), unit="seconds", samples=[seconds],
+                  details={"config": str(configfile.relative_to(REPO)), "jobs": _jobs(workdir)})
+
+
+def incremental_rerun(settings) -> Result:
+    workdir, configfile, full = full_run(settings)
+    sources = kernel_sources(yaml.safe_load(configfile.read_text()))
+    if not sources:
+        raise RuntimeError(f"{config_path(settings).name} names no kernel source file to edit")
+    edited = Path(sources[0])
+    # A real edit (not just a newer mtime): the content changes, the kernel's behaviour does not.
+    edited.write_text(edited.read_text() + f"\n# edited by benchmarks/run.py at {time.time()}\n")
+    rerun = snakemake(workdir, configfile)
+    return Result("incremental_rerun",
+                  f"wall seconds of the workflow rerun after editing one kernel source ({edited.name}) / "
+                  f"wall seconds of the full run from scratch, {config_path(settings).relative_to(REPO)}",
+                  Goal("<=", 0.25, "<= 0.25"), samples=[rerun / full],
+                  details={"rerun_s": rerun, "full_s": full, "edited": edited.name,
+                           "rerun_jobs": _jobs(workdir)})
+
+
+def _jobs(workdir: Path) -> dict:
+    """Job counts per rule from the last snakemake log (what the run actually did)."""
+    log = (workdir / "bench-snakemake.log").read_text().splitlines()
+    counts, inside = {}, False
+    for line in log:
+        if line.startswith("job ") and "count" in line:
+            inside = True
+            continue
+        if inside:
+            parts = line.split()
+            if len(parts) != 2 or not parts[1].isdigit():
+                if counts:
+                    break
+                continue
+            counts[parts[0]] = int(parts[1])
+    return counts
