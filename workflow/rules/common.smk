@@ -80,6 +80,10 @@ def slurm_gres(wildcards):
     return peat.slurm.resources(config, _job_vendor(wildcards))["gres"]
 
 
+# CPU-only stages that still carry a {vendor} wildcard (plots, tables) use this one.
+CPU_PARTITION = peat.slurm.resources(config, None)["slurm_partition"]
+
+
 def gpu_jobs(wildcards):
     # 1 for a GPU vendor's job: the workstation profile caps these at one at a time.
     return int(_job_vendor(wildcards) in peat.slurm.GPU_VENDORS)

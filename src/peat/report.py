@@ -1,0 +1,347 @@
+"""The collated report: one self-contained HTML page per configuration, tables also as CSV.
+
+``build(files, out_dir, ...)`` sorts the files the workflow hands it (the targets of every
+stage) into sections by their place in the results tree (docs/design.md) and renders whichever
+sections have data, so the page keeps working while stages are added. Figures are embedded as
+base64 PNG, so ``index.html`` can be mailed or archived on its own. No timestamps: the same
+inputs give a byte-identical page.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from .io import PeatError, atomic_path, write_csv
+
+# Section key -> (title, caption shown when a figure has no caption file of its own).
+SECTIONS = {
+    "verdicts": ("Kernel verdicts", (
+        "One row per candidate kernel run on one model and vendor. <b>verdict</b> is the Detector's "
+        "pass/fail; <b>error model</b> is the kind of error the Analyzer's evidence looks most like "
+        "(none and reduced_precision pass; random_value, random_zero, bit_flip, periodic_lane, "
+        "block_structured, non_finite fail; crash/timeout mean the kernel did not finish); "
+        "<b>confidence</b> (0..1) is how consistently the tensors of the failing layers point to "
+        "that error model. <b>expected</b>, where given, is the ground truth of an injected error.")),
+    "golden": ("Golden training", (
+        "Training curves of the trusted golden runs that every other stage compares against. "
+        "Left: loss per optimizer step (line, training batches) and on the validation split after "
+        "each epoch (dots). Right: validation accuracy (classifiers) or perplexity (language "
+        "models) per epoch. A healthy run has a falling loss and no gaps: a gap is a non-finite "
+        "loss. The table gives the last validation point of each run.")),
+    "candidate": ("Candidate-kernel training", (
+        "Training with the candidate kernel routed into the recorded layers, compared with the "
+        "golden run step by step. Curves that leave the golden ones mean the kernel's errors "
+        "change what the model learns.")),
+    "analyze": ("Analyzer", (
+        "The Analyzer's characterization of each candidate kernel against the golden kernel on "
+        "the replayed training context: per layer and computation (forward, input gradient, "
+        "weight gradient), how many elements differ beyond the reference envelope and how the "
+        "differences are laid out. Errors inside the float32/reduced-precision envelope are "
+        "numerics; errors outside it with structure (lanes, tiles, single bits) point to a bug.")),
+    "alter": ("Checkpoint alteration", (
+        "Sensitivity of training to bit flips in a checkpoint: each cell is one kind of flip "
+        "(bit position or field) in one group of tensors, colored by how far the resumed run "
+        "ends from the unaltered one. Light cells are absorbed by training; dark cells are "
+        "flips the model does not recover from (usually exponent bits).")),
+    "sdc": ("Silent data corruption drills", (
+        "Each drill injects one fault into distributed data-parallel training and checks that "
+        "the SDC checks catch it: <b>detected</b> says whether it was caught, <b>localized</b> "
+        "whether the faulty rank was named correctly, <b>step</b> when. A drill without an "
+        "injected fault is the false-alarm control and must not be detected.")),
+    "benchmarks": ("Benchmarks", (
+        "Cost of each stage measured against its alternative in the same run (for example "
+        "playback against retraining). Ratios above 1 mean the peat stage is cheaper.")),
+}
+
+# The CSV tables written beside index.html (always, header-only when a stage has no data yet),
+# with the columns they start with; a stage's own columns follow.
+TABLES = {
+    "verdicts.csv": ["model", "vendor", "kernel", "verdict", "error_model", "confidence"],
+    "golden.csv": ["model", "vendor", "epochs", "steps", "val_loss", "val_accuracy", "val_perplexity"],
+    "alter_sensitivity.csv": ["model", "vendor"],
+    "alter_absorbed.csv": ["model", "vendor"],
+    "sdc.csv": ["model", "drill"],
+    "benchmarks.csv": ["benchmark"],
+}
+MAX_ROWS = 40
+TABLE_SECTION = {"verdicts.csv": "verdicts", "golden.csv": "golden", "alter_sensitivity.csv": "alter",
+                 "alter_absorbed.csv": "alter", "sdc.csv": "sdc", "benchmarks.csv": "benchmarks"}
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>{title}</title>
+<style>
+body {{ font-family: sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }}
+h1 {{ border-bottom: 2px solid #444; }} h2 {{ margin-top: 2em; border-bottom: 1px solid #aaa; }}
+p.caption {{ color: #333; max-width: 60em; }} p.meta {{ color: #666; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: left; }} th {{ background: #eee; }}
+tr.pass td.verdict {{ background: #d4f4d4; }} tr.fail td.verdict {{ background: #f8d0d0; }}
+figure {{ margin: 1.5em 0; }} figure img {{ max-width: 100%; border: 1px solid #ddd; }}
+figcaption {{ color: #333; max-width: 60em; }} div.wide {{ overflow-x: auto; }} nav a {{ margin-right: 1em; }}
+</style></head><body>
+<h1>{title}</h1>
+<p class="meta">Configuration <b>{name}</b>: models {models}; vendors {vendors}.
+Tables are also beside this page as CSV: {csvs}.</p>
+<nav>{nav}</nav>
+{body}
+</body></html>
+"""
+
+
+@dataclass
+class Figure:
+    path: Path
+    title: str
+    caption: str
+
+
+@dataclass
+class Section:
+    key: str
+    figures: list[Figure] = field(default_factory=list)
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # CSV name -> table
+
+    def empty(self) -> bool:
+        return not self.figures and not any(len(t) for t in self.tables.values())
+
+
+def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: list[str], vendors: list[str],
+          title: str | None = None, captions: str | Path | None = None) -> Path:
+    """Write ``out_dir/index.html`` and one CSV per table from the stage outputs ``files``.
+
+    ``captions`` is the folder of RST captions (workflow/report): a figure ``X.png`` whose
+    caption file ``X.rst`` exists gets that text, the others their section's caption.
+    """
+    out_dir = Path(out_dir)
+    paths = sorted(_expand(files))
+    sections = {key: Section(key) for key in SECTIONS}
+    for path in paths:
+        _classify(path, sections, Path(captions) if captions else None)
+    for csv_name, columns in TABLES.items():
+        table = sections[TABLE_SECTION[csv_name]].tables.get(csv_name, pd.DataFrame(columns=columns))
+        write_csv(out_dir / csv_name, table)
+    page = _render(sections, title or f"peat report - {name}", name, models, vendors)
+    with atomic_path(out_dir / "index.html") as tmp:
+        tmp.write_text(page)
+    return out_dir / "index.html"
+
+
+def _expand(files) -> set[Path]:
+    """Files, with folders (directory() outputs) replaced by the files inside them."""
+    out = set()
+    for f in map(Path, files):
+        if f.is_dir():
+            out.update(p for p in f.rglob("*") if p.is_file() and not p.name.startswith("."))
+        elif f.exists():
+            out.add(f)
+    return out
+
+
+def _parts(path: Path) -> list[str]:
+    """The path from its results/ or reports/ folder on: ['results', stage, ...]."""
+    parts = list(path.parts)
+    for anchor in ("results", "reports"):
+        if anchor in parts:
+            return parts[len(parts) - 1 - parts[::-1].index(anchor):]
+    return parts
+
+
+def _classify(path: Path, sections: dict[str, Section], captions: Path | None) -> None:
+    parts = _parts(path)
+    if len(parts) < 3:
+        return
+    root, stage = parts[0], parts[1]
+    key = {"golden": "golden", "candidate": "candidate", "analyze": "analyze", "alter": "alter",
+           "sdc": "sdc", "detect": "verdicts", "benchmarks": "benchmarks"}.get(stage)
+    if key is None:
+        return
+    section = sections[key]
+    if path.suffix == ".png":
+        label = " / ".join(parts[2:-1] + [path.stem.replace("_", " ")])
+        wildcards = dict(zip(("model", "vendor", "kernel"), parts[2:-1]))
+        section.figures.append(Figure(path, label, _caption(path, stage, captions, wildcards)))
+    elif key == "verdicts" and path.suffix == ".json" and len(parts) == 5:
+        _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4]))
+    elif key == "golden" and path.name == "metrics.csv" and len(parts) == 5:
+        _append(section, "golden.csv", _golden_row(path, *parts[2:4]))
+    elif key == "alter" and path.suffix == ".csv" and len(parts) == 5 and f"alter_{path.name}" in TABLES:
+        _extend(section, f"alter_{path.name}", pd.read_csv(path), model=parts[2], vendor=parts[3])
+    elif key == "sdc" and path.suffix == ".json" and len(parts) == 4:
+        _append(section, "sdc.csv", _flat_row(path, model=parts[2], drill=path.stem))
+    elif key == "benchmarks" and path.name == "results.json":
+        section.tables["benchmarks.csv"] = _benchmark_table(path)
+
+
+def _append(section: Section, csv_name: str, row: dict) -> None:
+    _extend(section, csv_name, pd.DataFrame([row]))
+
+
+def _extend(section: Section, csv_name: str, frame: pd.DataFrame, **keys) -> None:
+    """Add rows to a section table; ``keys`` become leading columns (which run they are from)."""
+    for i, (col, value) in enumerate(keys.items()):
+        if col not in frame.columns:
+            frame.insert(i, col, value)
+    table = section.tables.get(csv_name)
+    section.tables[csv_name] = frame if table is None else pd.concat([table, frame], ignore_index=True)
+
+
+def _load_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PeatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def _verdict_row(path: Path, model: str, vendor: str) -> dict:
+    data = _load_json(path)
+    if "verdict" not in data:
+        raise PeatError(f"{path}: missing key 'verdict' (not a detector result?)")
+    row = {"model": model, "vendor": vendor, "kernel": path.stem, "verdict": data["verdict"],
+           "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan"))}
+    for extra in ("expected", "error", "ground_truth"):
+        if extra in data and not isinstance(data[extra], (dict, list)):
+            row["expected"] = data[extra]
+    return row
+
+
+def _golden_row(path: Path, model: str, vendor: str) -> dict:
+    metrics = pd.read_csv(path)
+    val = metrics[metrics["split"] == "val"]
+    last = val.iloc[-1] if len(val) else metrics.iloc[-1]
+    return {"model": model, "vendor": vendor, "epochs": int(metrics["epoch"].max()),
+            "steps": int((metrics["split"] == "train").sum()), "val_loss": last["loss"],
+            "val_accuracy": last["accuracy"], "val_perplexity": last["perplexity"]}
+
+
+def _flat_row(path: Path, **keys) -> dict:
+    """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
+    data = _load_json(path)
+    scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
+    return {**keys, **scalars}
+
+
+def _benchmark_table(path: Path) -> pd.DataFrame:
+    data = _load_json(path)
+    items = data.get("benchmarks", data) if isinstance(data, dict) else data
+    if isinstance(items, dict):
+        items = [{"benchmark": k, **(v if isinstance(v, dict) else {"value": v})} for k, v in items.items()]
+    rows = [{k: v for k, v in item.items() if not isinstance(v, (dict, list))} for item in items if isinstance(item, dict)]
+    return pd.DataFrame(rows)
+
+
+def _caption(path: Path, stage: str, captions: Path | None, wildcards: dict) -> str:
+    """The figure's own RST caption (``X.rst``, ``<stage>_X.rst`` or, for ``X3.png``, ``X.rst``) as text; the
+    section's caption above the figures covers the others."""
+    if captions is not None:
+        for stem in (path.stem, f"{stage}_{path.stem}", re.sub(r"\d+$", "", path.stem).rstrip("_")):
+            rst = captions / f"{stem}.rst"
+            if rst.is_file():
+                return html.escape(_plain(rst.read_text(), wildcards))
+    return ""
+
+
+def _plain(rst: str, wildcards: dict) -> str:
+    """Enough of RST -> text for a caption: fill in Snakemake's Jinja placeholders for the
+    wildcards, drop markup characters and join lines."""
+    text = re.sub(r"\{\{\s*snakemake\.wildcards\.(\w+)\s*\}\}", lambda m: wildcards.get(m[1], m[1]), rst)
+    text = re.sub(r"\{\{[^}]*\}\}", "", text)
+    text = re.sub(r":[a-z]+:`([^`]*)`", r"\1", text)
+    text = text.replace("**", "").replace("``", "")
+    return " ".join(text.split())
+
+
+def _img(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _table_html(name: str, table: pd.DataFrame) -> str:
+    if name == "verdicts.csv":
+        return _verdict_html(table)
+    note = ""
+    if len(table) > MAX_ROWS:  # tidy tables of whole studies: the CSV has them all
+        note = f'<p class="meta">First {MAX_ROWS} of {len(table)} rows; all in <a href="{name}">{name}</a>.</p>'
+        table = table.head(MAX_ROWS)
+    table = table.map(_cell)
+    return (f'<div class="wide"><p class="meta">{name}</p>'
+            + table.to_html(index=False, border=0, table_id=name.removesuffix(".csv"), escape=True) + note + "</div>")
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and value != value):  # JSON null, NaN: blank
+        return ""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _verdict_html(table: pd.DataFrame) -> str:
+    cols = list(table.columns)
+    head = "".join(f"<th>{html.escape(c.replace('_', ' '))}</th>" for c in cols)
+    rows = []
+    for rec in table.to_dict("records"):
+        cells = "".join(
+            f'<td class="{c}">{html.escape(f"{v:.3f}" if isinstance(v, float) else str(v))}</td>' for c, v in rec.items()
+        )
+        rows.append(f'<tr class="{html.escape(str(rec["verdict"]))}">{cells}</tr>')
+    return f'<table id="verdicts"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+
+
+def _render(sections: dict[str, Section], title: str, name: str, models, vendors) -> str:
+    body, nav, csvs = [], [], []
+    for key, section in sections.items():
+        heading, caption = SECTIONS[key]
+        if section.empty():
+            if key == "verdicts":
+                body.append(f'<h2 id="verdicts-section">{heading}</h2><p class="caption">No candidate '
+                            "kernels in this configuration (config key 'kernels').</p>")
+            continue
+        nav.append(f'<a href="#{key}-section">{heading}</a>')
+        body.append(f'<section id="{key}-section"><h2>{heading}</h2><p class="caption">{caption}</p>')
+        for csv_name, table in section.tables.items():
+            csvs.append(f'<a href="{csv_name}">{csv_name}</a>')
+            body.append(_table_html(csv_name, table))
+        for fig in section.figures:
+            body.append(f'<figure><img src="{_img(fig.path)}" alt="{html.escape(fig.title)}">'
+                        f"<figcaption><b>{html.escape(fig.title)}.</b> {fig.caption}</figcaption></figure>")
+        body.append("</section>")
+    return PAGE.format(title=html.escape(title), name=html.escape(name), models=html.escape(", ".join(models)),
+                       vendors=html.escape(", ".join(vendors)), csvs=", ".join(csvs) or "none yet",
+                       nav="".join(nav), body="\n".join(body))
+
+
+# -- golden training curves (one figure per run, also flagged for Snakemake's report) -----------
+def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str, dpi: int = 80) -> Path:
+    """Loss per step (train line, val dots) and the validation metric per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    metrics = pd.read_csv(metrics_csv)
+    if not {"step", "epoch", "split", "loss"} <= set(metrics.columns):
+        raise PeatError(f"{metrics_csv}: needs columns step, epoch, split, loss (not a training metrics file?)")
+    train, val = metrics[metrics["split"] == "train"], metrics[metrics["split"] == "val"]
+    text = "perplexity" in val and val["perplexity"].notna().any()
+    metric = "perplexity" if text else "accuracy"
+    with sns.axes_style("whitegrid"):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2), dpi=dpi)
+        left.plot(train["step"], train["loss"], lw=1, label="train (per step)")
+        left.plot(val["step"], val["loss"], "o", label="validation (per epoch)")
+        left.set(xlabel="optimizer step", ylabel="loss", title="loss")
+        left.legend(fontsize="small")
+        right.plot(val["epoch"], val[metric], "o-", color="C1")
+        right.set(xlabel="epoch", ylabel=f"validation {metric}", title=f"validation {metric}")
+        right.xaxis.get_major_locator().set_params(integer=True)
+        fig.suptitle(title)
+        fig.tight_layout()
+        with atomic_path(out_png) as tmp:
+            fig.savefig(tmp, format="png", metadata={"Software": None})
+        plt.close(fig)
+    return Path(out_png)
