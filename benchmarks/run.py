@@ -47,8 +47,8 @@ class Settings:
 # run: the full workflow run goes first, since incremental_rerun reuses it and context_storage
 # reads its golden runs. results.json lists them in the order (figures.ORDER).
 BENCHMARKS = {
-    "end_to_end": "workflow:end_to_end",
-    "incremental_rerun": "workflow:incremental_rerun",
+    "end_to_end": "workflow_runs:end_to_end",
+    "incremental_rerun": "workflow_runs:incremental_rerun",
     "profiler_overhead": "training:profiler_overhead",
     "context_storage": "training:context_storage",
     "kernel_interface_overhead": "training:kernel_interface_overhead",

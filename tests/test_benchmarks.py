@@ -1,0 +1,103 @@
+"""Smoke run of the benchmark target (so it cannot rot) and the harness's pairing rules.
+
+Nothing here asserts that a goal is met: timings on a shared machine are not test material.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import harness  # noqa: E402
+import run as bench_run  # noqa: E402
+
+ENTRY_KEYS = {"name", "measured_as", "repeats", "median", "min", "max", "goal", "met", "samples", "unit"}
+MACHINE_KEYS = {"cores", "torch", "device", "python", "platform"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--repeats", "1", "--out", str(out),
+           "--only", "kernel_interface_overhead", "checkpoint_alteration"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out
+
+
+def test_smoke_run_writes_schema_and_figures(smoke):
+    results = json.loads((smoke / "results.json").read_text())
+    assert MACHINE_KEYS <= set(results["machine"])
+    assert results["machine"]["quick"] is True
+    names = [e["name"] for e in results["benchmarks"]]
+    assert names == ["kernel_interface_overhead", "checkpoint_alteration"]  # the issue's order
+    for entry in results["benchmarks"]:
+        assert "error" not in entry, entry.get("error")
+        assert ENTRY_KEYS <= set(entry)
+        assert entry["repeats"] == len(entry["samples"]) >= 1
+        for value in (*entry["samples"], entry["median"], entry["min"], entry["max"]):
+            assert math.isfinite(value) and value > 0
+        assert entry["min"] <= entry["median"] <= entry["max"]
+        assert isinstance(entry["met"], bool)
+        assert (smoke / f"{entry['name']}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_alteration_sweep_covers_the_grid(smoke):
+    entry = json.loads((smoke / "results.json").read_text())["benchmarks"][1]
+    sweep = entry["details"]["sweep"]
+    assert {(r["mb"], r["flips"]) for r in sweep} == {(4, 1000), (4, 100000), (40, 1000), (40, 100000)}
+    assert all(r["done"] == r["flips"] and r["flips_per_s"] > 0 and r["mb_per_s"] > 0 for r in sweep)
+    # The goal's cell is the 40 MB / 100,000 flips one.
+    goal_cells = [r["seconds_beyond_copy"] for r in sweep if r["mb"] == 40 and r["flips"] == 100000]
+    assert entry["samples"] == goal_cells
+
+
+def test_only_merges_into_existing_results(smoke, tmp_path):
+    existing = json.loads((smoke / "results.json").read_text())
+    (tmp_path / "results.json").write_text(json.dumps(existing))
+    # A stage that cannot be resolved is reported in its entry; the others survive.
+    bench_run.BENCHMARKS["playback_efficiency"] = "stages:no_such_benchmark"
+    try:
+        entry = bench_run.run_one("playback_efficiency", bench_run.Settings(quick=True, repeats=1, workdir=tmp_path))
+    finally:
+        bench_run.BENCHMARKS["playback_efficiency"] = "stages:playback_efficiency"
+    assert entry["error"].startswith("AttributeError") and entry["met"] is False and entry["repeats"] == 0
+    import figures
+
+    figures.write(tmp_path, existing["machine"], [entry], merge=True)
+    merged = json.loads((tmp_path / "results.json").read_text())["benchmarks"]
+    assert [e["name"] for e in merged] == ["kernel_interface_overhead", "playback_efficiency", "checkpoint_alteration"]
+    assert merged[0] == existing["benchmarks"][0]
+
+
+def test_paired_alternates_order_and_drops_warmup():
+    calls = []
+    clock = iter(range(1000))
+
+    def side(tag):
+        def f():
+            calls.append(tag)
+            next(clock)
+        return f
+
+    s, b = harness.paired(side("s"), side("b"), repeats=3, warmup=1)
+    assert calls == ["s", "b", "b", "s", "s", "b", "b", "s"]
+    assert len(s) == len(b) == 3
+
+
+def test_result_json_median_and_goal_direction():
+    low = harness.Result("x", "a / b", harness.Goal("<=", 1.1, "<= 1.1"), samples=[1.2, 1.0, 1.05])
+    entry = low.as_json()
+    assert (entry["median"], entry["min"], entry["max"], entry["repeats"], entry["met"]) == (1.05, 1.0, 1.2, 3, True)
+    high = harness.Result("y", "k / w", harness.Goal(">=", 0.5, ">= 0.5"), samples=[0.4, 0.45])
+    assert high.as_json()["met"] is False
+    failed = harness.Result("z", "a / b", harness.Goal("<=", 2.0, "<= 2"), samples=[1.0], error="broke")
+    assert failed.as_json()["met"] is False and failed.as_json()["error"] == "broke"
