@@ -184,6 +184,19 @@ def source_of(impl: str) -> str | None:
     return str(origin.relative_to(REPO)) if origin.is_relative_to(REPO) else str(origin)
 
 
+def source_files(impl: str) -> list[str]:
+    """Files whose change must rerun a kernel's jobs: its source, plus a shipped kernel's private helpers."""
+    source = source_of(impl)
+    if source is None:
+        return []
+    if impl.endswith(".py") or impl.endswith(CPP_SUFFIXES):
+        path = _resolve(impl)
+        return [str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)]
+    origin = Path(source) if Path(source).is_absolute() else REPO / source
+    helpers = sorted(p for p in origin.parent.glob("_*.py") if p.name != "__init__.py")
+    return [str(p) for p in [origin, *helpers]]
+
+
 def _resolve(path: str) -> Path:
     for base in (Path.cwd(), REPO):
         if (base / path).is_file():
@@ -479,6 +492,17 @@ def _bn_state(module, attrs: dict) -> tuple[dict, dict]:
     return state, attrs | {"momentum": momentum}
 
 
+def select(model: torch.nn.Module, op: str, layers: list[str] | None = None, key: str = "kernels.layers") -> list[str]:
+    """Names of the ``op`` layers of ``model`` matching ``layers`` (globs; default all of them)."""
+    from .profiler import match_layers, op_of
+
+    candidates = match_layers(model, layers or ["*"], key)
+    chosen = [name for name, m in candidates.items() if op_of(m) == op]
+    if not chosen:
+        raise PeatError(f"config key '{key}': {layers} matches no {op} layer; matched: {', '.join(candidates) or 'none'}")
+    return chosen
+
+
 def route(model: torch.nn.Module, kernel: Kernel, layers: list[str] | None = None,
           active: Callable[[], bool] | None = None, key: str = "kernels.layers") -> list[str]:
     """Route the chosen layers of ``model`` (globs; default all of the kernel's op) through ``kernel``.
@@ -486,13 +510,7 @@ def route(model: torch.nn.Module, kernel: Kernel, layers: list[str] | None = Non
     Other layers are untouched. ``active()``, when given, is asked at every call: False runs the
     layer's own (golden) forward, as frequency-based runtime FI needs. Returns the routed names.
     """
-    from .profiler import match_layers, op_of
-
-    candidates = match_layers(model, layers or ["*"], key)
-    chosen = [name for name, m in candidates.items() if op_of(m) == kernel.op]
-    if not chosen:
-        raise PeatError(f"config key '{key}': {layers} matches no {kernel.op} layer; matched: "
-                        f"{', '.join(candidates) or 'none'}")
+    chosen = select(model, kernel.op, layers, key)
     for name in chosen:
         module = model.get_submodule(name)
         module.forward = _routed_forward(module, kernel, active)

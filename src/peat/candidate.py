@@ -1,0 +1,204 @@
+"""Candidate-kernel training and frequency-based runtime FI (PEAT's RFI) for configured kernels.
+
+Both are golden training with some layers routed through a kernel (``kernels.route``):
+candidate training routes them for the whole run; RFI only during part of it (the first
+``fraction`` of the steps, or every N-th step), records the error of the kernel's output
+against golden on the same inputs at every routed call, and keeps training on the result so
+that the growth of errors over consecutive calls can be analysed. Training runs in a child
+process (``kernels.run_isolated``): a kernel that raises, segfaults or hangs gives an
+``outcome.json`` with its status instead of a failed workflow.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from . import errors, kernels
+from .io import PeatError, write_csv, write_json
+
+# Ops each architecture contains (llama normalises with RMSNorm, which is none of PEAT's ops).
+ARCH_OPS = {"resnet18": {"conv2d", "batch_norm", "linear"}, "resnet34": {"conv2d", "batch_norm", "linear"},
+            "resnet50": {"conv2d", "batch_norm", "linear"}, "mobilenet_v2": {"conv2d", "batch_norm", "linear"},
+            "efficientnet_b0": {"conv2d", "batch_norm", "linear"}, "llama": {"linear"},
+            "gpt2": {"linear", "layer_norm"}, "bert": {"linear", "layer_norm"}}
+CURVES = ("loss", "accuracy", "perplexity")
+
+
+# -- configuration ---------------------------------------------------------------------------
+def models_for(config: dict, name: str) -> list[str]:
+    """Models a configured kernel applies to: its ``models`` (default all) that contain its op."""
+    spec = config["kernels"][name]
+    wanted = spec.get("models") or list(config["models"])
+    for model in wanted:
+        if model not in config["models"]:
+            raise PeatError(f"config key 'kernels.{name}.models': unknown model {model!r}; "
+                            f"defined: {', '.join(config['models'])}")
+    return [m for m in wanted if spec["op"] in ARCH_OPS[config["models"][m]["arch"]]]
+
+
+def rfi_cases(rfi: dict) -> list[str]:
+    """Case names: ``f0.25`` (active in the first quarter of the steps), ``every4`` (every 4th step)."""
+    return [f"f{f:g}" for f in rfi.get("fractions", [])] + [f"every{n}" for n in rfi.get("every", [])]
+
+
+def check(config: dict) -> None:
+    """Cross-check the kernels, errors and rfi sections (the schema checks their shapes)."""
+    for name, spec in config.get("kernels", {}).items():
+        if spec.get("error"):
+            errors.parse(spec["error"])
+        kernels.source_of(spec.get("impl", "golden"))
+        models_for(config, name)
+    for spec in config.get("errors", []):
+        errors.parse(spec)
+    for name in config.get("rfi", {}).get("kernels", []):
+        if name not in config.get("kernels", {}):
+            raise PeatError(f"config key 'rfi.kernels': unknown kernel {name!r}; defined: "
+                            f"{', '.join(config.get('kernels', {})) or 'none'}")
+
+
+def build(name: str, spec: dict) -> kernels.Kernel:
+    """The configured kernel: ``impl`` (default golden), made faulty by ``error`` if given."""
+    kernel = kernels.load(spec.get("impl", "golden"), spec["op"], name=name)
+    if spec.get("error"):
+        kernel = errors.faulty(kernel, spec["error"], spec.get("computation", "forward"), seed=spec.get("seed", 0))
+        kernel.name = name
+    return kernel
+
+
+def target_layers(spec: dict, context: str | Path | None) -> list[str] | None:
+    """The kernel's ``layers`` globs, else the recorded layers of its op, else None (all of the op)."""
+    if spec.get("layers"):
+        return list(spec["layers"])
+    recorded = kernels.layer_ops(context, None, spec["op"]) if context else []
+    return recorded or None
+
+
+# -- runs ------------------------------------------------------------------------------------
+def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir, train_kw, schedule=None):
+    """Child process body: route, train, return (routed layers, metrics, per-call errors)."""
+    from .train import train_model
+
+    kernel = build(kernel_name, kspec)
+    routed, calls, state = [], [], {"step": 0, "epoch": 0}
+    active = schedule_predicate(schedule, state, _total_steps(spec, data_path)) if schedule else None
+
+    def prepare(model):
+        chosen = kernels.select(model, kernel.op, layers, key=f"kernels.{kernel_name}.layers")
+        for layer in chosen:  # one kernel per layer under RFI, so each call's error names its layer
+            routed_kernel = kernel if schedule is None else monitored(kernel, layer, calls, state)
+            kernels.route(model, routed_kernel, [layer], active=active)
+        routed.extend(chosen)
+
+    def before_step(step, epoch):
+        state.update(step=step, epoch=epoch)
+
+    metrics = train_model(name, spec, data_path, out_dir, prepare_model=prepare, before_step=before_step,
+                          progress=False, **train_kw)
+    return routed, metrics, pd.DataFrame(calls)
+
+
+def _total_steps(spec: dict, data_path) -> int:
+    from .data import load
+
+    data = load(data_path)
+    n = len(data.train.y) if spec.get("max_train_samples") is None else min(len(data.train.y), spec["max_train_samples"])
+    return (n // spec.get("batch_size", 32)) * spec["epochs"]
+
+
+def schedule_predicate(schedule: str, state: dict, total_steps: int):
+    """``active()`` for an RFI case name: ``f<fraction>`` or ``every<N>``."""
+    if schedule.startswith("every"):
+        period = int(schedule[5:])
+        return lambda: state["step"] % period == 0
+    last = max(1, round(float(schedule[1:]) * total_steps))
+    return lambda: state["step"] < last
+
+
+def monitored(kernel: kernels.Kernel, layer: str, rows: list, state: dict) -> kernels.Kernel:
+    """``kernel`` that also compares each output with golden on the same inputs, one row per call."""
+    golden = kernels.golden(kernel.op)
+    counters = dict.fromkeys(kernels.COMPUTATIONS, 0)
+
+    def wrap(computation):
+        func, reference = kernel.computation(computation), golden.computation(computation)
+
+        def run(*args, **kwargs):
+            clones = {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            with torch.no_grad():
+                ref = reference(*args, **clones)  # clones: golden batch norm must not update stats twice
+                rows.append({"step": state["step"], "epoch": state["epoch"], "layer": layer,
+                             "computation": computation, "call": counters[computation], **error_scores(out, ref)})
+            counters[computation] += 1
+            return out
+
+        return run
+
+    return kernels.Kernel(name=kernel.name, op=kernel.op, custom=kernel.custom, source=kernel.source,
+                          **{c: wrap(c) for c in kernels.COMPUTATIONS})
+
+
+def error_scores(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """PEAT's scores of one call's error: max, mean, mean of the top 10%, variance; plus non-finite count."""
+    diff = (out.detach().double() - ref.detach().double()).abs().flatten()
+    finite = diff[torch.isfinite(diff)]
+    top = torch.topk(finite, max(1, finite.numel() // 10)).values if finite.numel() else finite
+    stat = (lambda f: float(f(finite))) if finite.numel() else (lambda f: float("nan"))
+    return {"max": stat(torch.max), "mean": stat(torch.mean), "top10": float(top.mean()) if top.numel() else float("nan"),
+            "var": stat(lambda t: t.var(unbiased=False)), "nonfinite": int(diff.numel() - finite.numel()),
+            "changed": int((diff != 0).sum())}
+
+
+def compare(golden: pd.DataFrame, candidate: pd.DataFrame | None) -> pd.DataFrame:
+    """Golden and candidate curves side by side (train steps and validation points) with differences."""
+    keys = ["step", "epoch", "split"]
+    base = golden[keys + list(CURVES)]
+    if candidate is None or candidate.empty:
+        candidate = pd.DataFrame(columns=keys + list(CURVES))
+    merged = base.merge(candidate[keys + list(CURVES)], on=keys, how="left", suffixes=("_golden", "_candidate"))
+    for curve in CURVES:
+        merged[f"{curve}_diff"] = merged[f"{curve}_candidate"].astype(float) - merged[f"{curve}_golden"]
+    return merged
+
+
+def _summary(frame: pd.DataFrame) -> dict:
+    val = frame[frame["split"] == "val"]
+    last = val.iloc[-1] if len(val) else None
+    out = {"max_abs_loss_diff": float(frame["loss_diff"].abs().max())}
+    if last is not None:
+        out |= {f"final_val_{c}_{w}": float(last[f"{c}_{w}"]) for c in ("loss", "accuracy") for w in ("golden", "candidate")}
+    out["nonfinite_loss"] = bool(frame["loss_candidate"].isna().any() and not frame["loss_golden"].isna().any())
+    return out
+
+
+def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_path, golden_dir, out_dir, *,
+                    vendor: str = "cpu", seed: int = 0, threads: int = 1, init=None, config_hash: str = "",
+                    schedule: str | None = None) -> dict:
+    """Candidate training (``schedule`` None) or one RFI case; writes outcome.json and compare.csv."""
+    out_dir, golden_dir = Path(out_dir), Path(golden_dir)
+    # A rerun means the kernel changed: never resume from what an older version left behind.
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    layers = target_layers(kspec, golden_dir / "context.h5")
+    record = {"model": model, "vendor": vendor, "kernel": kernel_name, "op": kspec["op"],
+              "impl": kspec.get("impl", "golden"), "error": kspec.get("error"), "schedule": schedule,
+              "layers_requested": layers}
+    train_kw = dict(vendor=vendor, seed=seed, threads=threads, init=init, config_hash=config_hash,
+                    record=schedule is None)
+    outcome = kernels.run_isolated(_routed_training, model, spec, kernel_name, kspec, layers, data_path, out_dir,
+                                   train_kw, schedule, timeout=kspec.get("train_timeout", 3600))
+    routed, metrics, calls = outcome.value if outcome.ok else ([], None, pd.DataFrame())
+    frame = compare(pd.read_csv(golden_dir / "metrics.csv"), metrics)
+    write_csv(out_dir / "compare.csv", frame)
+    if schedule is not None:
+        write_csv(out_dir / "calls.csv", calls if not calls.empty else pd.DataFrame(columns=CALL_COLUMNS))
+    record |= outcome.record() | {"layers": routed} | _summary(frame)
+    write_json(out_dir / "outcome.json", record)
+    return record
+
+
+CALL_COLUMNS = ["step", "epoch", "layer", "computation", "call", "max", "mean", "top10", "var", "nonfinite", "changed"]
