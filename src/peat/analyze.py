@@ -1,0 +1,226 @@
+"""PEAT's Analyzer: how a kernel's errors behave across layers, iterations and error models.
+
+Reads one playback table (``peat.playback``) and the context's per-step summaries and writes:
+
+- ``layers.csv``: per case x computation x layer x observing point, mean and std over
+  iterations of every score;
+- ``summary.json``: PEAT's [xmin, xmax] (range over layers of the per-layer mean top-10 %
+  error) and [rmin, rmax] (same for the error variance) per case and computation; Spearman
+  correlations of the top-10 % error with the mean and variance of the layer's weights and
+  output activations; the pattern across repeated blocks (layers equal up to block indices);
+  forward against backward (input and weight gradient) errors;
+- seaborn figures: score against iteration per layer, per-layer distributions per error
+  model, a layer x iteration heatmap, bit-position histograms and spatial error maps.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from .detect import json_safe  # noqa: E402
+from .io import atomic_path, open_h5, write_csv, write_json  # noqa: E402
+
+SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
+KEYS = ["case", "computation", "layer", "fop", "tensor"]
+FIGURES = ("score_vs_iteration", "distributions", "heatmap", "bits", "spatial")
+
+
+def _ok(table: pd.DataFrame) -> pd.DataFrame:
+    return table[table["error"].isna()] if "error" in table else table
+
+
+def per_layer(table: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std over iterations of each score, per case x computation x layer x observing point."""
+    grouped = _ok(table).groupby(KEYS, sort=True)[list(SCORES)]
+    out = grouped.agg(["mean", "std"])
+    out.columns = [f"{score}_{stat}" for score, stat in out.columns]
+    out["iterations"] = grouped.size()
+    return out.reset_index()
+
+
+def ranges(layers: pd.DataFrame) -> list[dict]:
+    """PEAT's [xmin, xmax] of per-layer mean top-10 % error and [rmin, rmax] of error variances."""
+    out = []
+    own = layers[layers["fop"] == "output"]
+    for (case, comp), rows in own.groupby(["case", "computation"], sort=True):
+        out.append({"case": case, "computation": comp,
+                    "xmin": float(rows["err_top10_mean"].min()), "xmax": float(rows["err_top10_mean"].max()),
+                    "rmin": float(rows["err_var_mean"].min()), "rmax": float(rows["err_var_mean"].max())})
+    return out
+
+
+def summaries(context: str | Path) -> pd.DataFrame:
+    """The context's per-step summaries as a wide table: layer, step, W_mean, W_var, act_mean, act_var."""
+    with open_h5(context) as f:
+        rows = pd.DataFrame(f["summaries"][()]) if "summaries" in f else pd.DataFrame()
+    if rows.empty:
+        return pd.DataFrame(columns=["layer", "step"])
+    rows["layer"] = rows["layer"].str.decode("utf-8")
+    rows["tensor"] = rows["tensor"].str.decode("utf-8")
+    rows["var"] = rows["std"] ** 2
+    wide = rows[rows["tensor"].isin(["W", "act"])].pivot_table(index=["layer", "step"], columns="tensor",
+                                                              values=["mean", "var"])
+    wide.columns = [f"{tensor}_{stat}" for stat, tensor in wide.columns]
+    return wide.reset_index()
+
+
+def spearman(table: pd.DataFrame, context_summaries: pd.DataFrame) -> list[dict]:
+    """Spearman correlation of the top-10 % error with weight/activation mean and variance."""
+    own = _ok(table)
+    own = own[own["fop"] == "output"].merge(context_summaries, on=["layer", "step"], how="inner")
+    out = []
+    for (case, comp), rows in own.groupby(["case", "computation"], sort=True):
+        for column in [c for c in ("W_mean", "W_var", "act_mean", "act_var") if c in rows]:
+            pair = rows[["err_top10", column]].replace([np.inf, -np.inf], np.nan).dropna()
+            if len(pair) < 3 or pair[column].nunique() < 2 or pair["err_top10"].nunique() < 2:
+                continue
+            rho, p = stats.spearmanr(pair["err_top10"], pair[column])
+            out.append({"case": case, "computation": comp, "against": column, "rho": float(rho),
+                        "p": float(p), "points": int(len(pair))})
+    return out
+
+
+def block_role(layer: str) -> str:
+    """A layer's role in a repeated block: its name with block indices replaced by '*'."""
+    return re.sub(r"(?<=\.)\d+(?=\.)|(?<=^)\d+(?=\.)|(?<=layer)\d+", "*", layer)
+
+
+def repeated_blocks(layers: pd.DataFrame) -> list[dict]:
+    """For layers repeated across blocks: each block's mean top-10 % error and their spread."""
+    own = layers[(layers["fop"] == "output") & (layers["case"] == "kernel")].copy()
+    own["role"] = own["layer"].map(block_role)
+    out = []
+    for (role, comp), rows in own.groupby(["role", "computation"], sort=True):
+        if rows["layer"].nunique() < 2:
+            continue
+        values = rows.set_index("layer")["err_top10_mean"]
+        out.append({"role": role, "computation": comp, "blocks": values.to_dict(),
+                    "cv": float(values.std() / values.mean()) if values.mean() else 0.0})
+    return out
+
+
+def forward_backward(layers: pd.DataFrame) -> list[dict]:
+    """Per case: median over layers of the top-10 % error of each computation, and forward / backward."""
+    own = layers[layers["fop"] == "output"]
+    out = []
+    for case, rows in own.groupby("case", sort=True):
+        med = rows.groupby("computation")["rel_top10_mean"].median().to_dict()
+        back = [med[c] for c in ("input_grad", "weight_grad") if c in med]
+        ratio = med.get("forward", np.nan) / max(back) if back and max(back) > 0 else np.nan
+        out.append({"case": case, "median_rel_top10": med, "forward_over_backward": float(ratio)})
+    return out
+
+
+def propagation(table: pd.DataFrame) -> list[dict]:
+    """Forward errors at the kernel output against the later observing points (median over steps)."""
+    own = _ok(table)
+    own = own[own["computation"] == "forward"]
+    if own.empty:
+        return []
+    med = own.groupby(["case", "layer", "fop"])["rel_top10"].median().unstack("fop")
+    return [{"case": case, "layer": layer, **{k: float(v) for k, v in row.items() if pd.notna(v)}}
+            for (case, layer), row in med.iterrows()]
+
+
+# -- figures -----------------------------------------------------------------------------------
+def _save(fig, path: Path, dpi: int) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
+    plt.close(fig)
+
+
+def _empty(path: Path, text: str, dpi: int) -> None:
+    fig, ax = plt.subplots(figsize=(5, 1.2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True)
+    _save(fig, path, dpi)
+
+
+def _log(values: pd.Series, floor: float = 1e-30) -> pd.Series:
+    return np.log10(values.astype(float).clip(lower=floor))
+
+
+def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
+    own = _ok(table)
+    own = own[own["fop"] == "output"] if len(own) else own
+    if own.empty:
+        for name in FIGURES:
+            _empty(out / f"{name}.png", "no playback rows: the context has no recorded layer of this kernel's op", dpi)
+        return
+    own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], 1e-3))
+    grid = sns.relplot(own, x="step", y="log10_err_top10", hue="case", col="layer", row="computation",
+                       kind="line", marker="o", height=2.2, aspect=1.3, facet_kws={"sharey": False})
+    grid.set_axis_labels("training step", "log10 top-10% |error|")
+    _save(grid.figure, out / "score_vs_iteration.png", dpi)
+
+    grid = sns.catplot(own, x="log10_rel_top10", y="case", col="layer", row="computation", kind="box",
+                       height=2.4, aspect=1.2, sharex=False)
+    grid.set_axis_labels("log10 top-10% error / fp32-vs-fp64 noise", "")
+    _save(grid.figure, out / "distributions.png", dpi)
+
+    kernel = own[own["case"] == "kernel"]
+    heat = kernel.pivot_table(index=["layer", "computation"], columns="step", values="log10_rel_top10")
+    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * max(1, heat.shape[1]), 0.9 + 0.35 * max(1, heat.shape[0])))
+    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": "log10 top-10% error / fp32 noise"})
+    ax.set_title("kernel under test: layer x iteration")
+    _save(fig, out / "heatmap.png", dpi)
+
+    bits = pd.DataFrame([{"case": r["case"], "bit": b, "count": int(c)}
+                         for r in own[["case", "bits"]].to_dict("records") for b, c in enumerate(r["bits"])])
+    bits = bits.groupby(["case", "bit"], as_index=False)["count"].sum()
+    grid = sns.catplot(bits, x="bit", y="count", col="case", col_wrap=4, kind="bar", height=2, aspect=1.6,
+                       sharey=False, color="steelblue")
+    grid.set_xticklabels([str(b) if b % 4 == 3 else "" for b in range(32)])
+    grid.set_axis_labels("bit (0 = mantissa LSB, 31 = sign)", "elements differing")
+    _save(grid.figure, out / "bits.png", dpi)
+    _spatial_maps(own, out / "spatial.png", dpi)
+
+
+def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int) -> None:
+    """One error map per case: the first replayed step of the first layer's forward (or first) pass."""
+    first = own.sort_values(["computation", "layer", "step"]).groupby("case", sort=True).head(1)
+    cases = first.to_dict("records")
+    cols = min(4, len(cases))
+    rows = int(np.ceil(len(cases) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 2.6 * rows), squeeze=False)
+    for ax in axes.flat[len(cases):]:
+        ax.axis("off")
+    for ax, row in zip(axes.flat, cases):
+        m = np.asarray(row["map"], dtype=float).reshape(int(row["map_rows"]), int(row["map_cols"]))
+        sns.heatmap(np.log10(m + 1e-30), ax=ax, cmap="magma", cbar=False, xticklabels=False, yticklabels=False,
+                    vmin=max(-30.0, float(np.log10(m.max() + 1e-30)) - 8))
+        ax.set_title(f"{row['case']}\n{row['layer']} {row['computation']} step {row['step']}", fontsize=7)
+        ax.set_xlabel("columns (channels)", fontsize=7)
+        ax.set_ylabel("rows", fontsize=7)
+    fig.subplots_adjust(hspace=0.6)
+    _save(fig, path, dpi)
+
+
+def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int = 80) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = per_layer(table) if len(table) else pd.DataFrame(columns=KEYS)
+    summary = {}
+    if len(table):
+        summary = {"ranges": ranges(layers), "spearman": spearman(table, summaries(context)),
+                   "repeated_blocks": repeated_blocks(layers), "forward_backward": forward_backward(layers),
+                   "propagation": propagation(table)}
+    write_csv(out / "layers.csv", layers)
+    write_json(out / "summary.json", json_safe(summary))
+    figures(table, out, dpi)
+    return summary
+
+
+def run_job(table_path: str | Path, context: str | Path, out: str | Path) -> dict:
+    """One workflow job: tables and figures of one kernel's playback table."""
+    return analyze(pd.read_parquet(table_path), context, out)

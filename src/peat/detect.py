@@ -1,0 +1,346 @@
+"""PEAT's Detector: is a kernel correct-but-different, or buggy, and what kind of bug is it?
+
+Every rule compares a candidate result with golden float32 *on the same recorded inputs*,
+against envelopes measured on those inputs, never against a fixed absolute tolerance:
+
+- fp32 envelope ``tau32 = K32 * max|golden - fp64|`` (floored at one float32 ULP of the
+  tensor's largest value): what reordering a float32 sum can do to this tensor.
+- reduced-precision envelope ``taurp = KRP * max_p max|golden_p - fp64|`` over p in fp16,
+  bf16, tf32, where ``golden_p`` is the golden op on operands rounded to p.
+
+``S`` is the set of elements beyond ``tau32``, ``G`` those beyond ``taurp``. The classes are
+documented sufficient conditions on these sets, in the matrix view of ``peat.errors.matrix``;
+the first that holds wins (the priority order of ``CLASSES``):
+
+non_finite         candidate NaN/Inf where golden is finite.
+block_structured   >= COVER of S lies in connected tiles (both sides >= 2, >= 4 elements,
+                   bounding box filled >= FILL) covering <= BLOCK_AREA of the tensor; or G
+                   covers the tensor without any other structure (one tile: the whole output).
+periodic_lane      >= COVER of S lies in columns (or rows) filled >= FILL, and those columns
+                   are one lane or share a stride >= 2.
+bit_flip           S is sparse and >= COVER of it differs from golden in 1 or 2 bits above
+                   the bits fp32 noise may touch.
+random_zero        S is sparse and >= COVER of it is exactly 0 where golden is not.
+random_value       S is sparse (any other few scattered wrong values).
+reduced_precision  S is dense and unstructured but G is empty: every error is within the
+                   measured fp16/bf16/tf32 rounding envelope.
+none               S is empty: within float32 reordering noise.
+When S is dense and G is not empty, the rules are applied to G instead of S.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import ndimage
+
+from .errors import matrix
+from .io import PeatError, write_json
+from .scores import abs_error, popcount
+
+CLASSES = ("non_finite", "block_structured", "periodic_lane", "bit_flip", "random_zero", "random_value",
+           "reduced_precision", "none")
+BUGS = CLASSES[:6]
+PRECISIONS = ("fp16", "bf16", "tf32")
+EPS32 = 2.0 ** -23
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Calibration of the rules (multiples of measured envelopes and shape fractions)."""
+
+    k32: float = 8.0            # fp32 envelope: multiple of the measured max fp32-vs-fp64 error
+    krp: float = 4.0            # reduced-precision envelope: multiple of the worst fp16/bf16/tf32 error
+    sparse: float = 0.01        # "a few elements": at most this fraction of the tensor (and >= 1 element)
+    fill: float = 0.5           # a tile / lane counts when this fraction of it is wrong
+    cover: float = 0.9          # a shape explains S when it holds this fraction of S
+    block_area: float = 0.5     # tiles covering more than this of the tensor are not "confined"
+    accept_reduced_precision: bool = True
+
+
+# -- evidence of one tensor ------------------------------------------------------------------
+def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
+              rules: Rules = Rules()) -> dict:
+    """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs."""
+    ref = reference.double()
+    absmax = float(torch.nan_to_num(golden.double().abs(), posinf=0.0).max()) if golden.numel() else 0.0
+    noise32 = _finite_max((golden.double() - ref).abs())
+    rp = {p: _finite_max((t.double() - ref).abs()) for p, t in rounded.items()}
+    tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
+    taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
+    return {"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32, "taurp": taurp}
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    if t.numel() == 0:
+        return 0.0
+    top = float(t.max())
+    if math.isfinite(top):  # the common case, without a masked copy
+        return top
+    t = t[torch.isfinite(t)]
+    return float(t.max()) if t.numel() else 0.0
+
+
+def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules = Rules(),
+             diff: torch.Tensor | None = None) -> dict:
+    """Scalar features the rules use, for one candidate tensor against golden.
+
+    ``diff`` is |candidate - golden| (``peat.scores.abs_error``) when already computed. The
+    shape of the gross set G is only worked out when the rules can need it.
+    """
+    diff = abs_error(candidate, golden) if diff is None else diff
+    finite_golden = torch.isfinite(golden)
+    out = {"numel": candidate.numel(), "nonfinite": int((~torch.isfinite(candidate) & finite_golden).sum()),
+           "err_over_tau32": _finite_max(diff) / env["tau32"], "err_over_taurp": _finite_max(diff) / env["taurp"]}
+    over32, gross = diff > env["tau32"], diff > env["taurp"]
+    out["n32"], out["ngross"] = int(over32.sum()), int(gross.sum())
+    out |= {f"s_{k}": v for k, v in shape(over32, candidate, golden, env, rules).items()}
+    needs_gross = out["ngross"] > 0 and out["n32"] > 0 and _shape_class(out, "s_", rules) is None
+    out |= {f"g_{k}": v for k, v in shape(gross if needs_gross else gross[:0], candidate, golden, env, rules).items()}
+    out["g_n"] = out["ngross"]
+    return out
+
+
+def shape(mask: torch.Tensor, candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules) -> dict:
+    """How the wrong elements ``mask`` are laid out and what they look like."""
+    n = int(mask.sum())
+    out = {"n": n, "sparse": 0 < n <= max(1, rules.sparse * mask.numel()), "block_cover": 0.0, "block_area": 0.0,
+           "block_tiles": 0, "lane_cover": 0.0, "lane_stride": 0, "lane_axis": "", "zero_frac": 0.0,
+           "bit_frac": 0.0, "inrange_frac": 0.0}
+    if n == 0 or mask.numel() == 0:
+        return out
+    m = matrix(mask).numpy()
+    if n * rules.cover <= rules.block_area * m.size:  # else no tiles within block_area can explain S
+        out |= _blocks(m, rules)
+    out |= _lanes(m, rules)
+    if not out["sparse"]:
+        return out
+    c, g = candidate[mask], golden[mask]
+    out["zero_frac"] = float(((c == 0) & (g != 0)).double().mean())
+    out["bit_frac"] = float(_few_bits(c, g, env["tau32"]).double().mean())
+    fin = golden[torch.isfinite(golden)]
+    if fin.numel():
+        out["inrange_frac"] = float(((c >= fin.min()) & (c <= fin.max())).double().mean())
+    return out
+
+
+def _blocks(m: np.ndarray, rules: Rules) -> dict:
+    labels, count = ndimage.label(m, structure=np.ones((3, 3)))
+    n = int(m.sum())
+    # Tiles (>= 4 elements each) holding COVER of S leave at most this many components.
+    if count > (1 - rules.cover) * n + rules.cover * n / 4:
+        return {"block_cover": 0.0, "block_area": 0.0, "block_tiles": 0}
+    rows, cols = np.nonzero(labels)
+    comp = pd.DataFrame({"label": labels[rows, cols], "row": rows, "col": cols}).groupby("label")
+    box = comp.agg(r0=("row", "min"), r1=("row", "max"), c0=("col", "min"), c1=("col", "max"), size=("row", "size"))
+    height, width = box["r1"] - box["r0"] + 1, box["c1"] - box["c0"] + 1
+    tiles = box[(height >= 2) & (width >= 2) & (box["size"] >= 4) & (box["size"] >= rules.fill * height * width)]
+    area = float((height * width)[tiles.index].sum())
+    return {"block_cover": float(tiles["size"].sum() / len(rows)), "block_area": area / m.size,
+            "block_tiles": int(len(tiles))}
+
+
+def _lanes(m: np.ndarray, rules: Rules) -> dict:
+    best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
+    for axis, view in (("col", m), ("row", m.T)):
+        rows, cols = view.shape
+        if rows < 2 or cols < 2:
+            continue
+        fill = view.sum(0) / rows
+        lanes = np.flatnonzero(fill >= rules.fill)
+        if len(lanes) == 0:
+            continue
+        stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else cols
+        if stride < 2:
+            continue
+        cover = float(view[:, lanes].sum() / view.sum())
+        if cover > best["lane_cover"]:
+            best = {"lane_cover": cover, "lane_stride": stride, "lane_axis": axis}
+    return best
+
+
+def _few_bits(c: torch.Tensor, g: torch.Tensor, tau32: float) -> torch.Tensor:
+    """Elements that differ from golden in 1 or 2 bits above those fp32 noise can reach."""
+    xor = (c.float().view(torch.int32) ^ g.float().view(torch.int32)).long() & 0xFFFFFFFF
+    _, exponent = torch.frexp(g.float())
+    ulp = torch.ldexp(torch.ones_like(g, dtype=torch.float64), exponent.long() - 24)
+    low = torch.clamp(torch.floor(torch.log2(tau32 / ulp)), 0, 23).long()
+    high = xor & ~(torch.bitwise_left_shift(torch.ones_like(low), low) - 1)
+    bits = popcount(high)
+    return (bits >= 1) & (bits <= 2)
+
+
+# -- rules ---------------------------------------------------------------------------------------
+def _shape_class(f: dict, prefix: str, rules: Rules) -> tuple[str, float] | None:
+    if f[f"{prefix}block_cover"] >= rules.cover and 0 < f[f"{prefix}block_area"] <= rules.block_area:
+        return "block_structured", f[f"{prefix}block_cover"]
+    if f[f"{prefix}lane_cover"] >= rules.cover:
+        return "periodic_lane", f[f"{prefix}lane_cover"]
+    if f[f"{prefix}sparse"]:
+        if f[f"{prefix}bit_frac"] >= rules.cover:
+            return "bit_flip", f[f"{prefix}bit_frac"]
+        if f[f"{prefix}zero_frac"] >= rules.cover:
+            return "random_zero", f[f"{prefix}zero_frac"]
+        return "random_value", 1.0 - max(f[f"{prefix}bit_frac"], f[f"{prefix}zero_frac"])
+    return None
+
+
+def classify(f: dict, rules: Rules = Rules()) -> tuple[str, float]:
+    """(class, confidence in 0..1) of one tensor's evidence ``f`` (a dict or a table row)."""
+    if f["nonfinite"] > 0:
+        return "non_finite", 1.0
+    if f["n32"] == 0:
+        return "none", float(np.clip(1.0 - f["err_over_tau32"], 0.0, 1.0))
+    found = _shape_class(f, "s_", rules)
+    if found:
+        return found
+    if f["ngross"] == 0:
+        return "reduced_precision", float(np.clip(1.0 - f["err_over_taurp"], 0.0, 1.0))
+    return _shape_class(f, "g_", rules) or ("block_structured", float(f["g_n"] / f["numel"]))
+
+
+def passes(error_model: str, rules: Rules = Rules()) -> bool:
+    return error_model == "none" or (error_model == "reduced_precision" and rules.accept_reduced_precision)
+
+
+def worst(classes) -> str:
+    """The first class in priority order among ``classes`` ("none" if empty)."""
+    present = set(classes)
+    return next((c for c in CLASSES if c in present), "none")
+
+
+# -- baselines -------------------------------------------------------------------------------------
+def allclose(candidate: torch.Tensor, golden: torch.Tensor) -> bool:
+    """``torch.allclose`` with its default tolerances (rtol=1e-5, atol=1e-8), the usual unit test."""
+    return bool(torch.allclose(candidate.float(), golden.float()))
+
+
+def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
+    """PEAT's published rules of thumb on one kernel's FIP=FOP rows (per layer and computation).
+
+    Conv/linear: a correct kernel's top-10 % error (relative to fp64 noise, log10) varies by
+    less than 1 decade across iterations; RV/RZ-like bugs swing more. BN/LN: zero-like bugs
+    keep a high floor of error variance: log10 of the variance relative to fp64 noise above
+    10 at every iteration. Any non-finite value also fails.
+    """
+    failed = []
+    for (layer, comp, op), rows in table.groupby(["layer", "computation", "op"], sort=True):
+        top = np.log10(np.maximum(rows["rel_top10"].to_numpy(float), 1.0))
+        var = np.log10(np.maximum(rows["rel_var"].to_numpy(float), 1.0))
+        swing = float(np.nanmax(top) - np.nanmin(top)) if len(top) else 0.0
+        bad = (rows["nonfinite"] > 0).any() or not np.isfinite(top).all()
+        bad = bad or (swing > 1.0 if op in ("linear", "conv2d") else bool(np.nanmin(var) > 10.0))
+        if bad:
+            failed.append({"layer": layer, "pass": comp, "log10_top10_swing": swing,
+                           "log10_var_floor": float(np.nanmin(var)) if len(var) else 0.0})
+    return {"verdict": "fail" if failed else "pass", "failed": failed}
+
+
+# -- kernel verdict ------------------------------------------------------------------------------
+def verdict(table: pd.DataFrame, rules: Rules = Rules(), outcome: dict | None = None) -> dict:
+    """The Detector's JSON for one kernel from its playback rows (case == "kernel", fop == "output")."""
+    if outcome is not None and outcome.get("status", "ok") != "ok":
+        return {"verdict": "fail", "error_model": "crash" if outcome["status"] != "timeout" else "timeout",
+                "confidence": 1.0, "evidence": {"outcome": outcome}, "layers": []}
+    own = table[(table["case"] == "kernel") & (table["fop"] == "output")]
+    if own.empty:
+        raise PeatError("playback table has no rows of the kernel itself (case 'kernel', fop 'output')")
+    classes = [classify(r, rules) for r in own.to_dict("records")]
+    own = own.assign(error_model=[c for c, _ in classes], confidence=[p for _, p in classes])
+    model = worst(own["error_model"])
+    agreeing = own[own["error_model"] == model]
+    ok = passes(model, rules)
+    confidence = float(agreeing["confidence"].mean()) if ok else \
+        float(len(agreeing) / max(1, (~own["error_model"].map(lambda c: passes(c, rules))).sum()) *
+              agreeing["confidence"].mean())
+    return {"verdict": "pass" if ok else "fail", "error_model": model, "confidence": round(confidence, 6),
+            "evidence": _evidence(own, table, rules), "layers": _layers(own)}
+
+
+def _layers(own: pd.DataFrame) -> list[dict]:
+    out = []
+    for (layer, comp), rows in own.groupby(["layer", "computation"], sort=False):
+        out.append({"layer": layer, "pass": comp, "error_model": worst(rows["error_model"]),
+                    "score": float(rows["rel_top10"].median()), "steps": int(rows["step"].nunique()),
+                    "classes": rows["error_model"].value_counts().to_dict()})
+    return out
+
+
+def _evidence(own: pd.DataFrame, table: pd.DataFrame, rules: Rules) -> dict:
+    bugs = own[own["error_model"].isin(BUGS)]
+    first = bugs.iloc[0] if len(bugs) else None
+    worst_rows = own.sort_values("err_over_tau32", ascending=False).head(3)
+    ev = {
+        "rules": asdict(rules),
+        "cases": int(len(own)),
+        "classes": own["error_model"].value_counts().to_dict(),
+        "max_err_over_fp32_envelope": float(own["err_over_tau32"].max()),
+        "max_err_over_reduced_precision_envelope": float(own["err_over_taurp"].max()),
+        "median_rel_top10": float(own["rel_top10"].median()),
+        "worst_cases": worst_rows[["layer", "computation", "step", "err_over_tau32", "err_over_taurp",
+                                   "error_model"]].to_dict("records"),
+        "baselines": {
+            "allclose": {"verdict": "pass" if own["allclose"].all() else "fail",
+                         "failed_cases": int((~own["allclose"]).sum()), "rtol": 1e-5, "atol": 1e-8},
+            "peat_rule_of_thumb": peat_rule_of_thumb(own),
+        },
+    }
+    if first is not None:
+        ev["first_bug"] = {"layer": first["layer"], "computation": first["computation"], "step": int(first["step"]),
+                           "error_model": first["error_model"], "wrong_elements": int(first["s_n"])}
+    faults = table[(table["case"] != "kernel") & (table["fop"] == "output") & ~table["case"].str.startswith("ref:")]
+    if len(faults):
+        ev["pseudo_errors"] = {
+            spec: {comp: worst(classify(r, rules)[0] for r in rows.to_dict("records"))
+                   for comp, rows in by_spec.groupby("computation", sort=False)}
+            for spec, by_spec in faults.groupby("case", sort=True)}
+    return ev
+
+
+def json_safe(obj):
+    """``obj`` with NaN/inf floats replaced by None (JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def rules_from(section: dict | None) -> Rules:
+    """Rules from the config's ``detect`` section (other keys there are ignored)."""
+    names = Rules.__dataclass_fields__
+    return Rules(**{k: v for k, v in (section or {}).items() if k in names})
+
+
+def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
+    """One workflow job: the verdict JSON of one kernel from its playback table and record."""
+    rules = rules_from(section)
+    record = json.loads(Path(record_path).read_text())
+    table = pd.read_parquet(table_path)
+    outcome = record.get("outcome", {"status": "ok"})
+    if "error" in table and table["error"].notna().any():
+        bad = table[table["error"].notna()].iloc[0]
+        outcome = {"status": "crash", "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
+        table = table[table["error"].isna()]
+    if outcome.get("status", "ok") != "ok" or not table.empty:
+        result = verdict(table, rules, outcome=outcome)
+    else:
+        result = {"verdict": "pass", "error_model": "none", "confidence": 0.0, "layers": [],
+                  "evidence": {"applicable": False, "reason": f"no recorded layer of the kernel's op in "
+                                                             f"{record.get('context')}"}}
+    result["evidence"]["outcomes"] = record.get("outcomes", [])
+    result["evidence"]["timings"] = record.get("timings", {})
+    result = json_safe(result)
+    write_json(out, result)
+    print(f"detect: {result['verdict']} ({result['error_model']}, confidence {result['confidence']:.3f})")
+    return result

@@ -1,0 +1,296 @@
+"""Playback fault injection: replay a recorded training context through a kernel.
+
+For every recorded (layer, step) of the golden context, each computation of the layer
+(forward, input gradient, weight gradient) runs through:
+
+- golden float32 (PyTorch's op) and the float64 reference on the same inputs: the fp32
+  reordering noise of that tensor (``ref:fp64`` rows);
+- the golden op on operands rounded to fp16, bf16 and tf32 (``ref:fp16`` ... rows): the
+  reduced-precision envelopes the Detector calibrates against;
+- the kernel under test (``kernel`` rows) and the kernel with each configured pseudo-error
+  model injected into that computation (one row set per error spec).
+
+Fault injecting point = fault observing point gives ``fop == "output"`` rows. Forward
+passes are also observed later (``peat.propagate``): at the next recorded layer's output and
+at the loss of that step. One row per tensor per case goes to a tidy table; the time spent
+inside kernel calls is accounted apart from reading the context and scoring.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import detect, errors, kernels, scores
+from .io import PeatError, atomic_path, open_h5, write_json
+from .profiler import read_layer
+
+REFERENCES = ("fp16", "bf16", "tf32")
+ROW_BINS = 256  # the per-row error profile is summed into at most this many bins
+
+
+class Timer:
+    """Wall time per category; ``kernel`` is time inside kernel calls only."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, category: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[category] += time.perf_counter() - t0
+
+    def record(self) -> dict:
+        wall = time.perf_counter() - self.start
+        return {"wall_s": wall, **{f"{k}_s": v for k, v in sorted(self.seconds.items())},
+                "kernel_fraction": self.seconds["kernel"] / wall if wall else 0.0}
+
+
+@dataclass
+class Plan:
+    """What one playback job replays."""
+
+    context: Path
+    kernel: kernels.Kernel
+    layers: list[str] | None = None          # globs; None = every recorded layer of the kernel's op
+    errors: list[str] = field(default_factory=list)
+    computations: tuple[str, ...] = kernels.COMPUTATIONS
+    max_samples: int | None = None           # per layer, evenly spaced over the recorded steps
+    seed: int = 0
+    timeout: float = 60.0                    # first call of each custom computation runs isolated
+    expect: dict = field(default_factory=dict)  # context root attrs the workflow expects
+    meta: dict = field(default_factory=dict)    # constant columns (model, vendor, kernel)
+    propagate: object = None                    # peat.propagate.Propagator or None
+    rules: detect.Rules = detect.Rules()
+    device: torch.device = torch.device("cpu")
+
+
+# -- the context ---------------------------------------------------------------------------
+def check_context(path: str | Path, expect: dict) -> dict:
+    """Root attrs and layer ops of a context, after checking it matches what the workflow expects."""
+    with open_h5(path) as f:
+        attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+        ops = {name: str(group.attrs.get("op", "")) for name, group in f.get("layers", {}).items()}
+    for key, want in expect.items():
+        have = attrs.get(key)
+        if have is None:
+            raise PeatError(f"{path}: context has no attribute '{key}' (expected {want!r}); re-run golden training")
+        if str(have) != str(want):
+            raise PeatError(f"{path}: context {key} is {have!r} but this workflow expects {want!r}; "
+                            "re-run golden training for this config")
+    order = [str(n) for n in attrs.get("layers", [])] or sorted(ops)
+    return {"attrs": attrs, "ops": {n: ops[n] for n in order if n in ops}}
+
+
+def target_layers(path, ops: dict[str, str], op: str, globs: list[str] | None, key: str) -> list[str]:
+    """Recorded layers of ``op`` matched by ``globs`` (every one of that op when None)."""
+    of_op = [n for n, o in ops.items() if o == op]
+    if globs is None:
+        return of_op
+    chosen = []
+    for pattern in globs:
+        hits = [n for n in ops if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise PeatError(f"{path}: no recorded layer matches {pattern!r} ({key}); recorded: {', '.join(ops)}")
+        wrong = [n for n in hits if ops[n] != op]
+        if wrong and len(wrong) == len(hits):
+            raise PeatError(f"{path}: layer {wrong[0]!r} ({key}) is {ops[wrong[0]]}, the kernel is {op}")
+        chosen += [n for n in hits if ops[n] == op and n not in chosen]
+    return [n for n in of_op if n in chosen]
+
+
+def subsample(samples: list, limit: int | None) -> list:
+    if limit is None or len(samples) <= limit:
+        return samples
+    idx = np.unique(np.linspace(0, len(samples) - 1, limit).round().astype(int))
+    return [samples[i] for i in idx]
+
+
+def case_seed(seed: int, *parts) -> int:
+    """A seed per (layer, computation, spec): stable across runs and independent of job order."""
+    blob = ":".join(map(str, (seed, *parts))).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little")
+
+
+# -- one computation on one sample ------------------------------------------------------------
+def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Tensor, env: dict,
+              rules: detect.Rules, noise: dict | None = None) -> dict:
+    """Scores, detector evidence and baselines of one candidate tensor."""
+    err = scores.abs_error(candidate, golden)
+    row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err)
+    row["row_mass"] = _bins(row["row_mass"], ROW_BINS)
+    row |= env | detect.evidence(candidate, golden, env, rules, diff=err)
+    row["allclose"] = detect.allclose(candidate, golden)
+    row["error_model"], row["confidence"] = detect.classify(row, rules)
+    return row
+
+
+def _bins(values: np.ndarray, limit: int) -> np.ndarray:
+    if len(values) <= limit:
+        return values
+    edges = np.linspace(0, len(values), limit + 1).round().astype(int)
+    return np.add.reduceat(values, edges[:-1])
+
+
+def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32) -> torch.Tensor:
+    with timer("kernel"):
+        out = kernels.call(kernel, computation, sample, attrs, dtype)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+    return out.cpu()
+
+
+def references(timer: Timer, computation: str, sample: dict, attrs: dict) -> dict[str, torch.Tensor]:
+    """Golden fp32, fp64, and the golden op on operands rounded to fp16/bf16/tf32."""
+    gold = kernels.golden(attrs["op"])
+    out = {"golden": _call(timer, gold, computation, sample, attrs),
+           "fp64": _call(timer, gold, computation, sample, attrs, torch.float64)}
+    for p in REFERENCES:
+        out[p] = _call(timer, errors.faulty(gold, p, computation), computation, sample, attrs)
+    return out
+
+
+def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
+    """Run the whole campaign: the tidy table and a sidecar record (timings, outcomes, context)."""
+    timer = Timer()
+    with timer("io"):
+        info = check_context(plan.context, plan.expect)
+    op = plan.kernel.op
+    key = f"kernels.{plan.meta.get('kernel', plan.kernel.name)}.layers"
+    layers = target_layers(plan.context, info["ops"], op, plan.layers, key)
+    rows, outcomes = [], []
+    for layer in layers:
+        with timer("io"):
+            attrs, samples = read_layer(plan.context, layer)
+        samples = [_to(s, plan.device) for s in subsample(samples, plan.max_samples)]
+        for computation in plan.computations:
+            usable = [s for s in samples if kernels.TARGET[computation] in s]
+            if not usable:
+                continue
+            outcome = probe(plan, computation, usable[0], attrs)
+            outcomes.append({"layer": layer, "computation": computation, **outcome.record()})
+            if not outcome.ok:
+                continue
+            rows += _replay_layer(plan, timer, layer, computation, usable, attrs)
+    table = pd.DataFrame(rows)
+    sidecar = {"context": str(plan.context), "context_attrs": _jsonable(info["attrs"]), "layers": layers,
+               "errors": plan.errors, "max_samples": plan.max_samples, "outcomes": outcomes,
+               "outcome": _overall(outcomes), "timings": timer.record(), **plan.meta}
+    return table, sidecar
+
+
+def _to(sample: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in sample.items()}
+
+
+def probe(plan: Plan, computation: str, sample: dict, attrs: dict) -> kernels.Outcome:
+    """Run the kernel's own computation once in a child process: a crash or hang is an outcome."""
+    if computation not in plan.kernel.custom:
+        return kernels.Outcome("ok", "golden fallback")
+    expect = kernels.expected(computation, sample)
+    return kernels.run_isolated(kernels.call, plan.kernel, computation, sample, attrs, timeout=plan.timeout,
+                                expect=expect)
+
+
+def _overall(outcomes: list[dict]) -> dict:
+    bad = [o for o in outcomes if o["status"] != "ok"]
+    if not bad:
+        return {"status": "ok", "message": ""}
+    return {"status": bad[0]["status"], "message": f"{bad[0]['layer']} {bad[0]['computation']}: {bad[0]['message']}"}
+
+
+def _variants(plan: Plan, layer: str, computation: str) -> dict[str, kernels.Kernel]:
+    out = {"kernel": plan.kernel}
+    for spec in plan.errors:
+        out[spec] = errors.faulty(plan.kernel, spec, computation, seed=case_seed(plan.seed, layer, computation, spec))
+    return out
+
+
+def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, samples: list, attrs: dict) -> list:
+    rows = []
+    variants = _variants(plan, layer, computation)  # made once: stateful models see consecutive calls
+    target = kernels.TARGET[computation]
+    for sample in samples:
+        ref = references(timer, computation, sample, attrs)
+        candidates = {f"ref:{p}": ref[p] for p in (*REFERENCES, "fp64")}
+        for case, kernel in variants.items():
+            try:
+                candidates[case] = _call(timer, kernel, computation, sample, attrs)
+            except Exception as err:  # a kernel failing later than its probe: a row saying so
+                candidates[case] = torch.full_like(ref["golden"], math.nan)
+                rows.append({**plan.meta, "layer": layer, "step": sample["step"], "case": case,
+                             "error": f"{type(err).__name__}: {err}"})
+        with timer("score"):
+            env = detect.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules)
+            noise = scores.summary(scores.abs_error(ref["golden"], ref["fp64"]))
+            base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
+                    "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
+                    "golden_vs_recorded": float((ref["golden"].double() - sample[target].cpu().double()).abs().max())}
+            for case, cand in candidates.items():
+                cand = cand.float() if cand.dtype == torch.float64 else cand
+                if cand.shape != ref["golden"].shape:
+                    rows.append({**base, "case": case, "error": f"shape {tuple(cand.shape)}, expected "
+                                 f"{tuple(ref['golden'].shape)}"})
+                    continue
+                rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise)})
+        if plan.propagate is not None and computation == "forward":
+            with timer("propagate"):
+                rows += plan.propagate.rows(layer, sample, variants, base, plan.rules)
+    return rows
+
+
+def _jsonable(attrs: dict) -> dict:
+    return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in attrs.items()}
+
+
+# -- files -------------------------------------------------------------------------------------
+def write(table: pd.DataFrame, sidecar: dict, out: str | Path, sidecar_path: str | Path) -> None:
+    with atomic_path(out) as tmp:
+        table.to_parquet(tmp, index=False)
+    write_json(sidecar_path, sidecar)
+
+
+def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str | Path, out: str | Path,
+            sidecar: str | Path, *, errors_: list[str], settings: dict, rules: dict, seed: int = 0,
+            threads: int = 1, config_hash: str | None = None, propagate_from: dict | None = None) -> pd.DataFrame:
+    """One workflow job: replay ``context`` through configured kernel ``kernel_name`` (``kspec``).
+
+    The context must carry this workflow's ``config_hash`` and the running torch version.
+    ``propagate_from`` (model spec, data and checkpoint paths) enables the later observing points.
+    """
+    from .candidate import build
+    from .device import for_vendor, seed_everything
+
+    seed_everything(seed, threads)
+    device = for_vendor(vendor)
+    expect = {"model": model, "torch_version": str(torch.__version__)}
+    if config_hash is not None:
+        expect["config_hash"] = config_hash
+    plan = Plan(context=Path(context), kernel=build(kernel_name, kspec), layers=kspec.get("layers"),
+                errors=list(errors_), computations=tuple(settings.get("computations", kernels.COMPUTATIONS)),
+                max_samples=settings.get("max_samples_per_layer"), seed=seed, timeout=settings.get("timeout", 60.0),
+                expect=expect, meta={"model": model, "vendor": vendor, "kernel": kernel_name},
+                rules=detect.rules_from(rules), device=device)
+    if propagate_from is not None and settings.get("propagate", True):
+        from .propagate import Propagator
+
+        plan.propagate = Propagator(context=plan.context, device=device, samples=settings.get("propagate_samples"),
+                                    **propagate_from)
+    table, record = replay(plan)
+    write(table, record, out, sidecar)
+    print(f"playback {model}/{vendor}/{kernel_name}: {len(table)} rows, timings {record['timings']}")
+    return table

@@ -1,0 +1,173 @@
+"""Later fault observing points for playback: a forward error carried to the next recorded layer
+and to the loss of the same training step.
+
+The context holds only the recorded layers, so the rest of the network is rebuilt at the
+step being replayed, honestly and cheaply:
+
+- the model is built from its config (seeded init, plus the ``init_from`` checkpoint) and
+  loaded from the latest golden checkpoint taken at or before the step (exact at step 0 and
+  at the first step of an epoch that follows a checkpoint, approximate in between);
+- every recorded layer gets the weights recorded at that very step (exact);
+- the batch of that step is rebuilt from the dataset with the training loop's own
+  deterministic batch order (``peat.train.epoch_batches``).
+
+Golden float32, float64 and reduced-precision runs of this rebuilt network and one run per
+candidate (the kernel, or a faulty kernel, computing layer L's forward on L's live input)
+differ only in layer L, so the downstream error is the kernel's alone. How faithful the
+rebuilt network is appears as ``recon_error``: the max relative difference between L's live
+input and the input recorded at that step (0 when the rebuilt state is exact).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, errors, kernels
+from .detect import envelopes
+from .io import open_h5
+from .models import build, loss_and_metrics
+from .profiler import match_layers, read_layer
+from .train import Run, _subset, epoch_batches
+
+REFERENCES = ("fp16", "bf16", "tf32")
+
+
+@dataclass
+class Propagator:
+    context: Path
+    spec: dict
+    data: str | Path
+    checkpoints: str | Path
+    init: str | Path | None = None
+    seed: int = 0
+    samples: int | None = 2          # propagated steps per layer (evenly spaced); None = all replayed
+    device: torch.device = torch.device("cpu")
+    _state: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        from .data import load
+
+        self.dataset = load(self.data)
+        with open_h5(self.context) as f:
+            self.order = [str(n) for n in f.attrs["layers"]]
+        run = Run.from_spec(self.spec, seed=self.seed)
+        self.x, self.y = _subset(self.dataset.train, run.max_train_samples)
+        self.batch_size = run.batch_size
+        self.per_epoch = len(epoch_batches(len(self.x), self.batch_size, self.seed, 0))
+        self.saved = sorted((int(_attrs(p)["step"]), p) for p in Path(self.checkpoints).glob("epoch*.h5"))
+        self.recorded = {}
+        self.chosen: dict[str, set] = {}
+
+    # -- the rebuilt network ------------------------------------------------------------------
+    def _samples(self, layer: str) -> dict[int, dict]:
+        if layer not in self.recorded:
+            attrs, samples = read_layer(self.context, layer)
+            self.recorded[layer] = (attrs, {int(s["step"]): s for s in samples})
+        return self.recorded[layer][1]
+
+    def model_at(self, step: int) -> torch.nn.Module:
+        """The network as it was before ``step``: checkpoint weights, recorded layers exact."""
+        torch.manual_seed(self.seed)
+        model = build(self.spec, self.dataset.attrs, self.seed)
+        if self.init is not None:
+            checkpoint.load(self.init, model, skip_mismatched=True)
+        before = [p for s, p in self.saved if s <= step]
+        if before:
+            checkpoint.load(before[-1], model)
+        modules = match_layers(model, self.order)
+        for name, module in modules.items():
+            sample = self._samples(name).get(step)
+            if sample is None:
+                continue
+            with torch.no_grad():
+                w = sample["W"].t() if self.recorded[name][0].get("transposed") else sample["W"]
+                module.weight.copy_(w)
+                if sample.get("B") is not None and getattr(module, "bias", None) is not None:
+                    module.bias.copy_(sample["B"])
+                for key in ("running_mean", "running_var"):
+                    if key in sample:
+                        getattr(module, key).copy_(sample[key])
+        return model.to(self.device).train()
+
+    def batch(self, step: int, epoch: int):
+        idx = epoch_batches(len(self.x), self.batch_size, self.seed, epoch)[step - (epoch - 1) * self.per_epoch]
+        return self.x[idx].to(self.device), self.y[idx].to(self.device)
+
+    # -- one step ------------------------------------------------------------------------------
+    def wanted(self, layer: str, step: int, steps: list[int]) -> bool:
+        if layer not in self.chosen:
+            keep = steps if self.samples is None or len(steps) <= self.samples else \
+                [steps[round(i * (len(steps) - 1) / max(1, self.samples - 1))] for i in range(self.samples)]
+            self.chosen[layer] = set(keep)
+        return step in self.chosen[layer]
+
+    def observe(self, model, layer: str, nxt: str | None, x, y, replace=None) -> dict[str, torch.Tensor]:
+        """Forward one batch; return L's input, the next recorded layer's output and the loss.
+
+        ``replace(input)`` computes L's output instead of the module (a candidate kernel).
+        """
+        seen, modules = {}, dict(model.named_modules())
+
+        def at_layer(module, inputs, output):
+            seen["A"] = inputs[0].detach()
+            if replace is not None:
+                return replace(inputs[0].detach()).to(output.dtype)
+
+        def at_next(module, inputs, output):
+            seen["next"] = (output if torch.is_tensor(output) else output[0]).detach()
+
+        hooks = [modules[layer].register_forward_hook(at_layer)]
+        if nxt is not None:
+            hooks.append(modules[nxt].register_forward_hook(at_next))
+        try:
+            torch.manual_seed(self.seed)  # the same dropout masks in every run
+            with torch.no_grad():
+                loss, _ = loss_and_metrics(model, self.dataset.kind, x, y)
+        finally:
+            for h in hooks:
+                h.remove()
+        seen["loss"] = loss.detach().reshape(1)
+        return seen
+
+    def rows(self, layer: str, sample: dict, variants: dict, base: dict, rules) -> list[dict]:
+        """Playback rows at the later observing points for the forward of ``layer`` at this sample."""
+        from .playback import score_row
+
+        steps = sorted(self._samples(layer))
+        step = int(sample["step"])
+        if not self.wanted(layer, step, steps):
+            return []
+        attrs = self.recorded[layer][0]
+        nxt = self.order[self.order.index(layer) + 1] if self.order.index(layer) + 1 < len(self.order) else None
+        model = self.model_at(step)
+        x, y = self.batch(step, int(sample["epoch"]))
+        gold = self.observe(model, layer, nxt, x, y)
+        ref64 = self.observe(copy.deepcopy(model).double(), layer, nxt, x if not x.is_floating_point() else x.double(), y)
+        recon = float((gold["A"].cpu() - sample["A"]).abs().max() / sample["A"].abs().max().clamp_min(1e-30))
+
+        def through(kernel):
+            live = dict(sample)
+            return self.observe(model, layer, nxt, x, y,
+                                replace=lambda a: kernels.call(kernel, "forward", live | {"A": a}, attrs))
+
+        golden_kernel = kernels.golden(attrs["op"])
+        rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in REFERENCES}
+        runs = {**{f"ref:{p}": r for p, r in rounded.items()}, **{case: through(k) for case, k in variants.items()}}
+        out = []
+        for point in (["next", "loss"] if nxt is not None else ["loss"]):
+            g, r = gold[point].cpu(), ref64[point].cpu()
+            env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules)
+            fop, tensor = (f"next:{nxt}", "O") if point == "next" else ("loss", "loss")
+            for case, seen in runs.items():
+                out.append({**base, "fop": fop, "tensor": tensor, "case": case, "recon_error": recon,
+                            **score_row(seen[point].cpu().float(), g, r, env, rules)})
+        return out
+
+
+def _attrs(path) -> dict:
+    with open_h5(path) as f:
+        return dict(f.attrs)
