@@ -1,5 +1,32 @@
 # Silent-data-corruption drills with torchrun (issue: SDC checks).
+from peat.sdc_drill import check_config as sdc_check_config
+
+try:
+    sdc_check_config(config)
+except PeatError as err:
+    sys.exit(f"peat: {err}")
+
+
+rule sdc_drill:
+    input:
+        data=dataset_file,
+    output:
+        drills=expand(
+            "results/sdc/{{model}}/{drill}.json", drill=config["sdc"]["drills"]
+        ),
+        events=directory("results/sdc/{model}/events"),
+    log:
+        "logs/sdc/{model}.log",
+    threads: config["sdc"]["world_size"]
+    params:
+        config=config,
+    script:
+        "../scripts/sdc_drill.py"
 
 
 def sdc_targets():
-    return []
+    return expand(
+        "results/sdc/{model}/{drill}.json",
+        model=config["sdc"]["models"],
+        drill=config["sdc"]["drills"],
+    )

@@ -1,0 +1,369 @@
+"""Silent-data-corruption checks for any PyTorch DistributedDataParallel loop.
+
+Three checks, after the production recipe (non-finite gradients, ring replay audit, weight
+fingerprints), each naming the suspect rank(s) and their hosts::
+
+    ddp = DistributedDataParallel(model)
+    guard = sdc.Guard(ddp, policy="stop", events="sdc.jsonl", audit_every=50,
+                      save=lambda path: torch.save(model.state_dict(), path))
+    for step, batches in enumerate(loader):           # batches[r]: rank r's micro-batch
+        guard.begin_step(step)
+        loss_fn(ddp, batches[rank]).backward()           # the comm hook checks local gradients
+        if guard.check_gradients(replay=lambda r: loss_fn(guard.module, batches[r])):
+            optimizer.step()                             # skipped on non-finite gradients
+        guard.check_weights()
+        optimizer.zero_grad(set_to_none=True)
+
+Every rank takes the same decision from the same all-gathered data, so with policy ``stop``
+all ranks exit with ``EXIT_SDC`` together and no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from .io import PeatError
+
+EXIT_SDC = 75  # EX_TEMPFAIL: "try again later" - requeue the job on healthy nodes
+POLICIES = ("raise", "log", "stop")
+CHECKS = ("nonfinite", "audit", "fingerprint")
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class SDCError(RuntimeError):
+    """Raised by policy ``raise``; ``event`` is the alarm."""
+
+    def __init__(self, event: "Event"):
+        super().__init__(event.message())
+        self.event = event
+
+
+@dataclass
+class Event:
+    """One alarm: the same on every rank."""
+
+    step: int
+    check: str
+    suspect_ranks: list[int]
+    hosts: list[str]
+    localized: bool
+    detail: dict = field(default_factory=dict)
+    time: float = 0.0
+
+    def message(self) -> str:
+        where = "localized" if self.localized else "NOT localized"
+        return (f"silent data corruption suspected at step {self.step} by check '{self.check}': "
+                f"rank(s) {self.suspect_ranks} on node(s) {', '.join(self.hosts)} ({where})")
+
+
+# --- fingerprints -------------------------------------------------------------------------------
+
+def checksum(tensors) -> torch.Tensor:
+    """Exact integer checksum per tensor: wrap-around sum of its bits read as integers.
+
+    Any single bit flip changes the sum by +-2^k, never 0 modulo 2^(8*itemsize), so it is always
+    caught; one read pass, as cheap as a float sum.
+    """
+    sums = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        as_int = _INT_OF_SIZE[flat.element_size()]
+        sums.append(flat.view(as_int).sum(dtype=as_int).to(torch.int64))
+    if not sums:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack(sums)
+
+
+def norms(tensors) -> torch.Tensor:
+    """Float64 sum of squares per tensor, stored bit-for-bit in int64 so it travels with checksums."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([t.detach().double().square().sum() for t in tensors]).view(torch.int64)
+
+
+def fingerprints_match(a: torch.Tensor, b: torch.Tensor, tolerance: float = 0.0) -> bool:
+    """Compare two gradient fingerprints ``[checksums..., norms...]``.
+
+    ``tolerance`` 0: bit-exact (same machine, same threads, deterministic kernels). Above 0: the
+    relative difference of each tensor's norm may be up to ``tolerance`` (replay on other hardware,
+    non-deterministic GPU reductions); the checksums are then ignored.
+    """
+    if tolerance == 0:
+        return bool(torch.equal(a, b))
+    half = a.numel() // 2
+    na, nb = a[half:].view(torch.float64), b[half:].view(torch.float64)
+    if not (torch.isfinite(na).all() and torch.isfinite(nb).all()):
+        return bool(torch.equal(a, b))
+    scale = torch.maximum(na.abs(), nb.abs()).clamp_min(torch.finfo(torch.float64).tiny)
+    return bool(((na - nb).abs() / scale <= tolerance).all())
+
+
+def majority_outliers(fingerprints: list) -> tuple[list[int], bool]:
+    """Ranks outside the strict majority of identical fingerprints, and whether that localizes.
+
+    Two replicas that differ, or no strict majority, cannot say who is wrong: every rank is
+    returned and ``localized`` is False.
+    """
+    keys = [tuple(torch.as_tensor(f).tolist()) for f in fingerprints]
+    (common, count), = Counter(keys).most_common(1)
+    if count == len(keys):
+        return [], True
+    if count * 2 > len(keys):
+        return [r for r, k in enumerate(keys) if k != common], True
+    return list(range(len(keys))), False
+
+
+def ring_suspects(failed: list[tuple[int, int]], world: int) -> tuple[list[int], bool]:
+    """Localize from failed audits ``(auditor, audited)`` on the ring r -> (r+1) mod W.
+
+    A rank that computes wrongly fails the audit of its own report and its own audit of the
+    next rank; ranks in two failed audits are the suspects. A single failed audit cannot tell
+    auditor from audited (resolved by a rerun, see ``Guard``); with W=2 both audits involve both
+    ranks, so nothing can be localized.
+    """
+    if not failed:
+        return [], True
+    if world == 2:
+        return [0, 1], False
+    seen = Counter(r for pair in failed for r in pair)
+    twice = sorted(r for r, n in seen.items() if n >= 2)
+    if twice and len(twice) * 2 < world:
+        return twice, True
+    return sorted(seen), False
+
+
+def shard(indices, rank: int, world: int):
+    """Rank ``rank``'s micro-batch of a global batch: a contiguous slice any rank can rebuild."""
+    n = len(indices)
+    return indices[rank * n // world:(rank + 1) * n // world]
+
+
+def node_name() -> str:
+    """The name a scheduler knows this node by (SLURM's node name when under SLURM)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+# --- the guard ----------------------------------------------------------------------------------
+
+class Guard:
+    """The three checks on one DDP model; see the module docstring for the loop."""
+
+    def __init__(self, ddp, *, policy: str = "log", events: str | os.PathLike | None = None,
+                 audit_every: int = 0, fingerprint_every: int = 1, audit_tolerance: float = 0.0,
+                 save: Callable[[Path], None] | None = None, checkpoint: str | os.PathLike = "sdc_stop.pt",
+                 drain_marker: str | os.PathLike | None = None, group=None):
+        if policy not in POLICIES:
+            raise PeatError(f"sdc policy {policy!r} is unknown; allowed: {', '.join(POLICIES)}")
+        self.ddp, self.module, self.group = ddp, ddp.module, group
+        self.policy, self.events, self.save = policy, events, save
+        self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
+        self.audit_every, self.fingerprint_every, self.tolerance = audit_every, fingerprint_every, audit_tolerance
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.device = self.params[0].device  # nccl gathers need device tensors
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        hosts: list = [None] * self.world
+        dist.all_gather_object(hosts, node_name(), group=group)
+        self.hosts = hosts
+        self.alarms: list[Event] = []
+        self.timers: dict[str, list[float]] = {c: [] for c in CHECKS}
+        self.step = -1
+        ddp.register_comm_hook(None, self._hook)
+
+    # - per step -
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._sums: list[torch.Tensor] = []
+        self._reported: dict[int, torch.Tensor] = {}
+        self._hook_time = 0.0
+        self._auditing = self.audit_every > 0 and step % self.audit_every == 0
+        # Replays must see the random state the peer's forward saw (dropout masks).
+        self._rng = _rng_state()
+
+    def _hook(self, state, bucket):
+        t0 = time.perf_counter()
+        buf = bucket.buffer()
+        total = buf.sum()  # NaN/Inf anywhere makes the sum non-finite
+        if buf.device.type == "cpu" and not torch.isfinite(total):
+            # Only a finite overflow (|sum| > 3e38) can get here without a NaN/Inf: recheck exactly.
+            total = torch.tensor(float("nan") if not torch.isfinite(buf).all() else 0.0)
+        self._sums.append(total)
+        if self._auditing:
+            grads = bucket.gradients()
+            for p, g, c in zip(bucket.parameters(), grads, _fingerprint_parts(grads)):
+                self._reported[self._index[id(p)]] = c
+        self._hook_time += time.perf_counter() - t0
+        return allreduce_hook(state, bucket)
+
+    def check_gradients(self, replay: Callable[[int], torch.Tensor] | None = None) -> bool:
+        """After backward, before ``optimizer.step()``: exchange the non-finite flags (and run the
+        ring audit when due). Returns False when the step must be skipped (non-finite gradients).
+        """
+        t0 = time.perf_counter()
+        bad = bool(self._sums) and not bool(torch.isfinite(torch.stack(self._sums)).all())
+        auditing = self._auditing and replay is not None
+        local = [torch.tensor([int(bad)], dtype=torch.int64)]
+        if auditing:
+            local.append(self._reported_fingerprint())
+        gathered = self._all_gather(torch.cat([t.to(self.device) for t in local]), "gradient flags")
+        flags = [int(g[0]) for g in gathered]
+        self.timers["nonfinite"].append(self._hook_time + time.perf_counter() - t0)
+        if any(flags):
+            self._alarm("nonfinite", [r for r, f in enumerate(flags) if f], True, {"flags": flags})
+            return False
+        if auditing:
+            self._audit(replay, [g[1:] for g in gathered])
+        return True
+
+    def check_weights(self) -> None:
+        """After ``optimizer.step()``: compare exact weight checksums across replicas."""
+        if self.step % self.fingerprint_every:
+            return
+        t0 = time.perf_counter()
+        prints = self._all_gather(checksum(self.params), "weight fingerprints")
+        suspects, localized = majority_outliers(prints)
+        self.timers["fingerprint"].append(time.perf_counter() - t0)
+        if suspects:
+            first = next(i for i in range(len(self.params)) if len({int(p[i]) for p in prints}) > 1)
+            name = [n for n, p in self.module.named_parameters() if p.requires_grad][first]
+            detail = {"first_differing_parameter": name}
+            if not localized:
+                detail["note"] = ("two replicas: detected but cannot localize" if self.world == 2
+                                  else "no majority of identical replicas: cannot localize")
+            self._alarm("fingerprint", suspects, localized, detail)
+
+    # - ring audit -
+
+    def _reported_fingerprint(self) -> torch.Tensor:
+        zeros = torch.zeros((), dtype=torch.int64, device=self.device)
+        parts = [self._reported.get(i, (zeros, zeros)) for i in range(len(self.params))]
+        return torch.cat([torch.stack([c for c, _ in parts]), torch.stack([n for _, n in parts])])
+
+    def _audit(self, replay, reported: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        peer = (self.rank + 1) % self.world
+        mine = self._replay(replay, peer)
+        agrees = [int(v) for v in self._all_gather(
+            torch.tensor([int(fingerprints_match(mine, reported[peer], self.tolerance))], device=self.device),
+            "audit verdicts")]
+        failed = [(r, (r + 1) % self.world) for r, ok in enumerate(agrees) if not ok]
+        suspects, localized = ring_suspects(failed, self.world)
+        detail = {"failed_audits": failed}
+        if len(failed) == 1 and self.world > 2:
+            suspects, localized = self._second_opinion(replay, *failed[0], reported), True
+            detail["rerun"] = "the audited rank reran its own micro-batch"
+        self.timers["audit"].append(time.perf_counter() - t0)
+        if suspects:
+            if not localized:
+                detail["note"] = ("two replicas: detected but cannot localize" if self.world == 2
+                                  else "failed audits have no common rank: cannot localize")
+            self._alarm("audit", suspects, localized, detail)
+
+    def _second_opinion(self, replay, auditor: int, audited: int, reported) -> list[int]:
+        """One failed audit: the audited rank recomputes its own micro-batch. Differing from its own
+        report means its step was wrong once (transient); agreeing means the auditor's replay was.
+        """
+        same = torch.tensor([1], device=self.device)
+        if self.rank == audited:
+            same[0] = int(fingerprints_match(self._replay(replay, audited), reported[audited], self.tolerance))
+        self._collective("audit rerun", dist.broadcast, same, audited, group=self.group)
+        return [auditor] if int(same) else [audited]
+
+    def _replay(self, replay, rank: int) -> torch.Tensor:
+        """Fingerprint of the gradients of ``rank``'s micro-batch, computed here from the current
+        (pre-step) weights, without DDP hooks and without touching .grad, buffers or the RNG stream.
+        """
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        after = _rng_state()
+        _set_rng_state(self._rng)
+        try:
+            with self.ddp.no_sync():
+                loss = replay(rank)
+                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        finally:
+            _set_rng_state(after)
+            with torch.no_grad():
+                for b, saved in zip(self.module.buffers(), buffers):
+                    b.copy_(saved)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+        parts = _fingerprint_parts(grads)
+        return torch.cat([torch.stack([c for c, _ in parts]), torch.stack([n for _, n in parts])])
+
+    # - alarms -
+
+    def _alarm(self, check: str, suspects: list[int], localized: bool, detail: dict) -> None:
+        hosts = sorted({self.hosts[r] for r in suspects})
+        event = Event(self.step, check, suspects, hosts, localized, detail, time.time())
+        self.alarms.append(event)
+        reporter = min(set(range(self.world)) - set(suspects), default=0)
+        if self.events is not None and self.rank == reporter:
+            with open(self.events, "a") as f:
+                f.write(json.dumps(asdict(event), sort_keys=True) + "\n")
+            print(f"peat sdc: {event.message()}", file=sys.stderr, flush=True)
+        if self.policy == "raise":
+            raise SDCError(event)
+        if self.policy == "stop":
+            self._stop(event, reporter)
+
+    def _stop(self, event: Event, reporter: int) -> None:
+        if self.drain_marker is not None and node_name() in event.hosts:
+            # Read by the SLURM epilog on this node: it drains the node it runs on.
+            marker = Path(str(self.drain_marker).format(node=node_name()))
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps(asdict(event), sort_keys=True) + "\n")
+        if self.save is not None and self.rank == reporter:
+            self.save(self.checkpoint)
+        self._collective("stop", dist.barrier, group=self.group)
+        print(f"peat sdc: stopping; drain node(s) {', '.join(event.hosts)} and requeue "
+              f"(exit code {EXIT_SDC})", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_SDC)
+
+    # - collectives with clear failures -
+
+    def _collective(self, what: str, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as err:
+            raise PeatError(collective_failure(self.rank, what, err)) from None
+
+    def _all_gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world)]
+        self._collective(what, dist.all_gather, out, tensor, group=self.group)
+        return out
+
+    def costs(self) -> dict:
+        """Median seconds of each check per step where it ran."""
+        return {c: (float(torch.tensor(v).median()) if v else None) for c, v in self.timers.items()}
+
+
+def collective_failure(rank: int, what: str, err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"rank {rank}: collective '{what}' failed: a peer rank died or hung past the timeout ({first[:200]})"
+
+
+def _fingerprint_parts(grads) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    sums, squares = checksum(grads), norms(grads)
+    return list(zip(sums, squares))
+
+
+def _rng_state():
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def _set_rng_state(state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])

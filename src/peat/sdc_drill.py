@@ -1,0 +1,380 @@
+"""SDC drills: real multi-process DDP training with one injected fault, checked by ``peat.sdc``.
+
+Worker entry point, the same under torchrun and srun::
+
+    torchrun --standalone --nproc-per-node 3 -m peat.sdc_drill --config CFG --model M --data D.h5 --out DIR
+    srun --ntasks 3 python -m peat.sdc_drill --config CFG --model M --data D.h5 --out DIR
+
+All drills of one model run in one launch (one process group, a fresh model per drill): process
+start-up dominates these small runs. Rank 0 writes ``DIR/{drill}.json``; alarms go to
+``DIR/events/{drill}.jsonl``. ``--bench`` instead times plain DDP steps against guarded ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import errors, sdc
+from .io import PeatError, write_json
+
+DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
+RELIABILITY = ("dead", "hang")  # a rank exits / stalls mid-drill: the drill must fail clearly
+EXIT_PEER = 3  # a collective failed: a peer died or hung
+
+
+# --- launching ----------------------------------------------------------------------------------
+
+def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, bench: bool = False,
+           timeout: float | None = None) -> None:
+    """Run the drills (or the benchmark) of ``model`` under ``torchrun --standalone``.
+
+    Raises PeatError with the launcher's exit status if any rank fails.
+    """
+    sdc_cfg = config["sdc"]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = out_dir / (".bench.json" if bench else ".plan.json")
+    write_json(plan, config)
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
+           "--nproc-per-node", str(sdc_cfg["world_size"]), "-m", "peat.sdc_drill",
+           "--config", str(plan), "--model", model, "--data", str(data), "--out", str(out_dir)]
+    if bench:
+        cmd.append("--bench")
+    env = {**os.environ, "OMP_NUM_THREADS": str(config.get("threads", 1))}
+    sys.stdout.flush()
+    try:
+        proc = subprocess.run(cmd, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT,
+                              timeout=timeout or _launch_timeout(sdc_cfg))
+    except subprocess.TimeoutExpired:
+        raise PeatError(f"sdc drill of model {model!r}: torchrun did not finish within its time limit") from None
+    finally:
+        plan.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise PeatError(f"sdc drill of model {model!r}: torchrun exited with {proc.returncode} (see the log above)")
+
+
+def _launch_timeout(sdc_cfg: dict) -> float:
+    # Generous: every collective already times out after timeout_s; this only guards the launcher.
+    return 600 + 4 * sdc_cfg["timeout_s"]
+
+
+# --- the worker ---------------------------------------------------------------------------------
+
+def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join the process group from torchrun's or SLURM's environment; every collective times out."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        if "MASTER_ADDR" not in env:
+            raise PeatError("MASTER_ADDR is not set under srun: export "
+                            "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)")
+        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
+                   LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
+        env.setdefault("MASTER_PORT", "29500")
+    if "RANK" not in env:
+        raise PeatError("not launched by torchrun or srun (RANK and SLURM_PROCID are unset)")
+    use_cuda = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m peat.sdc_drill", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="workflow config (YAML or JSON)")
+    parser.add_argument("--model", required=True, help="model name in the config")
+    parser.add_argument("--data", required=True, help="prepared dataset (results/data/<dataset>.h5)")
+    parser.add_argument("--out", required=True, help="output folder (results/sdc/<model>)")
+    parser.add_argument("--drills", help="comma-separated subset of the configured drills")
+    parser.add_argument("--bench", action="store_true", help="time plain vs guarded DDP steps instead")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        spec, sdc_cfg = config["models"][args.model], config["sdc"]
+        drills = args.drills.split(",") if args.drills else sdc_cfg["drills"]
+        rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"])
+    except PeatError as err:
+        print(f"peat sdc drill: error: {err}", file=sys.stderr)
+        return 2
+    from .data import load
+    from .device import seed_everything
+
+    seed_everything(config["seed"], config["threads"])
+    data = load(args.data)
+    try:
+        if args.bench:
+            result = benchmark(spec, data, sdc_cfg, config["seed"], device)
+            if rank == 0:
+                write_json(Path(args.out) / "bench.json", {"model": args.model, "world_size": world, **result})
+        for drill in [] if args.bench else drills:
+            result = run_drill(drill, args.model, spec, data, sdc_cfg, config["seed"], device, Path(args.out))
+            if rank == 0:
+                write_json(Path(args.out) / f"{drill}.json", result)
+    except PeatError as err:
+        print(f"peat sdc drill: error: {err}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER)  # peers may be gone: skip the process-group teardown that would wait
+    dist.destroy_process_group()
+    return 0
+
+
+def load_config(path: str | Path) -> dict:
+    """Read and validate a workflow config (defaults filled in) and check the sdc section."""
+    import yaml
+
+    from .config import validate
+
+    path = Path(path)
+    if not path.exists():
+        raise PeatError(f"{path}: no such config file")
+    schema = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+    config = validate(yaml.safe_load(path.read_text()), schema)
+    check_config(config)
+    return config
+
+
+def check_config(config: dict) -> None:
+    """Cross-checks the schema cannot express; one line naming the key."""
+    cfg = config["sdc"]
+    for name in cfg["models"]:
+        if name not in config["models"]:
+            raise PeatError(f"config key 'sdc.models': unknown model {name!r}; defined: {', '.join(config['models'])}")
+    if cfg["injected_rank"] >= cfg["world_size"]:
+        raise PeatError(f"config key 'sdc.injected_rank': {cfg['injected_rank']} is not below "
+                        f"sdc.world_size ({cfg['world_size']})")
+    if cfg["injection_step"] >= cfg["steps"]:
+        raise PeatError(f"config key 'sdc.injection_step': {cfg['injection_step']} is not below sdc.steps ({cfg['steps']})")
+    for drill, spec in cfg["faults"].items():
+        try:
+            errors.parse(spec)
+        except PeatError as err:
+            raise PeatError(f"config key 'sdc.faults.{drill}': {err}") from None
+
+
+# --- one drill ----------------------------------------------------------------------------------
+
+class Trainer:
+    """A DDP model, its optimizer and the deterministic global batches of the drill."""
+
+    def __init__(self, spec: dict, data, seed: int, device: torch.device, global_batch: int):
+        from .models import build
+        from .train import epoch_batches, make_optimizer
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.kind, self.device = data.kind, device
+        self.x, self.y = data.train.x, data.train.y
+        if global_batch < self.world or global_batch > len(self.x):
+            raise PeatError(f"config key 'sdc.batch_size': {global_batch} must be between the world size "
+                            f"({self.world}) and the training set size ({len(self.x)})")
+        self.model = build(spec, data.attrs, seed).to(device).train()
+        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = make_optimizer(self.model, spec["optimizer"])
+        self._batches = lambda epoch: epoch_batches(len(self.x), global_batch, seed, epoch)
+        self._per_epoch = len(self._batches(0))
+
+    def indices(self, step: int):
+        """The global batch of ``step``: the same on every rank, so any rank can rebuild a peer's share."""
+        return self._batches(1 + step // self._per_epoch)[step % self._per_epoch]
+
+    def loss(self, module: nn.Module, step: int, rank: int) -> torch.Tensor:
+        from .models import loss_and_metrics
+
+        idx = sdc.shard(self.indices(step), rank, self.world)
+        return loss_and_metrics(module, self.kind, self.x[idx].to(self.device), self.y[idx].to(self.device))[0]
+
+
+def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: int, device: torch.device,
+              out_dir: Path) -> dict:
+    """Train ``cfg['steps']`` guarded DDP steps with ``drill``'s fault on the injected rank."""
+    torch.manual_seed(seed)
+    trainer = Trainer(spec, data, seed, device, cfg["batch_size"] or spec["batch_size"])
+    rank, world = trainer.rank, trainer.world
+    events = out_dir / "events" / f"{drill}.jsonl"
+    if rank == 0:
+        events.parent.mkdir(parents=True, exist_ok=True)
+        events.unlink(missing_ok=True)
+    guard = sdc.Guard(trainer.ddp, policy=cfg["policy"], events=events, audit_every=cfg["audit_every"],
+                      fingerprint_every=cfg["fingerprint_every"], audit_tolerance=cfg["audit_tolerance"],
+                      save=lambda path: torch.save(trainer.model.state_dict(), path),
+                      checkpoint=out_dir / f"{drill}.stop.pt", drain_marker=cfg["drain_marker"])
+    fault = None
+    if rank == cfg["injected_rank"]:
+        fault = Fault(drill, trainer.model, cfg["injection_step"], cfg["faults"], seed)
+    plain, checks = [], []
+    for step in range(cfg["steps"]):
+        if fault is not None:
+            fault.before(step)
+        spent = _check_time(guard)
+        t0 = time.perf_counter()
+        guard.begin_step(step)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        try:
+            trainer.loss(trainer.ddp, step, rank).backward()
+        except (RuntimeError, dist.DistError) as err:
+            raise PeatError(sdc.collective_failure(rank, f"DDP gradient all-reduce at step {step}", err)) from None
+        if guard.check_gradients(replay=lambda r, s=step: trainer.loss(guard.module, s, r)):
+            trainer.optimizer.step()
+        if fault is not None:
+            fault.after_step(step)
+        guard.check_weights()
+        total, in_checks = time.perf_counter() - t0, _check_time(guard) - spent
+        plain.append(total - in_checks)
+        checks.append(in_checks)
+    injected = None if drill == "clean" else cfg["injected_rank"]
+    return summarize(drill, model_name, world, injected, cfg, guard, plain) | {
+        "backend": dist.get_backend(), "hosts": guard.hosts, "seed": seed, "torch_version": str(torch.__version__)}
+
+
+def _check_time(guard: sdc.Guard) -> float:
+    return sum(sum(v) for v in guard.timers.values())
+
+
+def summarize(drill: str, model: str, world: int, injected: int | None, cfg: dict, guard: sdc.Guard,
+              plain_steps: list[float]) -> dict:
+    """The drill's verdict: first alarm at or after the injection, its latency, false alarms, costs."""
+    step0 = cfg["injection_step"] if injected is not None else None
+    alarms = [{k: v for k, v in e.__dict__.items() if k != "time"} for e in guard.alarms]
+    false = [a for a in alarms if injected is None or a["step"] < step0 or set(a["suspect_ranks"]) - {injected}]
+    hits = [a for a in alarms if injected is not None and a["step"] >= step0]
+    first = hits[0] if hits else None
+    return {
+        "drill": drill, "model": model, "world_size": world, "injected_rank": injected, "injection_step": step0,
+        "steps": cfg["steps"], "audit_every": cfg["audit_every"], "fingerprint_every": cfg["fingerprint_every"],
+        "policy": cfg["policy"], "detected": first is not None, "check": first and first["check"],
+        "detection_step": first and first["step"],
+        "latency_steps": first and first["step"] - step0,
+        "suspect_ranks": first["suspect_ranks"] if first else [],
+        "localized": first and first["localized"],
+        "right_rank": bool(first) and first["suspect_ranks"] == [injected],
+        "false_alarms": len(false), "alarms": alarms, "cost": costs(guard, plain_steps, cfg["audit_every"]),
+    }
+
+
+def costs(guard: sdc.Guard, plain_steps: list[float], audit_every: int) -> dict:
+    """Median time of each check relative to the median plain DDP step, both from this run."""
+    plain = statistics.median(plain_steps)
+    per_step = guard.costs()
+    rel = {c: (t / plain if t is not None else None) for c, t in per_step.items()}
+    return {"plain_step_s": plain, **{f"{c}_s": t for c, t in per_step.items()}, "relative": rel,
+            "audit_amortized": rel["audit"] / audit_every if rel["audit"] is not None and audit_every else None,
+            "nonfinite_plus_fingerprint": (rel["nonfinite"] or 0) + (rel["fingerprint"] or 0)}
+
+
+# --- faults -------------------------------------------------------------------------------------
+
+class Fault:
+    """One drill's fault on the injected rank, from the project's error models (``peat.errors``):
+    on a gradient (hook), on matmul outputs (forward hooks) or on the weights after a step.
+    """
+
+    def __init__(self, drill: str, model: nn.Module, step: int, specs: dict, seed: int):
+        if drill not in DRILLS + RELIABILITY:
+            raise PeatError(f"config key 'sdc.drills': unknown drill {drill!r}; allowed: {', '.join(DRILLS + RELIABILITY)}")
+        self.drill, self.step, self.seed = drill, step, seed
+        self.error = errors.parse(specs[drill]) if drill in specs else None
+        self.armed = self.on = False  # armed: this step only; on: from this step on
+        matmuls = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)) or type(m).__name__ == "Conv1D"]
+        params = [p for p in model.parameters() if p.requires_grad]
+        if drill == "nan_grad":
+            params[-1].register_hook(self._on_gradient)
+        elif drill == "lane_fault":
+            for m in matmuls:  # persistent: also corrupts this rank's replays of its peer
+                m.register_forward_hook(self._persistent)
+        elif drill == "transient":
+            matmuls[-1].register_forward_hook(self._once)
+        self._first = params[0]
+
+    def before(self, step: int) -> None:
+        self.armed = step == self.step
+        self.on = self.on or self.armed
+        if self.armed and self.drill == "dead":
+            os._exit(13)
+        if self.armed and self.drill == "hang":
+            time.sleep(10**6)
+
+    def after_step(self, step: int) -> None:
+        if self.drill == "weight_flip" and step == self.step:
+            with torch.no_grad():
+                self._first.copy_(self._corrupt(self._first))
+
+    def _corrupt(self, t: torch.Tensor) -> torch.Tensor:
+        # The same generator state on every call: a persistent fault hits the same lane each time.
+        wrong = self.error.apply(t.detach(), torch.Generator().manual_seed(self.seed))
+        return t + (wrong - t).detach()  # wrong values forward, gradients flow as through t
+
+    def _on_gradient(self, grad):
+        return self._corrupt(grad) if self.armed else grad
+
+    def _persistent(self, module, inputs, output):
+        return self._corrupt(output) if self.on else output
+
+    def _once(self, module, inputs, output):
+        if not self.armed:
+            return output
+        self.armed = False  # one faulty call: a rerun of this step is correct
+        return self._corrupt(output)
+
+
+# --- benchmark ----------------------------------------------------------------------------------
+
+def benchmark(spec: dict, data, cfg: dict, seed: int, device: torch.device, steps: int | None = None) -> dict:
+    """Interleave plain DDP steps (built-in all-reduce) with guarded ones on a twin model, same batches.
+
+    ``ratio`` = median guarded step (non-finite check + weight fingerprint) / median plain step;
+    ``audit_relative`` = one audit (replay of a peer's micro-batch) / median plain step.
+    """
+    steps = steps or cfg["bench_steps"]
+    gbs = cfg["batch_size"] or spec["batch_size"]
+    plain, guarded = (Trainer(spec, data, seed, device, gbs) for _ in range(2))
+    guard = sdc.Guard(guarded.ddp, policy="raise", audit_every=2)
+    t_plain, t_guarded = [], []
+    for step in range(steps):
+        t_plain.append(_timed(lambda: _plain_step(plain, step), device))
+        if step % 2:  # audit steps are timed separately through guard.timers
+            t_guarded.append(_timed(lambda: _guarded_step(guarded, guard, step), device))
+        else:
+            _guarded_step(guarded, guard, step)
+    p, g = statistics.median(t_plain), statistics.median(t_guarded)
+    audit = guard.costs()["audit"]
+    return {"steps": steps, "plain_step_s": p, "guarded_step_s": g, "ratio": g / p,
+            "audit_s": audit, "audit_relative": audit / p, "device": str(device)}
+
+
+def _timed(fn, device) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _plain_step(trainer: Trainer, step: int) -> None:
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.loss(trainer.ddp, step, trainer.rank).backward()
+    trainer.optimizer.step()
+
+
+def _guarded_step(trainer: Trainer, guard: sdc.Guard, step: int) -> None:
+    guard.begin_step(step)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.loss(trainer.ddp, step, trainer.rank).backward()
+    if guard.check_gradients(replay=lambda r: trainer.loss(guard.module, step, r)):
+        trainer.optimizer.step()
+    guard.check_weights()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""SDC checks: fingerprint / majority / ring logic, and real multi-process drills (torchrun and srun-style)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from peat import sdc
+from peat.config import validate
+from peat.data import prepare
+from peat.io import PeatError, write_json
+from peat.sdc_drill import EXIT_PEER, check_config, launch
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+
+
+# --- pure logic ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_checksum_catches_every_single_bit_flip(dtype):
+    t = torch.randn(1001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    base = sdc.checksum([t])
+    bits = 8 * t.element_size()
+    as_int = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    for bit in range(bits):
+        flipped = as_int.clone()
+        flipped[bit * 7 % 1001] ^= (1 << bit) if bit < bits - 1 else -(1 << bit)
+        assert not torch.equal(sdc.checksum([flipped.view(dtype)]), base), f"bit {bit} missed"
+    assert torch.equal(sdc.checksum([t.clone()]), base)
+
+
+def test_majority_outliers():
+    a, b, c = torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([4, 2])
+    assert sdc.majority_outliers([a, a, a]) == ([], True)
+    assert sdc.majority_outliers([a, b, a]) == ([1], True)
+    assert sdc.majority_outliers([a, b, a, a, b]) == ([1, 4], True)
+    assert sdc.majority_outliers([a, b]) == ([0, 1], False)  # two replicas: cannot localize
+    assert sdc.majority_outliers([a, b, c]) == ([0, 1, 2], False)
+    assert sdc.majority_outliers([a, a, b, b]) == ([0, 1, 2, 3], False)
+
+
+@pytest.mark.parametrize("world", [3, 4, 5, 8])
+def test_ring_localizes_a_persistent_fault(world):
+    for k in range(world):
+        failed = [((k - 1) % world, k), (k, (k + 1) % world)]
+        assert sdc.ring_suspects(failed, world) == ([k], True)
+    assert sdc.ring_suspects([], world) == ([], True)
+
+
+def test_ring_cannot_localize_with_two_ranks_or_disjoint_failures():
+    assert sdc.ring_suspects([(0, 1), (1, 0)], 2) == ([0, 1], False)
+    assert sdc.ring_suspects([(0, 1)], 2) == ([0, 1], False)
+    assert sdc.ring_suspects([(0, 1), (2, 3)], 5) == ([0, 1, 2, 3], False)
+    # Every audit failed (e.g. diverged replicas everywhere): no common rank.
+    assert sdc.ring_suspects([(0, 1), (1, 2), (2, 0)], 3) == ([0, 1, 2], False)
+
+
+def test_shards_partition_the_global_batch():
+    for n in (3, 10, 11, 32):
+        for world in (2, 3, 4):
+            if n < world:
+                continue
+            idx = list(range(100, 100 + n))
+            parts = [sdc.shard(idx, r, world) for r in range(world)]
+            assert sum(parts, []) == idx
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_fingerprint_tolerance():
+    g = [torch.randn(50, generator=torch.Generator().manual_seed(1))]
+    exact = torch.cat([sdc.checksum(g), sdc.norms(g)])
+    nudged = [g[0] * (1 + 1e-6)]
+    other = torch.cat([sdc.checksum(nudged), sdc.norms(nudged)])
+    assert sdc.fingerprints_match(exact, exact.clone())
+    assert not sdc.fingerprints_match(exact, other)  # bit-exact by default
+    assert sdc.fingerprints_match(exact, other, tolerance=1e-4)
+    far = [g[0] * 1.01]
+    assert not sdc.fingerprints_match(exact, torch.cat([sdc.checksum(far), sdc.norms(far)]), tolerance=1e-4)
+
+
+# --- config -------------------------------------------------------------------------------------
+
+def make_config(**sdc_cfg) -> dict:
+    config = {
+        "name": "sdc_test", "seed": 0, "threads": 1, "vendors": ["cpu"],
+        "datasets": {"digits": {"source": "digits", "image_size": 8, "val_fraction": 0.2}},
+        "models": {"resnet18": {"arch": "resnet18", "dataset": "digits", "epochs": 1, "batch_size": 12,
+                                "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                                "record": {"layers": ["fc"]}}},
+        "sdc": {"models": ["resnet18"], "steps": 5, "audit_every": 2, "injection_step": 2, "timeout_s": 20,
+                **sdc_cfg},
+    }
+    validate(config, SCHEMA)
+    check_config(config)
+    return config
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"injected_rank": 3}, "config key 'sdc.injected_rank': 3 is not below sdc.world_size (3)"),
+    ({"injection_step": 5}, "config key 'sdc.injection_step': 5 is not below sdc.steps (5)"),
+    ({"models": ["nope"]}, "config key 'sdc.models': unknown model 'nope'"),
+    ({"faults": {"lane_fault": "lane:x"}}, "config key 'sdc.faults.lane_fault': error spec 'lane:x'"),
+    ({"drills": ["melt"]}, "config key 'sdc.drills.0': 'melt' is not allowed"),
+    ({"policy": "panic"}, "config key 'sdc.policy': 'panic' is not allowed"),
+])
+def test_config_errors_name_the_key(bad, message):
+    with pytest.raises(PeatError) as err:
+        make_config(**bad)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+# --- real multi-process runs --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "digits.h5"
+    prepare("digits", {"source": "digits", "image_size": 8, "val_fraction": 0.2, "labels": "class", "seed": 0}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def drills(digits, tmp_path_factory) -> dict:
+    """All five drills, one torchrun launch of 3 gloo ranks (resnet18: BatchNorm buffers, convs)."""
+    out = tmp_path_factory.mktemp("sdc") / "resnet18"
+    launch(make_config(), "resnet18", digits, out, timeout=300)
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")} | {"_dir": out}
+
+
+def test_clean_run_has_no_alarm(drills):
+    clean = drills["clean"]
+    assert clean["injected_rank"] is None and clean["world_size"] == 3 and clean["backend"] == "gloo"
+    assert clean["detected"] is False and clean["alarms"] == [] and clean["false_alarms"] == 0
+    assert not (drills["_dir"] / "events" / "clean.jsonl").exists()
+    cost = clean["cost"]
+    assert cost["plain_step_s"] > 0 and len(cost["relative"]) == 3
+    assert all(v > 0 for v in cost["relative"].values())
+
+
+@pytest.mark.parametrize("drill, check, latency", [
+    ("nan_grad", "nonfinite", 0),
+    ("lane_fault", "audit", 0),       # injected at step 2, an audit step
+    ("weight_flip", "fingerprint", 0),
+    ("transient", "audit", 0),        # one failed audit, resolved by the audited rank's rerun
+])
+def test_fault_is_detected_on_the_right_rank(drills, drill, check, latency):
+    result = drills[drill]
+    assert result["drill"] == drill and result["injected_rank"] == 1 and result["injection_step"] == 2
+    assert result["detected"] is True
+    assert result["check"] == check
+    assert result["latency_steps"] == latency and result["detection_step"] == 2
+    assert result["suspect_ranks"] == [1] and result["right_rank"] is True and result["localized"] is True
+    assert result["false_alarms"] == 0
+    lines = (drills["_dir"] / "events" / f"{drill}.jsonl").read_text().splitlines()
+    assert len(lines) == len(result["alarms"]) >= 1
+    assert json.loads(lines[0])["suspect_ranks"] == [1]
+
+
+def test_persistent_lane_fault_fails_two_audits_every_time(drills):
+    audits = [a for a in drills["lane_fault"]["alarms"] if a["check"] == "audit"]
+    assert [a["step"] for a in audits] == [2, 4]
+    assert all(a["detail"]["failed_audits"] == [[0, 1], [1, 2]] for a in audits)
+    # The faulty rank still shares averaged gradients: the replicas stay identical.
+    assert all(a["check"] == "audit" for a in drills["lane_fault"]["alarms"])
+
+
+def test_transient_fault_is_seen_once(drills):
+    (alarm,) = drills["transient"]["alarms"]
+    assert alarm["detail"]["failed_audits"] == [[0, 1]] and "rerun" in alarm["detail"]
+
+
+def _srun_like(script_args: list[str], world: int, tmp: Path, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks the way srun does (SLURM_* variables, one node name per rank)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world), SLURM_LOCALID="0", SLURMD_NODENAME=f"node{rank}",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *script_args], env=env, cwd=tmp,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    done = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out))
+    return done
+
+
+def _config_file(tmp: Path, **sdc_cfg) -> Path:
+    path = tmp / "config.json"
+    write_json(path, make_config(**sdc_cfg))
+    return path
+
+
+def test_stop_policy_exits_with_the_sdc_code_and_names_the_node(digits, tmp_path):
+    config = _config_file(tmp_path, policy="stop", drills=["lane_fault"], drain_marker=str(tmp_path / "drain-{node}.json"))
+    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
+                       3, tmp_path, timeout=120)
+    assert [r.returncode for r in ranks] == [sdc.EXIT_SDC] * 3, ranks[0].stdout[-2000:]
+    assert "drain node(s) node1" in ranks[0].stdout
+    assert [p.name for p in tmp_path.glob("drain-*.json")] == ["drain-node1.json"]
+    event = json.loads((tmp_path / "drain-node1.json").read_text())
+    assert event["suspect_ranks"] == [1] and event["hosts"] == ["node1"] and event["step"] == 2
+    assert (tmp_path / "out" / "lane_fault.stop.pt").exists()  # saved by a healthy rank before exiting
+    assert not (tmp_path / "out" / "lane_fault.json").exists()
+
+
+def test_dead_rank_fails_the_drill_clearly_within_bounded_time(digits, tmp_path):
+    config = _config_file(tmp_path, drills=["dead"], timeout_s=15)
+    start = time.monotonic()
+    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
+                       3, tmp_path, timeout=90)
+    elapsed = time.monotonic() - start
+    assert ranks[1].returncode == 13  # the injected rank died
+    for r in (ranks[0], ranks[2]):
+        assert r.returncode == EXIT_PEER, r.stdout[-2000:]
+        assert "a peer rank died or hung past the timeout" in r.stdout
+    assert elapsed < 90
