@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .alter import Plan, alter
+from .alter import CLASSES, Plan, alter
 from .io import PeatError, write_csv, write_json
 
+# Heatmap column order: from the sign bit down to the mantissa.
+REGION_ORDER = ("sign", "exponent_msb", "exponent_other", "exponent", "mantissa", "any")
 GRID = ("model", "vendor", "epoch", "cls", "region", "flips", "seed")
 
 
@@ -155,20 +157,27 @@ def heatmap(table: pd.DataFrame, out_png: str | Path) -> None:
 
     ok = table[table["status"] == "ok"]
     counts = sorted(ok["flips"].unique()) or [0]
-    fig, axes = plt.subplots(1, len(counts), figsize=(3.2 * len(counts) + 1.5, 0.45 * max(ok["cls"].nunique(), 2) + 2),
+    regions = [r for r in REGION_ORDER if r in set(ok["region"])]
+    classes = [c for c in CLASSES if c in set(ok["cls"])]
+    fig, axes = plt.subplots(1, len(counts), figsize=(max(3.4 * len(counts) + 2.0, 7.0), 0.5 * max(len(classes), 2) + 2.4),
                              squeeze=False)
+    vmax = max(100.0, float(np.nanmax(ok["accuracy_loss_pct"], initial=0)))
     for ax, n in zip(axes[0], counts):
         part = ok[ok["flips"] == n]
         grid = part.pivot_table(index="cls", columns="region", values="accuracy_loss_pct", aggfunc="mean")
+        grid = grid.reindex(index=classes, columns=regions)
         div = part.pivot_table(index="cls", columns="region", values="diverged", aggfunc="max").reindex_like(grid)
-        labels = grid.map(lambda v: f"{v:.1f}") + div.map(lambda d: "†" if d else "")
-        sns.heatmap(grid, annot=labels, fmt="", cmap="rocket_r", vmin=0, vmax=max(100.0, float(np.nanmax(ok["accuracy_loss_pct"], initial=0))),
-                    cbar=ax is axes[0][-1], ax=ax, linewidths=0.5)
-        ax.set_title(f"{n} flip{'s' if n != 1 else ''}")
+        labels = grid.map(lambda v: "" if np.isnan(v) else f"{v:.1f}") + div.map(lambda d: "†" if d == 1 else "")
+        sns.heatmap(grid, annot=labels, fmt="", cmap="rocket_r", vmin=0, vmax=vmax, cbar=ax is axes[0][-1], ax=ax,
+                    linewidths=0.5)
+        ax.set_title(f"{n} flipped value{'s' if n != 1 else ''}")
         ax.set_xlabel("bit region")
         ax.set_ylabel("location class" if ax is axes[0][0] else "")
+        ax.tick_params(axis="y", rotation=0)
+        ax.tick_params(axis="x", rotation=30)
     model, vendor = table["model"].iloc[0], table["vendor"].iloc[0]
-    fig.suptitle(f"{model} ({vendor}): loss of final validation accuracy, % (mean over seeds and epochs; † diverged)")
+    fig.suptitle(f"{model} ({vendor}): loss of final validation accuracy vs golden, %\n"
+                 "(mean over seeds and altered epochs; † = a run diverged)", fontsize=10)
     fig.tight_layout()
     with atomic_path(out_png) as tmp:
         fig.savefig(tmp, dpi=110, format="png", metadata={"Software": None})
