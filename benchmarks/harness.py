@@ -55,32 +55,56 @@ class Result:
         return entry
 
 
-def timed(func: Callable[[], object]) -> float:
-    start = time.perf_counter()
+@dataclass
+class Times:
+    """Wall and CPU seconds of one side of a paired measurement, one entry per repeat."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+
+def timed(func: Callable[[], object]) -> tuple[float, float]:
+    """Wall and CPU seconds (this process and its threads) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     func()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def paired(subject: Callable[[], object], baseline: Callable[[], object], repeats: int,
-           warmup: int = 1) -> tuple[list[float], list[float]]:
-    """Wall times of ``subject`` and ``baseline``, interleaved; the first ``warmup`` pairs are dropped.
+           warmup: int = 1) -> tuple[Times, Times]:
+    """Times of ``subject`` and ``baseline``, interleaved; the first ``warmup`` pairs are dropped.
 
     Odd repeats run the baseline first, so neither side always inherits a warm (or cold) cache.
     """
-    subject_times, baseline_times = [], []
+    subject_times, baseline_times = Times(), Times()
     for i in range(warmup + repeats):
         if i % 2:
             b, s = timed(baseline), timed(subject)
         else:
             s, b = timed(subject), timed(baseline)
         if i >= warmup:
-            subject_times.append(s)
-            baseline_times.append(b)
+            for side, (wall, cpu) in ((subject_times, s), (baseline_times, b)):
+                side.wall.append(wall)
+                side.cpu.append(cpu)
     return subject_times, baseline_times
 
 
 def ratios(subject: list[float], baseline: list[float]) -> list[float]:
     return [s / b for s, b in zip(subject, baseline)]
+
+
+def paired_details(subject: Times, baseline: Times, names: tuple[str, str], scale: float = 1.0) -> dict:
+    """Both clocks of both sides, and the wall-clock ratios (subject / (scale x baseline))."""
+    wall = ratios(subject.wall, [scale * b for b in baseline.wall])
+    return {f"{names[0]}_wall_s": subject.wall, f"{names[0]}_cpu_s": subject.cpu,
+            f"{names[1]}_wall_s": baseline.wall, f"{names[1]}_cpu_s": baseline.cpu,
+            "wall_ratios": wall, "wall_ratio_median": float(np.median(wall))}
+
+
+# CPU time, not wall time, is the primary clock of the in-process benchmarks: both sides are
+# single-threaded and CPU-bound, and on a shared machine the wall clock mostly measures how
+# long the scheduler kept us waiting. Wall-clock ratios are kept in the details.
+CPU_NOTE = "CPU seconds of this process (wall-clock ratios in details)"
 
 
 def machine() -> dict:

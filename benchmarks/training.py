@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import Goal, Result, paired, ratios
+from harness import CPU_NOTE, Goal, Result, paired, paired_details, ratios
 
 from peat import data, kernels
 from peat.config import validate
@@ -72,12 +72,12 @@ def profiler_overhead(settings) -> Result:
     result = Result("profiler_overhead",
                     f"{MODEL} golden training ({c.spec['max_train_samples'] // c.spec['batch_size']} steps), "
                     f"Profiler recording {len(c.spec['record']['layers'])} layers every {every} steps "
-                    "(+ summaries of every layer every step) / the same training without recording",
+                    f"(+ summaries of every layer every step) / the same training without recording; {CPU_NOTE}",
                     Goal("<=", 1.10, "<= 1.10"))
     with_rec, without = paired(lambda: c.train("recorded", record=True), lambda: c.train("plain", record=False),
                                settings.repeats)
-    result.samples = ratios(with_rec, without)
-    result.details = {"recorded_s": with_rec, "plain_s": without}
+    result.samples = ratios(with_rec.cpu, without.cpu)
+    result.details = paired_details(with_rec, without, ("recorded", "plain"))
     settings.storage_files.append(c.workdir / "recorded" / "storage.json")
     return result
 
@@ -116,10 +116,10 @@ def kernel_interface_overhead(settings) -> Result:
     routed = []
     result = Result("kernel_interface_overhead",
                     f"{MODEL} training with every conv2d, batch_norm and linear layer routed through the kernel "
-                    "interface (peat.kernels.route with the golden kernels) / plain training, same steps, no recording",
+                    f"interface (peat.kernels.route with the golden kernels) / plain training, same steps, no recording; {CPU_NOTE}",
                     Goal("<=", 1.05, "<= 1.05"))
     routed_s, plain_s = paired(lambda: c.train("routed", record=False, prepare_model=lambda m: routed.append(
         route_everything(m))), lambda: c.train("plain", record=False), settings.repeats)
-    result.samples = ratios(routed_s, plain_s)
-    result.details = {"routed_s": routed_s, "plain_s": plain_s, "routed_layers": len(routed[-1])}
+    result.samples = ratios(routed_s.cpu, plain_s.cpu)
+    result.details = paired_details(routed_s, plain_s, ("routed", "plain")) | {"routed_layers": len(routed[-1])}
     return result

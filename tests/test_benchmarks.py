@@ -90,7 +90,8 @@ def test_paired_alternates_order_and_drops_warmup():
 
     s, b = harness.paired(side("s"), side("b"), repeats=3, warmup=1)
     assert calls == ["s", "b", "b", "s", "s", "b", "b", "s"]
-    assert len(s) == len(b) == 3
+    assert len(s.wall) == len(s.cpu) == len(b.wall) == len(b.cpu) == 3
+    assert all(t >= 0 for t in s.wall + s.cpu + b.wall + b.cpu)
 
 
 def test_result_json_median_and_goal_direction():

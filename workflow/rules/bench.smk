@@ -1,0 +1,19 @@
+# Benchmarks of every stage (issue 8): `snakemake bench` runs benchmarks/run.py, the same as
+# `make bench`. Not part of the default target: it times the whole workflow itself.
+import os
+
+
+rule bench:
+    output:
+        "reports/benchmarks/results.json",
+    log:
+        "logs/bench.log",
+    threads: workflow.cores
+    resources:
+        slurm_partition=CPU_PARTITION,
+        gres="",
+        gpu_jobs=0,
+    params:
+        runner=os.path.join(workflow.basedir, "benchmarks/run.py"),
+    script:
+        "../scripts/bench.py"
