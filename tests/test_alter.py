@@ -435,3 +435,15 @@ def test_workflow_alteration_study(workflow_run):
     absorbed = pd.read_csv(base / "absorbed.csv")
     assert len(absorbed) == len(ok.groupby(["cls", "region"]))
     assert (base / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_userblock_and_h5py_fallback_storage(tmp_path):
+    # A user block shifts every raw-data offset; compressed data cannot be memory-mapped at all.
+    src = tmp_path / "ub.h5"
+    with h5py.File(src, "w", userblock_size=1024) as f:
+        f["x"] = np.arange(1, 9, dtype=np.float32)
+        f.create_dataset("z", data=np.arange(1, 65, dtype=np.float64).reshape(8, 8), chunks=(4, 4), compression="gzip")
+    rows = run_alter(src, tmp_path / "o.h5", fraction=1.0, region="sign").records
+    with h5py.File(tmp_path / "o.h5") as f:
+        assert (f["x"][:] == -np.arange(1, 9)).all() and (f["z"][:] == -np.arange(1, 65).reshape(8, 8)).all()
+    assert len(rows) == 72
