@@ -207,12 +207,10 @@ def scan(path: str | os.PathLike) -> list[Entry]:
 
 
 def _offset(ds: h5py.Dataset) -> int | None:
-    if ds.chunks is not None or ds.compression is not None or ds.dtype.byteorder not in "<>=|":
+    plist = ds.id.get_create_plist()
+    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
         return None
-    try:
-        return ds.id.get_offset()  # None for compact storage or unallocated data
-    except Exception:
-        return None
+    return ds.id.get_offset()  # None for unallocated data
 
 
 class Storage:
@@ -361,9 +359,9 @@ class Plan:
                 return np.zeros(0, np.uint64)
             lo, hi = span
         forbidden = {0} if (not self.sign_change and layout.signed) else set()
-        masks = []
+        masks, pattern = [], self.pattern
         for start in range(lo, hi - self.pattern_width + 2):
-            bits = [start + o for o in self.pattern]
+            bits = [start + o for o in pattern]
             if not forbidden.intersection(bits):
                 masks.append(sum(1 << (layout.width - 1 - b) for b in bits))
         return np.array(masks, dtype=np.uint64)
@@ -597,6 +595,7 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
         done = apply(edits, storage)
         storage.close()
         t_flip = time.perf_counter()
+    t_rename = time.perf_counter()
     rows = records(done) if (log is not None or keep_records) else None
     if log is not None:
         write_json(log, {"tool": "peat alter", "format": 1, "input": str(src), "bit_numbering": BIT_NUMBERING,
@@ -604,8 +603,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
                          "scale": plan.scale if replay is None else _log_scale(replay), "injections": rows})
     t_end = time.perf_counter()
     n = int(sum(len(e.positions) for e in edits))
-    timings = {"select": t_select - t0, "copy": t_copy - t_select, "flip": t_flip - t_copy, "log": t_end - t_flip,
-               "total": t_end - t0}
+    timings = {"select": t_select - t0, "copy": t_copy - t_select, "flip": t_flip - t_copy,
+               "rename": t_rename - t_flip, "log": t_end - t_rename, "total": t_end - t0}
     return Result(n, len({e.entry.path for e in edits}), len(chosen), timings, rows)
 
 
@@ -844,6 +843,7 @@ def benchmark(sizes_mb=(4, 40, 200), flips=(10**3, 10**4, 10**5, 10**6), repeats
                     continue
                 runs = []
                 for r in range(repeats + 1):  # the first run warms the page cache
+                    (Path(tmp) / "out.h5").unlink(missing_ok=True)  # replacing it would time an unlink
                     res = alter(src, Path(tmp) / "out.h5", Plan(count=n, seed=r),
                                 log=Path(tmp) / "log.json" if log else None)
                     runs.append(res.timings)
