@@ -8,6 +8,7 @@ convention). Any of the three functions may be left out: the golden op is used i
 
 import torch
 
+OP = "linear"  # the op this kernel serves (checked when the config names another)
 BLOCK = 64
 
 

@@ -47,6 +47,7 @@ torch::Tensor weight_grad(const torch::Tensor& grad_out, const torch::Tensor& x)
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("OP") = "linear";
   m.def("forward", &forward, "linear forward", py::arg("x"), py::arg("weight"), py::arg("bias"));
   m.def("input_grad", &input_grad, "linear input gradient", py::arg("grad_out"), py::arg("weight"));
   m.def("weight_grad", &weight_grad, "linear weight gradient", py::arg("grad_out"), py::arg("x"));

@@ -21,8 +21,9 @@ Signatures (all tensors; weights in ``nn.Linear`` / ``nn.Conv2d`` convention):
                 input_grad(grad_out, x, weight, *, normalized_shape, eps)
                 weight_grad(grad_out, x, *, normalized_shape, eps)
 
-The bias gradient is always golden (a plain reduction of ``grad_out``). A module serving
-several ops may instead define a namespace per op (``class linear: forward = ...``).
+The bias gradient is always golden (a plain reduction of ``grad_out``). A module with
+top-level functions should say which op it serves (``OP = "conv2d"``); a module serving
+several ops defines a namespace per op instead (``class linear: forward = ...``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import fnmatch
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import io
 import os
 import re
@@ -159,9 +161,12 @@ def load(impl: str, op: str, name: str | None = None) -> Kernel:
     if impl == "golden":
         return dataclasses.replace(golden(op), name=name)
     module, source = _import(impl)
-    namespace = getattr(module, op, module)
-    if namespace is not module and not hasattr(namespace, "forward") and callable(namespace):
+    namespace = getattr(module, op, None)
+    if namespace is None or inspect.isroutine(namespace):
         namespace = module  # a top-level function named like the op is not a namespace
+        declared = getattr(module, "OP", op)
+        if declared != op:
+            raise PeatError(f"{impl}: is a {declared} kernel (OP = {declared!r}), not {op}")
     funcs = {c: getattr(namespace, c) for c in COMPUTATIONS if callable(getattr(namespace, c, None))}
     if not funcs:
         raise PeatError(f"{impl}: defines none of {', '.join(COMPUTATIONS)} for op {op!r}")

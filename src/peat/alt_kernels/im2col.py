@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+OP = "conv2d"
+
 
 def _columns(x, kernel_size, stride, padding, dilation, groups):
     cols = F.unfold(x, kernel_size, dilation=dilation, padding=padding, stride=stride)

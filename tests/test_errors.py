@@ -1,0 +1,236 @@
+"""Pseudo-error models do exactly what their spec says: counts, bits, periods, tiles, seeds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from peat import errors, kernels
+from peat.io import PeatError
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def t():
+    return torch.randn(12, 40, generator=gen(1)) * 3 + 0.5
+
+
+def bits(x):
+    return x.contiguous().view(torch.int32)
+
+
+def changed(a, b):
+    return bits(a) != bits(b)
+
+
+# -- precision -------------------------------------------------------------------------------
+def test_fp16_bf16_round_trip_exactly(t):
+    assert torch.equal(errors.parse("fp16").apply(t, gen()), t.half().float())
+    assert torch.equal(errors.parse("bf16").apply(t, gen()), t.bfloat16().float())
+
+
+def test_tf32_keeps_10_mantissa_bits_rounding_to_nearest_even(t):
+    out = errors.round_to(t, "tf32")
+    assert (bits(out) & 0x1FFF).eq(0).all()
+    down = (bits(t) & ~0x1FFF).view(torch.float32)
+    up = (bits(down) + 0x2000).view(torch.float32)
+    nearest = torch.minimum((down - t).abs(), (up - t).abs())
+    assert torch.equal((out - t).abs(), nearest)
+    # Exact ties go to the even neighbour: 0x3F801000 -> 0x3F800000, 0x3F803000 -> 0x3F804000.
+    ties = torch.tensor([0x3F801000, 0x3F803000], dtype=torch.int32).view(torch.float32)
+    assert bits(errors.round_to(ties, "tf32")).tolist() == [0x3F800000, 0x3F804000]
+    special = torch.tensor([float("inf"), float("nan"), 0.0])
+    assert bits(errors.round_to(special, "tf32")).tolist() == bits(special).tolist()
+
+
+def test_casts_act_on_operands_in_faulty_kernels():
+    x, w, b = torch.randn(5, 33, generator=gen(2)), torch.randn(7, 33, generator=gen(3)), torch.randn(7, generator=gen(4))
+    golden = kernels.golden("linear")
+    for spec in ("fp16", "bf16", "tf32"):
+        got = errors.faulty(golden, spec).forward(x, w, b)
+        want = torch.nn.functional.linear(*(errors.round_to(a, spec) for a in (x, w, b)))
+        assert torch.equal(got, want) and not torch.equal(got, golden.forward(x, w, b))
+    got = errors.faulty(golden, "fp64").forward(x, w, b)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.nn.functional.linear(x.double(), w.double(), b.double()).float())
+
+
+# -- element errors ----------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_rv_changes_exactly_n_positions(t, n):
+    out = errors.parse(f"rv:{n}").apply(t, gen())
+    assert int(changed(out, t).sum()) == n
+    assert torch.isfinite(out).all()
+    # Drawn from the tensor's own distribution: well inside mean +- 6 std.
+    moved = out[changed(out, t)]
+    assert ((moved - t.mean()).abs() < 6 * t.std()).all()
+
+
+def test_rz_zeroes_exactly_n_nonzero_positions(t):
+    out = errors.parse("rz:5").apply(t, gen())
+    mask = changed(out, t)
+    assert int(mask.sum()) == 5 and (out[mask] == 0).all() and (t[mask] != 0).all()
+
+
+def test_nan_and_inf_exact_counts_and_signs(t):
+    out = errors.parse("nan:4").apply(t, gen())
+    assert int(out.isnan().sum()) == 4 and int(changed(out, t).sum()) == 4
+    out = errors.parse("inf:6").apply(t, gen())
+    mask = out.isinf()
+    assert int(mask.sum()) == 6 and int(changed(out, t).sum()) == 6
+    assert torch.equal(out[mask].sign(), t[mask].sign())
+
+
+def test_apply_never_changes_its_input(t):
+    before = t.clone()
+    for spec in ("rv:3", "rz:2", "nan:1", "bit_flip:any:5", "lane:4", "tile:4:zero"):
+        errors.parse(spec).apply(t, gen())
+    assert torch.equal(t, before)
+
+
+# -- bit flips -----------------------------------------------------------------------------
+def xor_masks(out, t):
+    mask = changed(out, t)
+    return mask, (bits(out) ^ bits(t))[mask]
+
+
+@pytest.mark.parametrize("spec, count, lo, hi, burst", [
+    ("bit_flip:exponent", 1, 23, 30, 1), ("bit_flip:mantissax3:5", 5, 0, 22, 3), ("bit_flip:sign:2", 2, 31, 31, 1),
+    ("bit_flip:any:8", 8, 0, 31, 1), ("bit_flip:exponentx8", 1, 23, 30, 8)])
+def test_bit_flip_region_and_burst(t, spec, count, lo, hi, burst):
+    mask, xors = xor_masks(errors.parse(spec).apply(t, gen()), t)
+    assert int(mask.sum()) == count
+    for value in xors.tolist():
+        value &= 0xFFFFFFFF
+        assert bin(value).count("1") == burst
+        low = (value & -value).bit_length() - 1
+        assert value == ((1 << burst) - 1) << low  # adjacent bits
+        assert lo <= low and low + burst - 1 <= hi
+
+
+def test_bit_flip_at_a_given_bit(t):
+    mask, xors = xor_masks(errors.parse("bit_flip:30x2:4").apply(t, gen()), t)
+    assert int(mask.sum()) == 4
+    assert [v & 0xFFFFFFFF for v in xors.tolist()] == [0xC0000000] * 4
+    mask, xors = xor_masks(errors.parse("bit_flip:0").apply(t, gen()), t)
+    assert xors.tolist() == [1]
+
+
+def test_bit_flip_rejects_other_dtypes_and_oversized_bursts():
+    with pytest.raises(PeatError, match="float32"):
+        errors.parse("bit_flip:exponent").apply(torch.zeros(3, dtype=torch.float64), gen())
+    with pytest.raises(PeatError, match="does not fit"):
+        errors.parse("bit_flip:signx2")
+
+
+# -- lanes -----------------------------------------------------------------------------------
+def test_lane_offsets_every_kth_column(t):
+    out = errors.parse("lane:8").apply(t, gen())
+    cols = changed(out, t).all(0).nonzero().view(-1).tolist()
+    assert changed(out, t).any(0).nonzero().view(-1).tolist() == cols  # whole columns, nothing else
+    assert len(cols) == 5 and cols == list(range(cols[0], 40, 8)) and cols[0] < 8
+    delta = (out - t)[:, cols]
+    assert torch.allclose(delta, torch.full_like(delta, float(t.double().std())), rtol=1e-5)
+
+
+def test_lane_stuck_rows_and_nchw_channels(t):
+    out = errors.parse("lane:5:stuck:row").apply(t, gen())
+
+    def stuck_at(lane):  # rows lane, lane+5, ... each hold their first value; all other rows untouched
+        rows = list(range(lane, 12, 5))
+        others = [r for r in range(12) if r not in rows]
+        return all((out[r] == t[r, 0]).all() for r in rows) and torch.equal(out[others], t[others])
+
+    assert [lane for lane in range(5) if stuck_at(lane)] != [] and len([lane for lane in range(5) if stuck_at(lane)]) == 1
+    x = torch.randn(2, 12, 3, 3, generator=gen(5))
+    out = errors.parse("lane:4").apply(x, gen())
+    channels = changed(out, x).any(0).any(-1).any(-1).nonzero().view(-1).tolist()
+    assert len(channels) == 3 and channels == list(range(channels[0], 12, 4))
+    assert changed(out, x)[:, channels].all()
+
+
+# -- tiles -----------------------------------------------------------------------------------
+def tile_of(mask, size):
+    rows, cols = mask.any(1).nonzero().view(-1), mask.any(0).nonzero().view(-1)
+    r0, c0 = int(rows[0]) // size * size, int(cols[0]) // size * size
+    return rows, cols, r0, c0
+
+
+def test_tile_zero_is_one_aligned_tile(t):
+    out = errors.parse("tile:4:zero").apply(t, gen())
+    mask = out != t
+    rows, cols, r0, c0 = tile_of(mask, 4)
+    assert rows.tolist() == list(range(r0, r0 + 4)) and cols.tolist() == list(range(c0, c0 + 4))
+    assert (out[r0:r0 + 4, c0:c0 + 4] == 0).all() and int(mask.sum()) == 16
+
+
+def test_tile_stale_holds_previous_call():
+    model = errors.parse("tile:4")
+    first, second = torch.randn(8, 8, generator=gen(6)), torch.randn(8, 8, generator=gen(7))
+    g = gen()
+    out1 = model.apply(first, g)
+    assert int((out1 != first).sum()) == 16 and (out1[out1 != first] == 0).all()  # first call: nothing to hold
+    out2 = model.apply(second, g)
+    mask = out2 != second
+    assert int(mask.sum()) == 16 and torch.equal(out2[mask], first[mask])
+
+
+def test_tile_splitk_misses_one_partial_sum():
+    x, w = torch.randn(8, 12, generator=gen(8)), torch.randn(8, 12, generator=gen(9))
+    out = errors.faulty(kernels.golden("linear"), "tile:4:splitk").forward(x, w, None)
+    golden = x @ w.t()
+    mask = (out - golden).abs() > 1e-6
+    rows, cols, r0, c0 = tile_of(mask, 4)
+    tile = (slice(r0, r0 + 4), slice(c0, c0 + 4))
+    partials = [x[:, k:k + 4] @ w[:, k:k + 4].t() for k in (0, 4, 8)]
+    assert any(torch.allclose((golden - out)[tile], p[tile], atol=1e-5) for p in partials)
+    assert not mask[~_tile_mask(8, 8, *tile)].any()
+    with pytest.raises(PeatError, match="operands"):
+        errors.parse("tile:4:splitk").apply(golden, gen())
+
+
+def _tile_mask(rows, cols, r, c):
+    m = torch.zeros(rows, cols, dtype=torch.bool)
+    m[r, c] = True
+    return m
+
+
+# -- seeding, parsing, ground truth -------------------------------------------------------------
+def test_faulty_kernels_are_seeded_and_advance_per_call():
+    x, w = torch.randn(6, 10, generator=gen(10)), torch.randn(9, 10, generator=gen(11))
+    a, b, c = (errors.faulty(kernels.golden("linear"), "rv:2", seed=s) for s in (0, 0, 1))
+    first = [k.forward(x, w, None) for k in (a, b, c)]
+    assert torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
+    assert not torch.equal(a.forward(x, w, None), first[0])  # the next call draws again
+    assert a.name == "golden+rv:2" and a.input_grad is kernels.golden("linear").input_grad
+
+
+@pytest.mark.parametrize("spec", ["fp8", "rv", "rv:0", "lane:0", "tile:x", "bit_flip:32", "bit_flip:exponent:0", "nan:-1"])
+def test_bad_specs_name_the_spec(spec):
+    with pytest.raises(PeatError, match=re.escape(repr(spec))):
+        errors.parse(spec)
+
+
+def test_ground_truth_classes():
+    truth = {s: errors.parse(s).truth for s in ("fp16", "bf16", "tf32", "fp64", "rv:1", "rz:1", "bit_flip:sign",
+                                                "lane:2", "tile:2", "nan:1", "inf:1")}
+    assert truth == {"fp16": "reduced_precision", "bf16": "reduced_precision", "tf32": "reduced_precision",
+                     "fp64": "reduced_precision", "rv:1": "random_value", "rz:1": "random_zero",
+                     "bit_flip:sign": "bit_flip", "lane:2": "periodic_lane", "tile:2": "block_structured",
+                     "nan:1": "non_finite", "inf:1": "non_finite"}
+
+
+def test_schema_pattern_is_the_parsers():
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())["properties"]
+    assert schema["errors"]["items"]["pattern"] == errors.SPEC_PATTERN
+    assert schema["kernels"]["additionalProperties"]["properties"]["error"]["pattern"] == errors.SPEC_PATTERN

@@ -1,0 +1,284 @@
+"""The kernel interface on a real recorded context: golden replay, shipped alternatives, loading, isolation."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from peat import kernels
+from peat.io import PeatError
+from peat.profiler import Profiler, read_layer
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Tiny(nn.Module):
+    """Every op PEAT knows, GPT-2's Conv1D included, small enough to record in milliseconds."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3)
+        self.fc = nn.Linear(8 * 4 * 4, 48)
+        self.ln = nn.LayerNorm(48)
+        self.proj = Conv1D(10, 48)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv1(x)))
+        x = self.conv2(x).flatten(1)
+        return self.proj(self.ln(self.fc(x)))
+
+
+def train_steps(model, steps=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        x, y = torch.randn(6, 3, 6, 6, generator=gen), torch.randint(10, (6,), generator=gen)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = Tiny()
+    path = tmp_path_factory.mktemp("ctx") / "context.h5"
+    prof = Profiler(path, ["*"], every=1)
+    prof.attach(model)
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        prof.begin_step(step, 1)
+        x, y = torch.randn(6, 3, 6, 6, generator=gen), torch.randint(10, (6,), generator=gen)
+        nn.functional.cross_entropy(model(x), y).backward()
+        prof.end_step()
+        opt.step()
+    prof.close()
+    return path
+
+
+def cases(context, op=None):
+    """(layer, attrs, sample, computation) for every recorded computation of ``op``."""
+    out = []
+    for layer in ("conv1", "bn", "conv2", "fc", "ln", "proj"):
+        attrs, samples = read_layer(context, layer)
+        if op is None or attrs["op"] == op:
+            out += [(layer, attrs, s, c) for s in samples for c in kernels.COMPUTATIONS
+                    if c != "input_grad" or "dA" in s]
+    return out
+
+
+def rel_err(got, ref):
+    return float((got.double() - ref).abs().max() / ref.abs().max())
+
+
+# -- golden ------------------------------------------------------------------------------------
+def test_golden_replays_the_recorded_context_bit_exactly(context):
+    seen = set()
+    for layer, attrs, sample, computation in cases(context):
+        got = kernels.call(kernels.golden(attrs["op"]), computation, sample, attrs)
+        assert torch.equal(got, kernels.expected(computation, sample)), (layer, computation)
+        seen.add((attrs["op"], computation))
+    assert len(seen) == 12  # 4 ops x 3 computations
+    assert read_layer(context, "proj")[0]["transposed"] is True
+
+
+def test_float64_reference_is_close_but_not_identical(context):
+    for layer, attrs, sample, computation in cases(context):
+        ref = kernels.call(kernels.golden(attrs["op"]), computation, sample, attrs, dtype=torch.float64)
+        assert ref.dtype == torch.float64
+        assert rel_err(kernels.expected(computation, sample), ref) < 1e-5, (layer, computation)
+    fwd = [c for c in cases(context) if c[3] == "forward"]
+    assert any(not torch.equal(kernels.call(kernels.golden(a["op"]), "forward", s, a, torch.float64).float(),
+                               kernels.expected("forward", s)) for _, a, s, _ in fwd)
+
+
+def test_call_leaves_recorded_running_stats_alone(context):
+    attrs, samples = read_layer(context, "bn")
+    before = samples[0]["running_mean"].clone()
+    kernels.call(kernels.golden("batch_norm"), "forward", samples[0], attrs)
+    assert torch.equal(samples[0]["running_mean"], before)
+
+
+def test_golden_routing_is_bit_identical_to_pytorch():
+    torch.manual_seed(0)
+    plain = Tiny()
+    routed = copy.deepcopy(plain)
+    names = sum((kernels.route(routed, kernels.golden(op)) for op in kernels.OPS), [])
+    assert sorted(names) == ["bn", "conv1", "conv2", "fc", "ln", "proj"]
+    train_steps(plain)
+    train_steps(routed)
+    for (name, a), b in zip(plain.state_dict().items(), routed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+# -- shipped alternatives ---------------------------------------------------------------------
+EXACT = 1e-5  # different accumulation order only: within a few float32 ulps of the reference
+ALTERNATIVES = [  # impl, op, max relative error to float64, min relative error (0: any)
+    ("peat.alt_kernels.im2col", "conv2d", EXACT, 0), ("peat.alt_kernels.winograd", "conv2d", EXACT, 0),
+    ("peat.alt_kernels.blocked_gemm", "linear", EXACT, 0), ("peat.alt_kernels.splitk_gemm", "linear", EXACT, 0),
+    ("kernels/my_gemm.py", "linear", EXACT, 0),
+    ("peat.alt_kernels.onepass_norm", "batch_norm", EXACT, 0), ("peat.alt_kernels.onepass_norm", "layer_norm", EXACT, 0),
+    ("peat.alt_kernels.welford_norm", "batch_norm", EXACT, 0), ("peat.alt_kernels.welford_norm", "layer_norm", EXACT, 0),
+    ("peat.alt_kernels.tf32", "linear", 3e-3, 2e-5), ("peat.alt_kernels.tf32", "conv2d", 3e-3, 2e-5),
+    ("peat.alt_kernels.fp16_gemm", "linear", 3e-3, 2e-5), ("peat.alt_kernels.bf16_gemm", "linear", 3e-2, 2e-4),
+]
+
+
+@pytest.mark.parametrize("impl, op, bound, floor", ALTERNATIVES, ids=[f"{a[0].split('.')[-1]}-{a[1]}" for a in ALTERNATIVES])
+def test_alternative_is_correct_and_numerically_different(context, impl, op, bound, floor):
+    kernel, golden = kernels.load(impl, op), kernels.golden(op)
+    assert set(kernel.custom) >= {"forward"}
+    differs = False
+    for layer, attrs, sample, computation in cases(context, op):
+        ref = kernels.call(golden, computation, sample, attrs, dtype=torch.float64)
+        got = kernels.call(kernel, computation, sample, attrs)
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        err = rel_err(got, ref)
+        assert err < bound, (layer, computation, err)
+        if computation in kernel.custom:
+            assert err >= floor, (layer, computation, err)  # low precision must show
+        differs |= not torch.equal(got, kernels.call(golden, computation, sample, attrs))
+    assert differs
+
+
+def test_winograd_falls_back_to_golden_where_it_does_not_apply():
+    kernel, golden = kernels.load("peat.alt_kernels.winograd", "conv2d"), kernels.golden("conv2d")
+    x, w = torch.randn(2, 4, 9, 9), torch.randn(5, 4, 3, 3)
+    for hp in (dict(stride=(2, 2), padding=(1, 1), dilation=(1, 1), groups=1),
+               dict(stride=(1, 1), padding=(1, 1), dilation=(2, 2), groups=1)):
+        assert torch.equal(kernel.forward(x, w, None, **hp), golden.forward(x, w, None, **hp))
+    assert "weight_grad" not in kernel.custom
+
+
+def test_compiled_kernel_once(context):
+    from peat.alt_kernels import compiled
+
+    kernel = kernels.load("peat.alt_kernels.compiled", "layer_norm")
+    attrs, samples = read_layer(context, "ln")
+    got = kernels.call(kernel, "forward", samples[0], attrs)
+    golden = kernels.expected("forward", samples[0])
+    if compiled.FALLBACK:  # no compiler here: the documented fallback is exactly golden
+        assert torch.equal(got, golden)
+    else:
+        ref = kernels.call(kernels.golden("layer_norm"), "forward", samples[0], attrs, torch.float64)
+        assert rel_err(got, ref) < EXACT
+
+
+# -- loading ------------------------------------------------------------------------------------
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_file_namespace_and_golden_fallback(tmp_path):
+    path = write(tmp_path, "half.py", "def forward(x, weight, bias):\n    return x @ weight.t() * 2\n")
+    kernel = kernels.load(path, "linear")
+    assert kernel.name == "half" and kernel.custom == ("forward",) and kernel.source == path
+    assert kernel.input_grad is kernels.GOLDEN["linear"]["input_grad"]
+    ns = write(tmp_path, "multi.py", "class conv2d:\n    pass\n\nclass linear:\n"
+                                     "    def weight_grad(grad_out, x):\n        return grad_out.t() @ x\n")
+    assert kernels.load(ns, "linear").custom == ("weight_grad",)
+    with pytest.raises(PeatError, match="defines none"):
+        kernels.load(ns, "conv2d")
+
+
+@pytest.mark.parametrize("impl, op, message", [
+    ("kernels/does_not_exist.py", "linear", "no such file"), ("peat.alt_kernels.nope", "linear", "cannot import"),
+    ("golden", "softmax", "unknown op"), ("peat.alt_kernels.im2col", "linear", "is a conv2d kernel"), ("peat.alt_kernels.onepass_norm", "conv2d", "defines none")])
+def test_load_rejects_bad_kernels_in_one_line(impl, op, message):
+    with pytest.raises(PeatError, match=message) as err:
+        kernels.load(impl, op)
+    assert "\n" not in str(err.value)
+
+
+def test_load_reports_import_errors_with_the_file(tmp_path):
+    path = write(tmp_path, "broken.py", "import numpy\nraise ValueError('half written')\n")
+    with pytest.raises(PeatError, match=r"broken.py: import failed: ValueError: half written"):
+        kernels.load(path, "linear")
+
+
+def test_source_files_list_what_should_rerun_jobs():
+    assert kernels.source_files("golden") == []
+    files = [Path(f).name for f in kernels.source_files("peat.alt_kernels.blocked_gemm")]
+    assert files[0] == "blocked_gemm.py" and "_gemm.py" in files and "__init__.py" not in files
+    assert Path(kernels.source_files("kernels/my_gemm.py")[0]).resolve() == REPO / "kernels/my_gemm.py"
+
+
+def test_cpp_kernel_compiles_once_and_serves_linear(context):
+    kernel = kernels.load("kernels/naive_gemm.cpp", "linear")
+    assert kernel.custom == kernels.COMPUTATIONS
+    for layer, attrs, sample, computation in cases(context, "linear"):
+        ref = kernels.call(kernels.golden("linear"), computation, sample, attrs, dtype=torch.float64)
+        assert rel_err(kernels.call(kernel, computation, sample, attrs), ref) < EXACT
+    start = time.perf_counter()
+    kernels.load("kernels/naive_gemm.cpp", "linear")  # cached by source hash
+    assert time.perf_counter() - start < 1.0
+
+
+def test_cpp_compile_error_shows_the_compilers_first_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path, "bad_kernel.cpp", '#include "no_such_header.h"\nint main() { return 0; }\n')
+    with pytest.raises(PeatError) as err:
+        kernels.load(path, "linear")
+    message = str(err.value)
+    assert message.startswith(f"{path}: compile failed: ") and "no_such_header.h" in message and "error" in message
+
+
+# -- isolation -----------------------------------------------------------------------------------
+def _raise(*args, **kwargs):
+    raise ValueError("kernel bug at tile 3")
+
+
+def _hang(*args, **kwargs):
+    time.sleep(60)
+
+
+def _segfault(*args, **kwargs):
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def _wrong_shape(x, weight, bias):
+    return (x @ weight.t())[:, :-1]
+
+
+def _nan(x, weight, bias):
+    return torch.full((x.shape[0], weight.shape[0]), float("nan"))
+
+
+def _huge(*args, **kwargs):
+    return torch.empty(2**33)
+
+
+@pytest.mark.parametrize("func, status, message", [
+    (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 2 s"),
+    (_segfault, "crash", "killed by SIGSEGV"), (_wrong_shape, "shape_mismatch", "returned (6, 47)"),
+    (_nan, "ok", "288 non-finite values"), (_huge, "oom", "allocate")])
+def test_run_isolated_records_outcomes(context, func, status, message):
+    attrs, samples = read_layer(context, "fc")
+    kernel = kernels.Kernel("bad", "linear", func, func, func, custom=kernels.COMPUTATIONS)
+    outcome = kernels.run_isolated(kernels.call, kernel, "forward", samples[0], attrs, timeout=2, memory_mb=1024,
+                                   expect=samples[0]["O"])
+    assert outcome.status == status and message in outcome.message
+    assert set(outcome.record()) == {"status", "message", "seconds"}
+    assert outcome.seconds < 10
+
+
+def test_run_isolated_returns_the_value(context):
+    attrs, samples = read_layer(context, "conv1")
+    golden = kernels.golden("conv2d")
+    outcome = kernels.run_isolated(kernels.call, golden, "forward", samples[0], attrs, expect=samples[0]["O"])
+    assert outcome.ok and outcome.message == "" and torch.equal(outcome.value, samples[0]["O"])
