@@ -1,5 +1,6 @@
 # Benchmarks of every stage (issue 8): `snakemake bench` runs benchmarks/run.py, the same as
-# `make bench`. Not part of the default target: it times the whole workflow itself.
+# `make bench`. Not part of the default target: it times the whole workflow itself. With
+# --configfile config/test.yaml it is the smoke run (--quick).
 import os
 
 
@@ -15,5 +16,6 @@ rule bench:
         gpu_jobs=0,
     params:
         runner=os.path.join(workflow.basedir, "benchmarks/run.py"),
+        quick=config["name"] == "test",
     script:
         "../scripts/bench.py"
