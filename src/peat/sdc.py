@@ -11,8 +11,9 @@ fingerprints), each naming the suspect rank(s) and their hosts::
         loss_fn(ddp, batches[rank]).backward()           # the comm hook checks local gradients
         if guard.check_gradients(replay=lambda r: loss_fn(guard.module, batches[r])):
             optimizer.step()                             # skipped on non-finite gradients
-        guard.check_weights()
+        guard.check_weights()                            # compared during the next step
         optimizer.zero_grad(set_to_none=True)
+    guard.finish()
 
 Every rank takes the same decision from the same all-gathered data, so with policy ``stop``
 all ranks exit with ``EXIT_SDC`` together and no rank is left waiting in a collective.
@@ -180,6 +181,7 @@ class Guard:
         self.alarms: list[Event] = []
         self.timers: dict[str, list[float]] = {c: [] for c in CHECKS}
         self.step = -1
+        self._weights = None  # (step, pending gather) of the last weight checksums
         ddp.register_comm_hook(None, self._hook)
 
     # - per step -
@@ -188,6 +190,7 @@ class Guard:
         self.step = step
         self._sums: list[torch.Tensor] = []
         self._reported: dict[int, torch.Tensor] = {}
+        self._flags = None
         self._hook_time = 0.0
         self._auditing = self.audit_every > 0 and step % self.audit_every == 0
         # Replays must see the random state the peer's forward saw (dropout masks).
@@ -205,37 +208,60 @@ class Guard:
             grads = bucket.gradients()
             for p, g, c in zip(bucket.parameters(), grads, _fingerprint_parts(grads)):
                 self._reported[self._index[id(p)]] = c
+        if bucket.is_last():  # exchange the flags while the last bucket is being all-reduced
+            self._flags = self._start_gather(self._local_flags(), "gradient flags")
         self._hook_time += time.perf_counter() - t0
         return allreduce_hook(state, bucket)
 
-    def check_gradients(self, replay: Callable[[int], torch.Tensor] | None = None) -> bool:
-        """After backward, before ``optimizer.step()``: exchange the non-finite flags (and run the
-        ring audit when due). Returns False when the step must be skipped (non-finite gradients).
-        """
-        t0 = time.perf_counter()
-        bad = bool(self._sums) and not bool(torch.isfinite(torch.stack(self._sums)).all())
-        auditing = self._auditing and replay is not None
-        local = [torch.tensor([int(bad)], dtype=torch.int64)]
-        if auditing:
+    def _local_flags(self) -> torch.Tensor:
+        sums = torch.stack([s.to(self.device) for s in self._sums]) if self._sums else torch.zeros(1)
+        local = [(~torch.isfinite(sums)).any().to(torch.int64).reshape(1).to(self.device)]  # no host sync
+        if self._auditing:
             local.append(self._reported_fingerprint())
-        gathered = self._all_gather(torch.cat([t.to(self.device) for t in local]), "gradient flags")
+        return torch.cat(local)
+
+    def check_gradients(self, replay: Callable[[int], torch.Tensor] | None = None) -> bool:
+        """After backward, before ``optimizer.step()``: read the exchanged non-finite flags (and run
+        the ring audit when due). Returns False when the step must be skipped (non-finite gradients).
+        """
+        self._resolve_weights()
+        t0 = time.perf_counter()
+        pending = self._flags or self._start_gather(self._local_flags(), "gradient flags")
+        self._flags = None
+        gathered = self._finish_gather(pending)
         flags = [int(g[0]) for g in gathered]
         self.timers["nonfinite"].append(self._hook_time + time.perf_counter() - t0)
         if any(flags):
             self._alarm("nonfinite", [r for r, f in enumerate(flags) if f], True, {"flags": flags})
             return False
-        if auditing:
+        if self._auditing and replay is not None:
             self._audit(replay, [g[1:] for g in gathered])
         return True
 
     def check_weights(self) -> None:
-        """After ``optimizer.step()``: compare exact weight checksums across replicas."""
+        """After ``optimizer.step()``: start the exchange of exact weight checksums. It completes,
+        and a mismatch is reported for this step, in the next ``check_gradients`` (before the next
+        update) or in ``finish()``, so the exchange never stalls the loop.
+        """
+        self._resolve_weights()
         if self.step % self.fingerprint_every:
             return
         t0 = time.perf_counter()
-        prints = self._all_gather(checksum(self.params), "weight fingerprints")
-        suspects, localized = majority_outliers(prints)
+        self._weights = (self.step, self._start_gather(checksum(self.params).to(self.device), "weight fingerprints"))
         self.timers["fingerprint"].append(time.perf_counter() - t0)
+
+    def finish(self) -> None:
+        """After the last step: settle the last weight comparison."""
+        self._resolve_weights()
+
+    def _resolve_weights(self) -> None:
+        if self._weights is None:
+            return
+        t0 = time.perf_counter()
+        (step, pending), self._weights = self._weights, None
+        prints = self._finish_gather(pending)
+        suspects, localized = majority_outliers(prints)
+        self.timers["fingerprint"][-1] += time.perf_counter() - t0
         if suspects:
             first = next(i for i in range(len(self.params)) if len({int(p[i]) for p in prints}) > 1)
             name = [n for n, p in self.module.named_parameters() if p.requires_grad][first]
@@ -243,7 +269,7 @@ class Guard:
             if not localized:
                 detail["note"] = ("two replicas: detected but cannot localize" if self.world == 2
                                   else "no majority of identical replicas: cannot localize")
-            self._alarm("fingerprint", suspects, localized, detail)
+            self._alarm("fingerprint", suspects, localized, detail, step)
 
     # - ring audit -
 
@@ -304,9 +330,9 @@ class Guard:
 
     # - alarms -
 
-    def _alarm(self, check: str, suspects: list[int], localized: bool, detail: dict) -> None:
+    def _alarm(self, check: str, suspects: list[int], localized: bool, detail: dict, step: int | None = None) -> None:
         hosts = sorted({self.hosts[r] for r in suspects})
-        event = Event(self.step, check, suspects, hosts, localized, detail, time.time())
+        event = Event(self.step if step is None else step, check, suspects, hosts, localized, detail, time.time())
         self.alarms.append(event)
         reporter = min(set(range(self.world)) - set(suspects), default=0)
         if self.events is not None and self.rank == reporter:
@@ -333,16 +359,23 @@ class Guard:
 
     # - collectives with clear failures -
 
-    def _collective(self, what: str, fn, *args, **kwargs) -> None:
+    def _collective(self, what: str, fn, *args, **kwargs):
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as err:
             raise PeatError(collective_failure(self.rank, what, err)) from None
 
-    def _all_gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+    def _start_gather(self, tensor: torch.Tensor, what: str):
         out = [torch.empty_like(tensor) for _ in range(self.world)]
-        self._collective(what, dist.all_gather, out, tensor, group=self.group)
+        return out, self._collective(what, dist.all_gather, out, tensor, group=self.group, async_op=True), what
+
+    def _finish_gather(self, pending) -> list[torch.Tensor]:
+        out, work, what = pending
+        self._collective(what, work.wait)
         return out
+
+    def _all_gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        return self._finish_gather(self._start_gather(tensor, what))
 
     def costs(self) -> dict:
         """Median seconds of each check per step where it ran."""

@@ -213,7 +213,7 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
     fault = None
     if rank == cfg["injected_rank"]:
         fault = Fault(drill, trainer.model, cfg["injection_step"], cfg["faults"], seed)
-    plain, checks = [], []
+    plain = []
     for step in range(cfg["steps"]):
         if fault is not None:
             fault.before(step)
@@ -232,7 +232,7 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
         guard.check_weights()
         total, in_checks = time.perf_counter() - t0, _check_time(guard) - spent
         plain.append(total - in_checks)
-        checks.append(in_checks)
+    guard.finish()
     injected = None if drill == "clean" else cfg["injected_rank"]
     return summarize(drill, model_name, world, injected, cfg, guard, plain) | {
         "backend": dist.get_backend(), "hosts": guard.hosts, "seed": seed, "torch_version": str(torch.__version__)}
@@ -347,6 +347,7 @@ def benchmark(spec: dict, data, cfg: dict, seed: int, device: torch.device, step
             t_guarded.append(_timed(lambda: _guarded_step(guarded, guard, step), device))
         else:
             _guarded_step(guarded, guard, step)
+    guard.finish()
     p, g = statistics.median(t_plain), statistics.median(t_guarded)
     audit = guard.costs()["audit"]
     return {"steps": steps, "plain_step_s": p, "guarded_step_s": g, "ratio": g / p,
