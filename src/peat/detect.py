@@ -13,12 +13,13 @@ documented sufficient conditions on these sets, in the matrix view of ``peat.err
 the first that holds wins (the priority order of ``CLASSES``):
 
 non_finite         candidate NaN/Inf where golden is finite.
-block_structured   >= COVER of S lies in connected tiles (both sides >= 2, >= 4 elements,
-                   bounding box filled >= FILL) covering <= BLOCK_AREA of the tensor; or G
+block_structured   >= COVER of S lies in at most MAX_TILES connected tiles (both sides >= 2,
+                   >= 4 elements, bounding box filled >= FILL; in a vector a run of >= 4)
+                   covering <= BLOCK_AREA of the tensor; or G
                    covers the tensor without any other structure (one tile: the whole output).
 periodic_lane      >= COVER of S lies in columns (or rows) filled >= FILL, and those columns
-                   are one lane or share a stride >= 2.
-bit_flip           S is sparse and >= COVER of it differs from golden in 1 or 2 bits above
+                   are one lane or a whole progression of stride >= 2 (>= COVER of its lanes).
+bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER of it differs from golden in 1 or 2 bits above
                    the bits fp32 noise may touch.
 random_zero        S is sparse and >= COVER of it is exactly 0 where golden is not.
 random_value       S is sparse (any other few scattered wrong values).
@@ -57,10 +58,12 @@ class Rules:
 
     k32: float = 8.0            # fp32 envelope: multiple of the measured max fp32-vs-fp64 error
     krp: float = 4.0            # reduced-precision envelope: multiple of the worst fp16/bf16/tf32 error
-    sparse: float = 0.01        # "a few elements": at most this fraction of the tensor (and >= 1 element)
+    sparse: float = 0.01        # "a few elements": at most this fraction of the tensor ...
+    sparse_min: int = 16        # ... or this many (and less than half of it), whichever is more
     fill: float = 0.5           # a tile / lane counts when this fraction of it is wrong
     cover: float = 0.9          # a shape explains S when it holds this fraction of S
     block_area: float = 0.5     # tiles covering more than this of the tensor are not "confined"
+    max_tiles: int = 8          # more tiles than this is a dense random pattern, not a tile fault
     accept_reduced_precision: bool = True
 
 
@@ -110,7 +113,8 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
 def shape(mask: torch.Tensor, candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules) -> dict:
     """How the wrong elements ``mask`` are laid out and what they look like."""
     n = int(mask.sum())
-    out = {"n": n, "sparse": 0 < n <= max(1, rules.sparse * mask.numel()), "block_cover": 0.0, "block_area": 0.0,
+    few = max(rules.sparse_min, rules.sparse * mask.numel())
+    out = {"n": n, "sparse": 0 < n <= few and n < mask.numel() / 2, "block_cover": 0.0, "block_area": 0.0,
            "block_tiles": 0, "lane_cover": 0.0, "lane_stride": 0, "lane_axis": "", "zero_frac": 0.0,
            "bit_frac": 0.0, "inrange_frac": 0.0}
     if n == 0 or mask.numel() == 0:
@@ -140,24 +144,28 @@ def _blocks(m: np.ndarray, rules: Rules) -> dict:
     comp = pd.DataFrame({"label": labels[rows, cols], "row": rows, "col": cols}).groupby("label")
     box = comp.agg(r0=("row", "min"), r1=("row", "max"), c0=("col", "min"), c1=("col", "max"), size=("row", "size"))
     height, width = box["r1"] - box["r0"] + 1, box["c1"] - box["c0"] + 1
-    tiles = box[(height >= 2) & (width >= 2) & (box["size"] >= 4) & (box["size"] >= rules.fill * height * width)]
+    flat = min(m.shape) == 1  # a vector: a tile is a run of >= 4 wrong elements
+    wide = (height >= 2) & (width >= 2) if not flat else (height * width >= 4)
+    tiles = box[wide & (box["size"] >= 4) & (box["size"] >= rules.fill * height * width)]
     area = float((height * width)[tiles.index].sum())
     return {"block_cover": float(tiles["size"].sum() / len(rows)), "block_area": area / m.size,
             "block_tiles": int(len(tiles))}
 
 
 def _lanes(m: np.ndarray, rules: Rules) -> dict:
+    """Columns (or rows) filled >= FILL that form a whole arithmetic progression of stride >= 2
+    (a single filled lane counts when the view has >= 2 rows and the stride exceeds the width)."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     for axis, view in (("col", m), ("row", m.T)):
         rows, cols = view.shape
-        if rows < 2 or cols < 2:
+        if cols < 2:
             continue
-        fill = view.sum(0) / rows
-        lanes = np.flatnonzero(fill >= rules.fill)
-        if len(lanes) == 0:
+        lanes = np.flatnonzero(view.sum(0) >= rules.fill * rows)
+        if len(lanes) == 0 or (len(lanes) == 1 and rows < 2):
             continue
         stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else cols
-        if stride < 2:
+        expected = len(range(lanes[0] % stride, cols, stride)) if stride < cols else 1
+        if stride < 2 or len(lanes) < rules.cover * expected:
             continue
         cover = float(view[:, lanes].sum() / view.sum())
         if cover > best["lane_cover"]:
@@ -178,7 +186,8 @@ def _few_bits(c: torch.Tensor, g: torch.Tensor, tau32: float) -> torch.Tensor:
 
 # -- rules ---------------------------------------------------------------------------------------
 def _shape_class(f: dict, prefix: str, rules: Rules) -> tuple[str, float] | None:
-    if f[f"{prefix}block_cover"] >= rules.cover and 0 < f[f"{prefix}block_area"] <= rules.block_area:
+    if (f[f"{prefix}block_cover"] >= rules.cover and 0 < f[f"{prefix}block_area"] <= rules.block_area
+            and f[f"{prefix}block_tiles"] <= rules.max_tiles):
         return "block_structured", f[f"{prefix}block_cover"]
     if f[f"{prefix}lane_cover"] >= rules.cover:
         return "periodic_lane", f[f"{prefix}lane_cover"]

@@ -1,0 +1,255 @@
+"""Labeled benchmark of PEAT's Detector against PEAT's rule of thumb and torch.allclose.
+
+Cases are built on recorded training contexts (golden ``context.h5`` files): for every
+recorded layer, every computation it has (forward, input gradient, weight gradient) and
+every seed, the golden kernel is replayed with each pseudo-error spec of ``SPECS`` injected
+into that computation (``peat.errors.faulty``), over ``--steps`` recorded iterations. The
+shipped correct alternative kernels (``peat.alt_kernels``) are the should-pass cases.
+
+A case's label is its spec's class (``peat.errors.TRUTH``), with two corrections the class
+definitions force: an injection that made golden-finite values NaN/Inf is ``non_finite``
+(first in the priority order), and one that changed nothing is ``none``. The Detector
+predicts a class per case (the worst over the iterations, as for a kernel verdict); the
+baselines only say pass or fail.
+
+Writes, under --out (default reports/benchmarks/detector/): ``cases.csv`` (one row per case),
+``confusion.csv`` (method, truth, predicted, count), ``metrics.csv`` (per-class precision and
+recall per method), ``summary.json`` (binary detection rate, false-alarm rate, class accuracy,
+targets and whether they are met) and ``confusion.png``.
+
+    python benchmarks/detector.py [--context PATH ...] [--seeds 5] [--steps 2] [--out DIR] [--smoke]
+    snakemake detector_benchmark --cores 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+import torch  # noqa: E402
+
+from peat import detect, errors, kernels, playback  # noqa: E402
+from peat.io import PeatError, atomic_path, write_csv, write_json  # noqa: E402
+
+SPECS = (
+    "fp16", "bf16", "tf32",
+    "rv:1", "rv:3", "rv:10",
+    "rz:1", "rz:3",
+    "bit_flip:exponent", "bit_flip:sign", "bit_flip:30", "bit_flip:22", "bit_flip:exponentx2:2",
+    "lane:4", "lane:16", "lane:8:stuck", "lane:16:row",
+    "tile:4:zero", "tile:16:zero", "tile:8:stale", "tile:16:splitk",
+    "nan:1", "inf:2",
+)
+SMOKE_SPECS = ("fp16", "rv:3", "rz:1", "bit_flip:exponent", "lane:4", "tile:4:zero", "nan:1")
+ALTERNATIVES = {
+    "conv2d": ("im2col", "winograd", "tf32"),
+    "linear": ("blocked_gemm", "splitk_gemm", "bf16_gemm", "fp16_gemm", "tf32"),
+    "batch_norm": ("onepass_norm", "welford_norm"),
+    "layer_norm": ("onepass_norm", "welford_norm"),
+}
+# A priori class of each correct alternative: operands rounded below fp32 -> reduced_precision.
+REDUCED = {"tf32", "bf16_gemm", "fp16_gemm"}
+PASSING = ("none", "reduced_precision")
+TARGETS = {"binary_detection": 0.99, "false_alarms_on_correct_kernels": 0, "class_accuracy": 0.95}
+METHODS = ("detector", "peat_rule_of_thumb", "allclose")
+
+
+def applicable(spec: str, op: str, computation: str) -> bool:
+    """Split-K tiles need a GEMM-like computation with a reduction to split."""
+    if spec.endswith(":splitk"):
+        return op == "linear" or (op == "conv2d" and computation == "forward")
+    return True
+
+
+def truth_of(spec: str, rows: pd.DataFrame) -> str:
+    label = errors.parse(spec).truth
+    if label != "non_finite" and (rows["nonfinite"] > 0).any():
+        return "non_finite"
+    if (rows["frac_diff"] == 0).all():
+        return "none"
+    return label
+
+
+def judge(rows: pd.DataFrame, rules: detect.Rules) -> dict:
+    """The three methods on one case's rows (one per replayed iteration)."""
+    records = rows.to_dict("records")
+    predicted = detect.worst(detect.classify(r, rules)[0] for r in records)
+    peat = detect.peat_rule_of_thumb(rows)["verdict"]
+    return {"detector": predicted, "detector_verdict": "pass" if detect.passes(predicted, rules) else "fail",
+            "peat_rule_of_thumb": peat, "allclose": "pass" if rows["allclose"].all() else "fail"}
+
+
+def layer_cases(context: str, layer: str, op: str, *, seeds: int, steps: int, specs, alternatives,
+                rules: detect.Rules) -> list[dict]:
+    """All cases of one recorded layer: pseudo-errors x computations x seeds, and the alternatives."""
+    model = str(playback.check_context(context, {})["attrs"].get("model", Path(context).stem))
+    out = []
+    for computation in kernels.COMPUTATIONS:
+        wanted = [s for s in specs if applicable(s, op, computation)]
+        for seed in range(seeds):
+            plan = playback.Plan(context=Path(context), kernel=kernels.golden(op), layers=[layer], errors=wanted,
+                                 computations=(computation,), max_samples=steps, seed=seed, rules=rules)
+            table, _ = playback.replay(plan)
+            if table.empty:
+                break  # this layer has no such computation (the first conv's input gradient)
+            for spec, rows in table[table["fop"] == "output"].groupby("case", sort=False):
+                if spec in wanted:
+                    out.append({"model": model, "layer": layer, "op": op, "computation": computation, "seed": seed,
+                                "case": spec, "truth": truth_of(spec, rows), **judge(rows, rules)})
+        for alt in alternatives.get(op, ()):
+            kernel = kernels.load(f"peat.alt_kernels.{alt}", op, name=alt)
+            plan = playback.Plan(context=Path(context), kernel=kernel, layers=[layer], computations=(computation,),
+                                 max_samples=steps, rules=rules)
+            table, _ = playback.replay(plan)
+            rows = table[(table["case"] == "kernel") & (table["fop"] == "output")] if len(table) else table
+            if len(rows):
+                out.append({"model": model, "layer": layer, "op": op, "computation": computation, "seed": 0,
+                            "case": f"kernel:{alt}", "truth": "reduced_precision" if alt in REDUCED else "none",
+                            "correct_kernel": True, **judge(rows, rules)})
+    return out
+
+
+def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules, layers_per_op=None) -> pd.DataFrame:
+    cases = []
+    for context in contexts:
+        info = playback.check_context(context, {})
+        seen: dict[str, int] = {}
+        for layer, op in info["ops"].items():
+            seen[op] = seen.get(op, 0) + 1
+            if layers_per_op is not None and seen[op] > layers_per_op:
+                continue
+            print(f"{context}: {layer} ({op})", flush=True)
+            cases += layer_cases(context, layer, op, seeds=seeds, steps=steps, specs=specs,
+                                 alternatives=alternatives, rules=rules)
+    frame = pd.DataFrame(cases)
+    if "correct_kernel" not in frame:
+        frame["correct_kernel"] = False
+    frame["correct_kernel"] = frame["correct_kernel"].fillna(False).astype(bool)
+    return frame
+
+
+# -- metrics -------------------------------------------------------------------------------------
+def _binary(frame: pd.DataFrame, verdicts: pd.Series) -> dict:
+    bug = frame["truth"].isin(detect.BUGS)
+    fail = verdicts == "fail"
+    return {"bug_cases": int(bug.sum()), "should_pass_cases": int((~bug).sum()),
+            "binary_detection": float(fail[bug].mean()) if bug.any() else float("nan"),
+            "false_alarm_rate": float(fail[~bug].mean()) if (~bug).any() else float("nan"),
+            "false_alarms_on_correct_kernels": int(fail[frame["correct_kernel"]].sum())}
+
+
+def metrics(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """Confusion (long), per-class precision/recall, and the summary of every method."""
+    confusion, per_class, summary = [], [], {}
+    hit = (frame["detector"] == frame["truth"]) | (frame["correct_kernel"] & frame["detector"].isin(PASSING))
+    for method in METHODS:
+        verdicts = frame["detector_verdict"] if method == "detector" else frame[method]
+        predicted = frame["detector"] if method == "detector" else frame[method]
+        counts = pd.crosstab(frame["truth"], predicted)
+        confusion += [{"method": method, "truth": t, "predicted": p, "count": int(counts.loc[t, p])}
+                      for t in counts.index for p in counts.columns]
+        summary[method] = _binary(frame, verdicts)
+    summary["detector"]["class_accuracy"] = float(hit.mean())
+    for cls in detect.CLASSES:
+        truth, pred = frame["truth"] == cls, frame["detector"] == cls
+        per_class.append({"method": "detector", "class": cls, "support": int(truth.sum()),
+                          "precision": float((truth & pred).sum() / pred.sum()) if pred.any() else float("nan"),
+                          "recall": float((truth & pred).sum() / truth.sum()) if truth.any() else float("nan")})
+    for method in METHODS[1:]:
+        for cls, rows in frame.groupby("truth"):
+            fail = rows[method] == "fail"
+            per_class.append({"method": method, "class": cls, "support": int(len(rows)), "precision": float("nan"),
+                              "recall": float(fail.mean() if cls in detect.BUGS else (~fail).mean())})
+    det = summary["detector"]
+    summary["targets"] = {**TARGETS, "met": {
+        "binary_detection": det["binary_detection"] >= TARGETS["binary_detection"],
+        "false_alarms_on_correct_kernels": det["false_alarms_on_correct_kernels"] == 0,
+        "class_accuracy": det["class_accuracy"] >= TARGETS["class_accuracy"]}}
+    return pd.DataFrame(confusion), pd.DataFrame(per_class), summary
+
+
+def figure(confusion: pd.DataFrame, path: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [3, 1, 1]})
+    order = [c for c in detect.CLASSES if c in set(confusion["truth"])]
+    for ax, method in zip(axes, METHODS):
+        rows = confusion[confusion["method"] == method]
+        cols = [c for c in detect.CLASSES if c in set(rows["predicted"])] if method == "detector" else ["pass", "fail"]
+        grid = rows.pivot_table(index="truth", columns="predicted", values="count", aggfunc="sum", fill_value=0)
+        grid = grid.reindex(index=order, columns=cols, fill_value=0)
+        sns.heatmap(grid, annot=True, fmt="d", cmap="Blues", cbar=False, ax=ax)
+        ax.set_title(method.replace("_", " "))
+        ax.set_xlabel("predicted")
+        ax.set_ylabel("true class" if method == "detector" else "")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")
+    plt.close(fig)
+
+
+def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: bool = False,
+        rules: detect.Rules = detect.Rules()) -> dict:
+    torch.set_num_threads(1)
+    out = Path(out)
+    start = time.perf_counter()
+    if not contexts:
+        raise PeatError("no context files given (--context) and none under results/golden/*/*/context.h5")
+    frame = build_cases(contexts, seeds=seeds, steps=steps, specs=SMOKE_SPECS if smoke else SPECS,
+                        alternatives={k: v[:1] for k, v in ALTERNATIVES.items()} if smoke else ALTERNATIVES,
+                        rules=rules, layers_per_op=1 if smoke else None)
+    confusion, per_class, summary = metrics(frame)
+    summary |= {"cases": int(len(frame)), "contexts": [str(c) for c in contexts], "seeds": seeds, "steps": steps,
+                "smoke": smoke, "specs": list(SMOKE_SPECS if smoke else SPECS), "wall_s": time.perf_counter() - start,
+                "label_corrections": frame.loc[frame["truth"] != frame["case"].map(_spec_truth), "case"]
+                .value_counts().to_dict()}
+    write_csv(out / "cases.csv", frame)
+    write_csv(out / "confusion.csv", confusion)
+    write_csv(out / "metrics.csv", per_class)
+    write_json(out / "summary.json", detect.json_safe(summary))
+    figure(confusion, out / "confusion.png")
+    return summary
+
+
+def _spec_truth(case: str) -> str:
+    if case.startswith("kernel:"):
+        return "reduced_precision" if case.split(":", 1)[1] in REDUCED else "none"
+    return errors.parse(case).truth
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", action="append", default=None, help="context.h5 (repeatable)")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="recorded iterations replayed per case")
+    parser.add_argument("--out", default="reports/benchmarks/detector")
+    parser.add_argument("--smoke", action="store_true", help="a few specs, one layer per op (for the tests)")
+    args = parser.parse_args(argv)
+    contexts = args.context or sorted(glob.glob("results/golden/*/*/context.h5"))
+    try:
+        summary = run(contexts, args.out, seeds=args.seeds, steps=args.steps, smoke=args.smoke)
+    except PeatError as err:
+        print(f"detector benchmark: error: {err}", file=sys.stderr)
+        return 2
+    det = summary["detector"]
+    print(f"{summary['cases']} cases: detection {det['binary_detection']:.4f}, false alarms "
+          f"{det['false_alarm_rate']:.4f}, class accuracy {det['class_accuracy']:.4f}; "
+          f"allclose false alarms {summary['allclose']['false_alarm_rate']:.4f}, "
+          f"PEAT rule-of-thumb detection {summary['peat_rule_of_thumb']['binary_detection']:.4f}")
+    return 0
+
+
+if "snakemake" in globals():
+    sys.stderr = sys.stdout = open(snakemake.log[0], "w")  # noqa: F821
+    run(list(snakemake.input.contexts), Path(snakemake.output.summary).parent,  # noqa: F821
+        seeds=snakemake.params.seeds, rules=detect.rules_from(snakemake.params.rules))  # noqa: F821
+elif __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Scores and Detector rules on plain tensors: exact score values, every class, the priority
+order, envelopes measured on the inputs, correct alternative kernels passing, and baselines."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from peat import detect, errors, kernels, scores
+
+torch.set_num_threads(1)
+
+
+# -- scores ---------------------------------------------------------------------------------------
+def test_summary_is_peats_four_scores_exactly():
+    err = torch.arange(1, 21, dtype=torch.float64)  # 1..20: top 10 % = {19, 20}
+    got = scores.summary(err)
+    assert got == {"max": 20.0, "mean": 10.5, "top10": 19.5, "var": pytest.approx(float(err.var(unbiased=False)))}
+
+
+def test_ulp_distance_counts_representable_floats_across_zero():
+    one = torch.tensor([1.0])
+    assert int(scores.ulp_distance(torch.nextafter(one, torch.tensor([2.0])), one)) == 1
+    tiny = torch.tensor([1e-45])  # the smallest subnormal
+    assert int(scores.ulp_distance(tiny, -tiny)) == 2
+    assert int(scores.ulp_distance(torch.tensor([0.0]), torch.tensor([-0.0]))) == 0
+
+
+def test_bit_histogram_names_the_flipped_bits():
+    golden = torch.linspace(-3, 3, 100)
+    flipped = errors.parse("bit_flip:30:5").apply(golden, torch.Generator().manual_seed(0))
+    hist = scores.bit_histogram(flipped, golden)
+    assert hist[30] == 5 and hist.sum() == 5
+    assert scores.popcount(torch.tensor([0, 1, 3, -1])).tolist() == [0, 1, 2, 32]
+
+
+def test_spatial_profile_finds_the_lane_stride_and_the_tile():
+    lanes = torch.zeros(32, 64)
+    lanes[:, 3::16] = 1.0
+    got = scores.spatial(lanes)
+    assert got["col_period"] == 16 and got["col_period_frac"] == 1.0
+    assert got["col_mass"].tolist() == [32.0 if c % 16 == 3 else 0.0 for c in range(64)]
+    tile = torch.zeros(64, 64)
+    tile[16:32, 32:48] = 2.0
+    assert scores.spatial(tile)["tile_frac"] == 1.0
+    assert scores.spatial(tile)["map"].sum() == pytest.approx(512.0)
+
+
+def test_tensor_scores_are_relative_to_fp32_noise_of_the_same_tensor():
+    a, w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)), torch.randn(32, 256)
+    golden, ref = a @ w.t(), (a.double() @ w.double().t())
+    row = scores.tensor_scores(golden, golden, ref)
+    assert row["err_max"] == 0 and row["frac_diff"] == 0 and row["ulp_max"] == 0 and row["nonfinite"] == 0
+    fp64 = scores.tensor_scores(ref.float(), golden, ref)
+    assert 0.3 < fp64["rel_top10"] < 3  # fp64 rounded to fp32 is as far from golden as fp32 noise
+    nan = golden.clone()
+    nan[0, 0] = math.nan
+    assert scores.tensor_scores(nan, golden, ref)["nonfinite"] == 1
+
+
+# -- rules ----------------------------------------------------------------------------------------
+def case(op: str, seed: int = 0):
+    """Golden, fp64 and rounded references of one real computation on random inputs."""
+    g = torch.Generator().manual_seed(seed)
+    if op == "linear":
+        sample = {"A": torch.randn(64, 96, generator=g), "W": torch.randn(80, 96, generator=g) * 0.1,
+                  "B": torch.randn(80, generator=g)}
+        attrs = {"op": "linear"}
+    elif op == "conv2d":
+        sample = {"A": torch.randn(4, 8, 12, 12, generator=g), "W": torch.randn(32, 8, 3, 3, generator=g) * 0.1,
+                  "B": None}
+        attrs = {"op": "conv2d", "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+    else:
+        sample = {"A": torch.randn(16, 24, 40, generator=g) * 3 + 1, "W": torch.rand(40, generator=g) + 0.5,
+                  "B": torch.randn(40, generator=g)}
+        attrs = {"op": "layer_norm", "normalized_shape": [40], "eps": 1e-5}
+    gold = kernels.golden(op)
+    golden = kernels.call(gold, "forward", sample, attrs)
+    ref = kernels.call(gold, "forward", sample, attrs, torch.float64)
+    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", sample, attrs) for p in detect.PRECISIONS}
+    return sample, attrs, golden, ref, detect.envelopes(golden, ref, rounded)
+
+
+def classify(candidate, golden, env, rules=detect.Rules()):
+    return detect.classify(detect.evidence(candidate, golden, env, rules), rules)[0]
+
+
+SPECS = ["rv:1", "rv:3", "rz:1", "rz:4", "bit_flip:exponent", "bit_flip:sign:3", "bit_flip:30x2", "lane:4",
+         "lane:16", "lane:8:stuck", "lane:4:row", "tile:4:zero", "tile:8:zero", "nan:1", "inf:2"]
+
+
+@pytest.mark.parametrize("op", ["linear", "conv2d", "layer_norm"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_injected_error_gets_its_class(op, seed):
+    sample, attrs, golden, ref, env = case(op, seed)
+    wrong = {}
+    for spec in SPECS:
+        model = errors.parse(spec)
+        candidate = model.apply(golden, torch.Generator().manual_seed(seed))
+        expect = model.truth
+        if expect != "non_finite" and not torch.isfinite(candidate).all():
+            expect = "non_finite"  # an exponent flip may overflow: the priority order puts it first
+        got = classify(candidate, golden, env)
+        if got != expect:
+            wrong[spec] = got
+    assert wrong == {}
+
+
+@pytest.mark.parametrize("op", ["linear", "conv2d"])
+def test_splitk_tile_and_stale_tile_are_block_structured(op):
+    sample, attrs, golden, ref, env = case(op)
+    for spec in ("tile:8:splitk", "tile:4:stale"):
+        faulty = errors.faulty(kernels.golden(op), spec, seed=3)
+        kernels.call(faulty, "forward", sample | {"A": sample["A"] * 0.5}, attrs)  # a previous call for 'stale'
+        assert classify(kernels.call(faulty, "forward", sample, attrs), golden, env) == "block_structured", spec
+
+
+@pytest.mark.parametrize("impl,op,expect", [
+    ("peat.alt_kernels.blocked_gemm", "linear", "none"),
+    ("peat.alt_kernels.splitk_gemm", "linear", "none"),
+    ("peat.alt_kernels.im2col", "conv2d", "none"),
+    ("peat.alt_kernels.winograd", "conv2d", "none"),
+    ("peat.alt_kernels.welford_norm", "layer_norm", "none"),
+    ("peat.alt_kernels.onepass_norm", "layer_norm", "none"),
+    ("peat.alt_kernels.bf16_gemm", "linear", "reduced_precision"),
+    ("peat.alt_kernels.fp16_gemm", "linear", "reduced_precision"),
+    ("peat.alt_kernels.tf32", "conv2d", "reduced_precision"),
+])
+def test_correct_alternative_kernels_pass(impl, op, expect):
+    sample, attrs, golden, ref, env = case(op)
+    candidate = kernels.call(kernels.load(impl, op), "forward", sample, attrs)
+    got = classify(candidate, golden, env)
+    assert got == expect
+    assert detect.passes(got)
+    assert detect.passes(got, detect.Rules(accept_reduced_precision=False)) == (expect == "none")
+
+
+def test_envelopes_are_measured_not_fixed():
+    """Scaling the inputs scales the envelopes: no absolute tolerance hides in the rules."""
+    sample, attrs, golden, ref, env = case("linear")
+    big = sample | {"A": sample["A"] * 1024}
+    gold = kernels.golden("linear")
+    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", big, attrs) for p in detect.PRECISIONS}
+    env2 = detect.envelopes(kernels.call(gold, "forward", big, attrs),
+                            kernels.call(gold, "forward", big, attrs, torch.float64), rounded)
+    assert env2["tau32"] == pytest.approx(env["tau32"] * 1024, rel=0.5)
+    assert env2["taurp"] > env["taurp"] * 100
+    assert env["noise_fp16_max"] < env["noise_bf16_max"]
+
+
+def test_priority_order_first_class_wins():
+    sample, attrs, golden, ref, env = case("linear")
+    both = errors.parse("lane:4").apply(golden, torch.Generator().manual_seed(0))
+    both = errors.parse("nan:1").apply(both, torch.Generator().manual_seed(0))
+    assert classify(both, golden, env) == "non_finite"
+    assert detect.worst(["random_value", "bit_flip", "none", "periodic_lane"]) == "periodic_lane"
+    assert detect.worst([]) == "none"
+    assert list(detect.CLASSES) == ["non_finite", "block_structured", "periodic_lane", "bit_flip", "random_zero",
+                                    "random_value", "reduced_precision", "none"]
+
+
+def test_baselines():
+    sample, attrs, golden, ref, env = case("linear")
+    fp16 = kernels.call(kernels.load("peat.alt_kernels.fp16_gemm", "linear"), "forward", sample, attrs)
+    assert detect.allclose(golden, golden) and not detect.allclose(fp16, golden)
+    assert detect.rules_from({"k32": 4, "benchmark_seeds": 3}) == detect.Rules(k32=4)
+
+
+def test_json_safe_replaces_nan():
+    assert detect.json_safe({"a": [float("nan"), 1.0, np.float32(2)], "b": np.int64(3)}) == {"a": [None, 1.0, 2.0],
+                                                                                            "b": 3}
