@@ -1,0 +1,168 @@
+"""The collated report: opened in a real headless Chromium, regenerated on upstream change,
+byte-identical on rerun; Snakemake's own report; bad stage outputs give one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import snakemake
+from peat.io import PeatError
+from peat.report import TABLES, build, training_curves
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+REPORT = Path("reports/test")
+
+
+def _browser():
+    """Headless Debian chromium driven through Debian's chromedriver (nothing downloaded)."""
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (Debian packages chromium, chromium-driver; .ci/system-packages)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed (envs/requirements.txt)")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={tempfile.mkdtemp(prefix='peat-chromium-')}", "--window-size=1280,2400"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+def _expected_verdicts(workdir: Path) -> set[tuple[str, str, str]]:
+    return {tuple(p.relative_to(workdir / "results/detect").with_suffix("").parts)
+            for p in (workdir / "results/detect").glob("*/*/*.json")}
+
+
+def _planned_jobs(dry_run: str) -> set[str]:
+    """Rule names in the "Job stats" table of ``snakemake -n``."""
+    lines = dry_run.split("Job stats:", 1)[-1].splitlines()
+    return {line.split()[0] for line in lines[3:] if line.strip() and not line.startswith(("total", "Reasons"))
+            and len(line.split()) == 2 and line.split()[1].isdigit()}
+
+
+def _expected_images(workdir: Path) -> set[str]:
+    """Every PNG the report rule received: its inputs are the union of the stages' targets."""
+    stages = [p for p in (workdir / "results").rglob("*.png")]
+    return {str(p.relative_to(workdir)) for p in stages}
+
+
+@pytest.mark.xdist_group("workflow")
+def test_index_html_in_headless_chromium(workflow_run, tmp_path):
+    page = workflow_run / REPORT / "index.html"
+    driver = _browser()
+    try:
+        driver.get(page.as_uri())
+        images = driver.execute_script(
+            "return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth, i.naturalHeight])")
+        verdict_rows = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#verdicts tbody tr'))"
+            ".map(r => Array.from(r.cells).map(c => c.textContent))")
+        golden_rows = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#golden tbody tr')).map(r => r.cells[0].textContent)")
+        links = driver.execute_script("return Array.from(document.querySelectorAll('a[href]')).map(a => a.getAttribute('href'))")
+        shot = tmp_path / "report.png"
+        assert driver.save_screenshot(str(shot))
+    finally:
+        driver.quit()
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every figure decoded in the browser, and there is one per PNG the stages produced.
+    assert images and all(complete and w > 0 and h > 0 for _, complete, w, h in images), images
+    assert len(images) == len(_expected_images(workflow_run))
+    models = ["resnet18", "resnet18_parity", "gpt2"]
+    assert {f"{m} / cpu / training curves" for m in models} <= {alt for alt, *_ in images}
+    assert sorted(golden_rows) == sorted(models)
+    # Verdict table: exactly one row per detector result (model x vendor x kernel).
+    assert {tuple(r[:3]) for r in verdict_rows} == _expected_verdicts(workflow_run)
+    assert len(verdict_rows) == len(_expected_verdicts(workflow_run))
+    for row in verdict_rows:
+        assert row[3] in ("pass", "fail") and float(row[5]) >= 0
+    # Self-contained: the only links are in-page anchors and the CSVs beside the page.
+    assert all(h.startswith("#") or (h.endswith(".csv") and (page.parent / h).is_file()) for h in links), links
+    assert "http://" not in page.read_text() and "https://" not in page.read_text()
+
+
+@pytest.mark.xdist_group("workflow")
+def test_report_tables_as_csv_beside_the_page(workflow_run):
+    out = workflow_run / REPORT
+    for name, columns in TABLES.items():
+        table = pd.read_csv(out / name)
+        assert list(table.columns[:len(columns)]) == columns, name
+    verdicts = pd.read_csv(out / "verdicts.csv")
+    assert set(zip(verdicts.model, verdicts.vendor, verdicts.kernel)) == _expected_verdicts(workflow_run)
+    golden = pd.read_csv(out / "golden.csv")
+    for row in golden.itertuples():
+        metrics = pd.read_csv(workflow_run / "results/golden" / row.model / row.vendor / "metrics.csv")
+        last_val = metrics[metrics.split == "val"].iloc[-1]
+        assert row.val_loss == last_val.loss and row.epochs == metrics.epoch.max()
+
+
+@pytest.mark.xdist_group("workflow")
+def test_upstream_change_regenerates_report_not_golden(workflow_run):
+    page = workflow_run / REPORT / "index.html"
+    before = page.read_bytes()
+    # An upstream stage output changes (as after a kernel source edit reruns its stage).
+    upstream = sorted((workflow_run / "results").glob("detect/*/*/*.json")) or \
+        sorted((workflow_run / "results").glob("sdc/*/*.json"))
+    assert upstream, "no stage output downstream of golden training to change"
+    os.utime(upstream[0])
+    plan = _planned_jobs(snakemake(workflow_run, "-n").stdout)
+    assert plan == {"collate_report", "all"}, plan
+    snakemake(workflow_run)
+    assert page.read_bytes() == before  # regenerated, byte-identical: no timestamps in the page
+    assert "Nothing to be done" in snakemake(workflow_run, "-n").stdout + snakemake(workflow_run, "-n").stderr
+
+
+@pytest.mark.xdist_group("workflow")
+def test_snakemake_report(workflow_run):
+    out = workflow_run / REPORT / "snakemake-report.html"
+    snakemake(workflow_run, "--report", str(out))
+    text = out.read_text()
+    assert out.stat().st_size > 100_000
+    assert "Golden training" in text
+    for model in ("resnet18", "resnet18_parity", "gpt2"):
+        assert f"results/golden/{model}/cpu/training_curves.png" in text
+
+
+def test_training_curves_are_byte_identical(workflow_run, tmp_path):
+    metrics = workflow_run / "results/golden/gpt2/cpu/metrics.csv"
+    a = training_curves(metrics, tmp_path / "a.png", title="gpt2 (cpu)")
+    b = training_curves(metrics, tmp_path / "b.png", title="gpt2 (cpu)")
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() == (workflow_run / "results/golden/gpt2/cpu/training_curves.png").read_bytes()
+
+
+def test_page_without_stage_outputs(tmp_path):
+    page = build([], tmp_path / "out", name="empty", models=["m"], vendors=["cpu"])
+    text = page.read_text()
+    assert "No candidate kernels" in text and "<img" not in text
+    for name, columns in TABLES.items():
+        assert pd.read_csv(tmp_path / "out" / name).columns.tolist() == columns
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"error_model": "none"}), "missing key 'verdict'"),
+])
+def test_bad_detector_result_is_one_line(tmp_path, content, message):
+    bad = tmp_path / "results/detect/m/cpu/k.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text(content)
+    with pytest.raises(PeatError) as err:
+        build([bad], tmp_path / "out", name="bad", models=["m"], vendors=["cpu"])
+    assert message in str(err.value) and str(bad) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_metrics_file_is_one_line(tmp_path):
+    bad = tmp_path / "metrics.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(PeatError, match="needs columns step, epoch, split, loss"):
+        training_curves(bad, tmp_path / "x.png", title="x")
+    assert not (tmp_path / "x.png").exists()

@@ -1,0 +1,278 @@
+"""SLURM execution on a real single-node cluster brought up on localhost from Debian's packages
+(munge, slurmctld, slurmd), plus the vendor -> partition/GPU mapping and its one-line errors.
+
+The cluster: one node (this host), one partition "cpu", no accounting database,
+ProctrackType=proctrack/linuxproc, TaskPlugin=task/none, SelectType=select/cons_tres. It must
+use /etc/slurm/slurm.conf: the plugin's job steps call srun with SLURM_CONF removed from the
+environment. The test refuses to touch a slurm.conf it did not write, and stops the daemons
+it started. Runtime: a subset of the test config goes through sbatch (the pydoc dataset and the
+golden training of gpt2: two jobs, about a minute on an idle 2-core machine); its outputs are
+compared with the local run of the whole test config (the session's workflow_run).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import REPO, snakemake
+from peat import slurm
+from peat.io import PeatError
+
+CONF = Path("/etc/slurm/slurm.conf")
+MARK = "# written by peat tests/test_slurm.py"
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "srun")
+TARGETS = ["results/golden/gpt2/cpu/final.h5"]  # and the pydoc dataset it trains on
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)")
+
+
+@dataclass
+class Cluster:
+    root: Path
+    pids: dict  # daemon -> pid file
+
+    def squeue(self) -> dict[str, tuple[str, str]]:
+        """Job id -> (state, partition) of every job slurmctld still remembers (MinJobAge)."""
+        out = subprocess.run(["squeue", "--states=all", "--noheader", "--format=%i|%T|%P"],
+                             capture_output=True, text=True, check=True).stdout
+        return {i: (s, p) for i, s, p in (line.split("|") for line in out.split())}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _conf(root: Path, host: str) -> str:
+    return f"""{MARK}
+ClusterName=peattest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge/socket
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+MinJobAge=600
+NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=2000 State=UNKNOWN
+PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _stop(pid_file: Path, sig=signal.SIGTERM) -> None:
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text().split()[0]), sig)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _wait(check, what: str, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"local SLURM cluster: {what} within {timeout:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    missing = [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
+    if missing:
+        pytest.skip(f"SLURM/munge not installed ({', '.join(missing)} missing): "
+                    "Debian packages munge slurmctld slurmd slurm-client, see .ci/system-packages")
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmd needs root (jobs run as the submitting user)")
+    if CONF.exists() and not CONF.read_text().startswith(MARK):
+        pytest.skip(f"{CONF} exists and was not written by this test: not touching a real cluster's config")
+    root = tmp_path_factory.mktemp("slurm")
+    for sub in ("munge", "key", "state", "spool"):
+        (root / sub).mkdir()
+    root.chmod(0o755)
+    (root / "key").chmod(0o700)
+    subprocess.run(["mungekey", "--create", f"--keyfile={root}/key/munge.key"], check=True)  # fresh key per run
+    pids = {"munged": root / "munge/pid", "slurmctld": root / "slurmctld.pid", "slurmd": root / "slurmd.pid"}
+    CONF.parent.mkdir(parents=True, exist_ok=True)
+    CONF.write_text(_conf(root, socket.gethostname().split(".")[0]))
+    try:
+        subprocess.run(["munged", "--force", f"--socket={root}/munge/socket", f"--key-file={root}/key/munge.key",
+                        f"--log-file={root}/munged.log", f"--pid-file={pids['munged']}",
+                        f"--seed-file={root}/munge/seed"], check=True)
+        subprocess.run(["slurmctld", "-i"], check=True)
+        subprocess.run(["slurmd"], check=True)
+        _wait(lambda: "idle" in subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True,
+                                               text=True).stdout, "node not idle")
+        yield Cluster(root, pids)
+    finally:
+        for name in ("slurmd", "slurmctld", "munged"):
+            _stop(pids[name])
+        for name in ("slurmd", "slurmctld", "munged"):
+            _wait(lambda: not pids[name].exists() or not _alive(pids[name]), f"{name} did not stop", 15)
+        CONF.unlink(missing_ok=True)
+
+
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text().split()[0]), 0)
+        return True
+    except (ProcessLookupError, ValueError, FileNotFoundError):
+        return False
+
+
+def _slurm_args() -> list[str]:
+    return ["--profile", str(REPO / "workflow/profiles/slurm"), "--slurm-no-account",
+            "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
+            "--slurm-keep-successful-logs", "--default-resources", "mem_mb=300", "runtime=30"]
+
+
+def _configs(*extra: Path) -> list[str]:
+    return ["--configfile", str(REPO / "config/test.yaml"), *map(str, extra)]
+
+
+def _h5_equal(a: Path, b: Path) -> None:
+    with h5py.File(a) as fa, h5py.File(b) as fb:
+        names = []
+        fa.visit(names.append)
+        other = []
+        fb.visit(other.append)
+        assert names == other, a
+        for name in names:
+            if not isinstance(fa[name], h5py.Dataset):
+                continue
+            va, vb = fa[name][()], fb[name][()]
+            if isinstance(va, bytes):  # JSON metric history: equal but for the wall-clock times
+                va, vb = (pd.DataFrame(json.loads(v)).drop(columns="wall_time", errors="ignore") for v in (va, vb))
+                pd.testing.assert_frame_equal(va, vb)
+            else:
+                assert np.array_equal(va, vb), f"{a}:{name}"
+
+
+@pytest.mark.xdist_group("workflow")
+def test_workflow_through_sbatch_equals_local_run(cluster, workflow_run, tmp_path):
+    local, remote = workflow_run, tmp_path / "slurm"
+    proc = snakemake(remote, *TARGETS, *_slurm_args(), timeout=600)
+    out = proc.stdout + proc.stderr
+    jobs = SUBMITTED.findall(out)
+    assert len(jobs) == 2, out[-3000:]  # the dataset, the golden training
+    states = cluster.squeue()
+    for job_id, log in jobs:
+        assert states[job_id] == ("COMPLETED", "cpu"), (job_id, states)
+        text = Path(log).read_text()
+        assert Path(log).is_relative_to(remote / "logs/slurm")
+        assert re.search(r"rule (prepare_dataset|golden_train):", text) and "Finished jobid" in text, text[-2000:]
+    # The SLURM job ran the rule in the job's own allocation: SLURM_JOB_ID reached the job step.
+    assert {Path(log).parent.parent.name for _, log in jobs} == {"rule_prepare_dataset", "rule_golden_train"}
+    # Same results as the local run: datasets bit-identical, training identical tensor by tensor.
+    assert filecmp.cmp(local / "results/data/pydoc.h5", remote / "results/data/pydoc.h5", shallow=False)
+    golden_l, golden_r = local / "results/golden/gpt2/cpu", remote / "results/golden/gpt2/cpu"
+    for name in ("final.h5", "context.h5", "checkpoints/epoch001.h5"):
+        _h5_equal(golden_l / name, golden_r / name)
+    metrics_l, metrics_r = (pd.read_csv(d / "metrics.csv").drop(columns="wall_time") for d in (golden_l, golden_r))
+    pd.testing.assert_frame_equal(metrics_l, metrics_r)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["slurm:\n  cpu_partition: cpu\n  vendors:\n    cpu: {partition: nope}\n"],
+     "peat: config key 'slurm.vendors.cpu.partition': SLURM partition 'nope' does not exist on this cluster; "
+     "sinfo lists: cpu"),
+    (["", "--set-resources", "golden_train:slurm_partition=gpu_x"],
+     "peat: rule golden_train (slurm_partition): SLURM partition 'gpu_x' does not exist on this cluster; "
+     "sinfo lists: cpu"),
+])
+@pytest.mark.xdist_group("workflow")  # one worker owns the cluster (and /etc/slurm/slurm.conf)
+def test_unknown_partition_fails_before_submitting(cluster, tmp_path, args, message):
+    """A config key or a profile/command-line resource naming a missing partition."""
+    before = set(cluster.squeue())
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(args[0] or "{}\n")
+    proc = snakemake(tmp_path, "results/golden/gpt2/cpu/final.h5", *_slurm_args(), *args[1:],
+                     *_configs(extra), configfile=None, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert message in out.splitlines(), out[-2000:]
+    assert "submitted with SLURM jobid" not in out
+    assert set(cluster.squeue()) == before
+    assert not (tmp_path / "results").exists()
+
+
+# -- without a cluster: the mapping the rules use, and the profiles parse ----------------------
+GPU_CONFIG = {"vendors": ["cpu", "nvidia", "amd"], "slurm": {
+    "cpu_partition": "short",
+    "vendors": {"cpu": {"partition": "short"}, "nvidia": {"partition": "a100", "gres": "gpu:a100:1"},
+                "amd": {"partition": "mi250", "gres": "gpu:1"}}}}
+
+
+def test_vendor_resources():
+    assert slurm.resources(GPU_CONFIG, None) == {"slurm_partition": "short", "gres": ""}
+    assert slurm.resources(GPU_CONFIG, "cpu") == {"slurm_partition": "short", "gres": ""}
+    assert slurm.resources(GPU_CONFIG, "nvidia") == {"slurm_partition": "a100", "gres": "gpu:a100:1"}
+    assert slurm.resources(GPU_CONFIG, "amd") == {"slurm_partition": "mi250", "gres": "gpu:1"}
+    # Unset: the cluster's default partition, no GPU request (the plugin leaves the flags out).
+    assert slurm.resources({"vendors": ["cpu"]}, "cpu") == {"slurm_partition": "", "gres": ""}
+    assert slurm.config_origins(GPU_CONFIG) == {"short": "slurm.cpu_partition", "a100": "slurm.vendors.nvidia.partition",
+                                                "mi250": "slurm.vendors.amd.partition"}
+
+
+def test_gpu_vendor_without_gpu_request_is_one_line():
+    config = {"vendors": ["cpu", "amd"], "slurm": {"vendors": {"amd": {"partition": "mi250"}}}}
+    with pytest.raises(PeatError, match=r"^config key 'slurm.vendors.amd.gres' is missing: amd jobs need a GPU"):
+        slurm.check_config(config)
+    slurm.check_config(GPU_CONFIG)
+
+
+def test_rules_get_vendor_partition_and_gres(tmp_path):
+    """Dry run of the test config with GPU vendors: each job's resources come from slurm:."""
+    extra = tmp_path / "gpu.yaml"
+    extra.write_text(
+        "vendors: [cpu, nvidia, amd]\n"
+        "slurm:\n  cpu_partition: short\n  vendors:\n    cpu: {partition: short}\n"
+        "    nvidia: {partition: a100, gres: 'gpu:a100:1'}\n    amd: {partition: mi250, gres: 'gpu:1'}\n")
+    proc = snakemake(tmp_path, "-n", "results/golden/gpt2/nvidia/final.h5",
+                     "results/golden/gpt2/amd/training_curves.png", *_configs(extra), configfile=None)
+    jobs = re.findall(r"rule (\w+):\n(?:    .*\n)*?    wildcards: (.*)\n    resources: (.*)", proc.stdout)
+    seen = {(rule, wc): dict(kv.split("=", 1) for kv in res.split(", ")) for rule, wc, res in jobs}
+    assert seen[("golden_train", "model=gpt2, vendor=nvidia")]["slurm_partition"] == "a100"
+    assert seen[("golden_train", "model=gpt2, vendor=nvidia")]["gres"] == "gpu:a100:1"
+    assert seen[("golden_train", "model=gpt2, vendor=amd")]["slurm_partition"] == "mi250"
+    assert seen[("golden_train", "model=gpt2, vendor=amd")]["gpu_jobs"] == "1"
+    assert seen[("golden_curves", "model=gpt2, vendor=amd")]["slurm_partition"] == "short"  # CPU-only stage
+    assert seen[("golden_curves", "model=gpt2, vendor=amd")]["gres"] == ""
+    assert seen[("prepare_dataset", "dataset=pydoc")]["slurm_partition"] == "short"
+
+
+def test_workstation_profile_dry_run(tmp_path):
+    proc = snakemake(tmp_path, "-n", "--profile", str(REPO / "workflow/profiles/workstation"),
+                     "results/golden/gpt2/cpu/final.h5")
+    assert "golden_train" in proc.stdout and "gpu_jobs=0" in proc.stdout
