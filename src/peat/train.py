@@ -80,6 +80,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     if start is not None:
         state = checkpoint.load(start, model, optimizer)
         step, first_epoch, history = int(state["step"]), int(state["epoch"]) + 1, state["history"]
+        print(f"resuming from {start} at step {step}, epoch {first_epoch}", flush=True)
     if profiler is not None:
         profiler.attach(model, first_step=step)
     t0 = time.perf_counter() - (history[-1]["wall_time"] if history else 0.0)
@@ -154,11 +155,12 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
                 seed: int = 0, threads: int = 1, init: str | Path | None = None, config_hash: str = "",
                 prepare_model: Callable[[torch.nn.Module], None] | None = None,
                 before_step: Callable[[int, int], None] | None = None, record: bool = True,
-                progress: bool = True) -> pd.DataFrame:
+                progress: bool = True, start: str | Path | None = None) -> pd.DataFrame:
     """Golden (or candidate) training of model ``name`` from its config ``spec``, with the Profiler.
 
     ``init`` fine-tunes from another run's checkpoint (a new head keeps its own init);
     ``prepare_model`` may patch the built model (candidate kernels) before training starts.
+    ``start`` resumes from a checkpoint (e.g. an altered one) to the end of the schedule.
     """
     from .data import load
     from .device import for_vendor, seed_everything
@@ -182,4 +184,4 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
         profiler = Profiler(out_dir / "context.h5", rec["layers"], every=rec.get("every", 10),
                             epochs=rec.get("epochs"), meta=meta, key=f"models.{name}.record.layers")
     run = Run.from_spec(spec, seed=seed, device=device, meta=meta)
-    return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step, progress=progress)
+    return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step, progress=progress, start=start)

@@ -1,0 +1,80 @@
+"""Property-based: every invalid config is rejected with a message naming the key at fault."""
+
+from __future__ import annotations
+
+import copy
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO, TEST_CONFIG
+from peat.config import validate
+from peat.io import PeatError
+
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+VALID = yaml.safe_load(TEST_CONFIG.read_text())
+OWN_SECTIONS = ("name", "seed", "threads", "vendors", "reference_vendor", "datasets", "models")
+
+
+def leaves(node, path=()):
+    """Every (path, value) in the parts of the config this backbone's schema describes."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield (*path, key), value
+            yield from leaves(value, (*path, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield (*path, i), value
+
+
+PATHS = [p for p, _ in leaves(VALID) if p[0] in OWN_SECTIONS]
+
+
+def wrong_value(value):
+    """A value of a type the schema never allows at this place."""
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        return "not-a-number"
+    if isinstance(value, str):
+        return {"oops": 1}
+    if isinstance(value, list):
+        return "not-a-list"
+    return ["not-an-object"]
+
+
+def get(cfg, path):
+    for key in path[:-1]:
+        cfg = cfg[key]
+    return cfg
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.sampled_from(PATHS), action=st.sampled_from(["retype", "unknown_key"]))
+def test_invalid_config_names_the_key(path, action):
+    cfg = copy.deepcopy(VALID)
+    parent = get(cfg, path)
+    if action == "retype":
+        parent[path[-1]] = wrong_value(parent[path[-1]])
+        expected = ".".join(map(str, path))
+    else:
+        target = parent[path[-1]]
+        if not isinstance(target, dict) or path[-2:-1] in (("datasets",), ("models",)) or path == ("datasets",) or path == ("models",):
+            return  # maps of user-chosen names accept any key
+        target["surprise_key"] = 1
+        expected = "surprise_key"
+    try:
+        validate(cfg, SCHEMA)
+    except PeatError as err:
+        message = str(err)
+        assert "\n" not in message
+        assert expected in message, (path, action, message)
+    else:
+        raise AssertionError(f"accepted invalid config: {action} at {path}")
+
+
+def test_valid_configs_pass_and_get_defaults():
+    for name in ("test.yaml", "config.yaml"):
+        cfg = yaml.safe_load((REPO / "config" / name).read_text())
+        validate(cfg, SCHEMA)
+        assert cfg["models"]["resnet18"]["optimizer"]["name"] == "sgd"
+        assert all("every" in m["record"] for m in cfg["models"].values())
