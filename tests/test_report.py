@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import snakemake
+from conftest import REPO, snakemake
 from peat.io import PeatError
 from peat.report import TABLES, build, training_curves
 
@@ -117,7 +117,8 @@ def test_upstream_change_regenerates_report_not_golden(workflow_run):
     assert plan == {"collate_report", "all"}, plan
     snakemake(workflow_run)
     assert page.read_bytes() == before  # regenerated, byte-identical: no timestamps in the page
-    assert "Nothing to be done" in snakemake(workflow_run, "-n").stdout + snakemake(workflow_run, "-n").stderr
+    after = snakemake(workflow_run, "-n")
+    assert "Nothing to be done" in after.stdout + after.stderr
 
 
 @pytest.mark.xdist_group("workflow")
@@ -166,3 +167,23 @@ def test_bad_metrics_file_is_one_line(tmp_path):
     with pytest.raises(PeatError, match="needs columns step, epoch, split, loss"):
         training_curves(bad, tmp_path / "x.png", title="x")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_verdicts_link_to_analyzer_figures(workflow_run, tmp_path):
+    """Synthetic stage outputs: a failing verdict row links to its kernel's Analyzer figures."""
+    curve = workflow_run / "results/golden/gpt2/cpu/training_curves.png"
+    fig = tmp_path / "results/analyze/gpt2/cpu/k1/bits.png"
+    fig.parent.mkdir(parents=True)
+    fig.write_bytes(curve.read_bytes())
+    verdict = tmp_path / "results/detect/gpt2/cpu/k1.json"
+    verdict.parent.mkdir(parents=True)
+    verdict.write_text(json.dumps({"verdict": "fail", "error_model": "bit_flip", "confidence": 0.875, "layers": []}))
+    page = build([fig.parent, verdict], tmp_path / "out", name="t", models=["gpt2"], vendors=["cpu"],
+                 captions=REPO / "workflow/report").read_text()
+    assert '<tr class="fail"><td class="model">gpt2</td><td class="vendor">cpu</td>' in page
+    assert '<td class="kernel"><a href="#analyze-gpt2-cpu-k1">k1</a></td>' in page
+    assert '<h3 id="analyze-gpt2-cpu-k1">' in page and '<td class="confidence">0.875</td>' in page
+    # The playback stage's own caption, with its wildcards filled in.
+    assert "Bit positions where candidate and golden" in page
+    assert pd.read_csv(tmp_path / "out/verdicts.csv").to_dict("records") == [
+        {"model": "gpt2", "vendor": "cpu", "kernel": "k1", "verdict": "fail", "error_model": "bit_flip", "confidence": 0.875}]

@@ -71,6 +71,8 @@ TABLES = {
     "benchmarks.csv": ["benchmark"],
 }
 MAX_ROWS = 40
+# Caption files are named <rule file>_<figure>.rst; these stages' figures come from another file.
+CAPTION_ALIASES = {"analyze": ("playback",), "detect": ("playback",), "candidate": ("kernels",)}
 TABLE_SECTION = {"verdicts.csv": "verdicts", "golden.csv": "golden", "alter_sensitivity.csv": "alter",
                  "alter_absorbed.csv": "alter", "sdc.csv": "sdc", "benchmarks.csv": "benchmarks"}
 
@@ -101,6 +103,7 @@ class Figure:
     path: Path
     title: str
     caption: str
+    group: tuple[str, ...] = ()  # the run it belongs to: (model, vendor[, kernel])
 
 
 @dataclass
@@ -167,7 +170,7 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None) -
     if path.suffix == ".png":
         label = " / ".join(parts[2:-1] + [path.stem.replace("_", " ")])
         wildcards = dict(zip(("model", "vendor", "kernel"), parts[2:-1]))
-        section.figures.append(Figure(path, label, _caption(path, stage, captions, wildcards)))
+        section.figures.append(Figure(path, label, _caption(path, stage, captions, wildcards), tuple(parts[2:-1])))
     elif key == "verdicts" and path.suffix == ".json" and len(parts) == 5:
         _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4]))
     elif key == "golden" and path.name == "metrics.csv" and len(parts) == 5:
@@ -241,7 +244,9 @@ def _caption(path: Path, stage: str, captions: Path | None, wildcards: dict) -> 
     """The figure's own RST caption (``X.rst``, ``<stage>_X.rst`` or, for ``X3.png``, ``X.rst``) as text; the
     section's caption above the figures covers the others."""
     if captions is not None:
-        for stem in (path.stem, f"{stage}_{path.stem}", re.sub(r"\d+$", "", path.stem).rstrip("_")):
+        prefixes = ("", f"{stage}_", *(f"{alias}_" for alias in CAPTION_ALIASES.get(stage, ())))
+        stems = (path.stem, re.sub(r"\d+$", "", path.stem).rstrip("_"))
+        for stem in (prefix + s for s in stems for prefix in prefixes):
             rst = captions / f"{stem}.rst"
             if rst.is_file():
                 return html.escape(_plain(rst.read_text(), wildcards))
@@ -262,9 +267,9 @@ def _img(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
 
 
-def _table_html(name: str, table: pd.DataFrame) -> str:
+def _table_html(name: str, table: pd.DataFrame, analyzed: set[tuple[str, ...]]) -> str:
     if name == "verdicts.csv":
-        return _verdict_html(table)
+        return _verdict_html(table, analyzed)
     note = ""
     if len(table) > MAX_ROWS:  # tidy tables of whole studies: the CSV has them all
         note = f'<p class="meta">First {MAX_ROWS} of {len(table)} rows; all in <a href="{name}">{name}</a>.</p>'
@@ -280,20 +285,31 @@ def _cell(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _verdict_html(table: pd.DataFrame) -> str:
+def _anchor(key: str, group: tuple[str, ...]) -> str:
+    return html.escape("-".join((key, *group)))
+
+
+def _verdict_html(table: pd.DataFrame, analyzed: set[tuple[str, ...]]) -> str:
+    """Verdict rows, colored by verdict; a kernel links to its Analyzer figures."""
     cols = list(table.columns)
     head = "".join(f"<th>{html.escape(c.replace('_', ' '))}</th>" for c in cols)
     rows = []
     for rec in table.to_dict("records"):
-        cells = "".join(
-            f'<td class="{c}">{html.escape(f"{v:.3f}" if isinstance(v, float) else str(v))}</td>' for c, v in rec.items()
-        )
+        cells = []
+        for col, value in rec.items():
+            text = html.escape(f"{value:.3f}" if isinstance(value, float) else str(value))
+            run = (rec["model"], rec["vendor"], rec["kernel"])
+            if col == "kernel" and run in analyzed:
+                text = f'<a href="#{_anchor("analyze", run)}">{text}</a>'
+            cells.append(f'<td class="{col}">{text}</td>')
+        cells = "".join(cells)
         rows.append(f'<tr class="{html.escape(str(rec["verdict"]))}">{cells}</tr>')
     return f'<table id="verdicts"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
 def _render(sections: dict[str, Section], title: str, name: str, models, vendors) -> str:
     body, nav, csvs = [], [], []
+    analyzed = {fig.group for fig in sections["analyze"].figures}
     for key, section in sections.items():
         heading, caption = SECTIONS[key]
         if section.empty():
@@ -305,8 +321,12 @@ def _render(sections: dict[str, Section], title: str, name: str, models, vendors
         body.append(f'<section id="{key}-section"><h2>{heading}</h2><p class="caption">{caption}</p>')
         for csv_name, table in section.tables.items():
             csvs.append(f'<a href="{csv_name}">{csv_name}</a>')
-            body.append(_table_html(csv_name, table))
+            body.append(_table_html(csv_name, table, analyzed))
+        shown = None
         for fig in section.figures:
+            if fig.group != shown:  # one heading per run, the target of the verdict table's links
+                body.append(f'<h3 id="{_anchor(key, fig.group)}">{html.escape(" / ".join(fig.group))}</h3>')
+                shown = fig.group
             body.append(f'<figure><img src="{_img(fig.path)}" alt="{html.escape(fig.title)}">'
                         f"<figcaption><b>{html.escape(fig.title)}.</b> {fig.caption}</figcaption></figure>")
         body.append("</section>")
