@@ -10,7 +10,7 @@ import torch
 from harness import CPU_NOTE, Goal, Result, paired, paired_details, ratios
 from training import MODEL, case, dataset, default_config
 
-from peat import errors, kernels, playback
+from peat import candidate, errors, kernels, playback
 from peat.profiler import read_layer
 
 # The paper's pseudo-errors, used when the default config lists none.
@@ -19,12 +19,12 @@ OP = "conv2d"  # the op of the campaign: conv/GEMM kernels are what the paper va
 
 
 # -- playback -------------------------------------------------------------------------------------
-def campaign_kernel(config: dict) -> kernels.Kernel:
-    """The default config's first candidate kernel for ``OP`` (golden if it names none)."""
+def campaign_kernel(config: dict) -> tuple[str, dict]:
+    """The default config's first kernel for ``OP`` on ``MODEL`` (name, spec); golden if it has none."""
     for name, spec in (config.get("kernels") or {}).items():
-        if isinstance(spec, dict) and spec.get("op") == OP and spec.get("impl"):
-            return kernels.load(spec["impl"], OP, name)
-    return kernels.golden(OP)
+        if spec.get("op") == OP and MODEL in spec.get("models", [MODEL]) and not spec.get("error"):
+            return name, spec
+    return "golden", {"op": OP, "impl": "golden"}
 
 
 def playback_runs(settings) -> dict:
@@ -33,27 +33,35 @@ def playback_runs(settings) -> dict:
         return settings.cache["playback"]
     config = default_config()
     c = case(settings)
-    context = c.train("golden", record=True) / "context.h5"
-    kernel = campaign_kernel(config)
+    golden_dir = c.train("golden", record=True)
+    context = golden_dir / "context.h5"
+    name, kspec = campaign_kernel(config)
     specs = list(config.get("errors") or PAPER_ERRORS)
-    layers = kernels.layer_ops(context, None, OP)
+    layers = candidate.target_layers(kspec, context)
     sidecars = []
 
     def campaign():
-        plan = playback.Plan(context, kernel, errors=specs, seed=config.get("seed", 0),
-                             meta={"model": MODEL, "kernel": kernel.name})
-        sidecars.append(playback.replay(plan)[1])
+        # Exactly the workflow's playback job (peat.playback.run_job), with the default config's
+        # playback, detect and error settings.
+        out = settings.workdir / "playback"
+        propagate = {"spec": c.spec, "data": c.data, "checkpoints": golden_dir / "checkpoints", "init": None,
+                     "seed": config["seed"]}
+        playback.run_job(MODEL, "cpu", name, kspec, context, out / "table.parquet", out / "record.json",
+                         errors_=specs, settings=config["playback"], rules=config["detect"], seed=config["seed"],
+                         threads=1, propagate_from=propagate if config["playback"].get("propagate") else None)
+        sidecars.append(json.loads((out / "record.json").read_text()))
 
     def runtime_fi():
         # One runtime-FI case: the same training with the first error model injected into the
-        # forward computation of the first recorded layer of the op.
-        faulty = errors.faulty(kernel, specs[0], "forward", seed=0)
+        # forward computation of the first of those layers, for the whole run.
+        faulty = errors.faulty(candidate.build(name, kspec), specs[0], "forward", seed=0)
         c.train("rfi", record=False, prepare_model=lambda m: kernels.route(m, faulty, [layers[0]]))
 
     campaign_s, training_s = paired(campaign, runtime_fi, settings.repeats)
     sidecars = sidecars[-settings.repeats:]  # drop the warm-up
     runs = {"campaign": campaign_s, "rfi_training": training_s, "cases": len(specs) * len(layers),
-            "errors": specs, "layers": layers, "kernel": kernel.name,
+            "errors": specs, "layers": layers, "kernel": name, "max_samples_per_layer":
+            config["playback"].get("max_samples_per_layer"), "propagate": config["playback"].get("propagate"),
             "samples_per_layer": len(read_layer(context, layers[0])[1]),
             "training_steps": c.spec["max_train_samples"] // c.spec["batch_size"],
             "timings": [s["timings"] for s in sidecars]}
@@ -65,13 +73,14 @@ def playback_vs_retraining(settings) -> Result:
     r = playback_runs(settings)
     replaced = [t * r["cases"] for t in r["rfi_training"].cpu]
     return Result("playback_vs_retraining",
-                  f"one playback campaign ({r['kernel']} kernel, {len(r['layers'])} recorded {OP} layers of {MODEL}, "
-                  f"errors {', '.join(r['errors'])}, 3 computations each, {r['samples_per_layer']} recorded steps per "
-                  f"layer) / the runtime-FI trainings it replaces: one {r['training_steps']}-step training with the "
+                  f"one playback campaign as the workflow runs it (peat.playback.run_job: kernel {r['kernel']}, "
+                  f"{len(r['layers'])} recorded {OP} layers of {MODEL}, errors {', '.join(r['errors'])}, "
+                  f"{r['samples_per_layer']} recorded steps per layer) / the runtime-FI trainings it replaces: one {r['training_steps']}-step training with the "
                   f"fault routed in, measured, x {r['cases']} error-model x layer cases; {CPU_NOTE}",
                   Goal("<=", 0.01, "<= 0.01"), samples=ratios(r["campaign"].cpu, replaced),
                   details=paired_details(r["campaign"], r["rfi_training"], ("campaign", "rfi_training"), r["cases"])
-                  | {k: r[k] for k in ("cases", "errors", "layers", "samples_per_layer", "training_steps")})
+                  | {k: r[k] for k in ("kernel", "cases", "errors", "layers", "samples_per_layer",
+                                       "max_samples_per_layer", "propagate", "training_steps")})
 
 
 def playback_efficiency(settings) -> Result:
