@@ -50,7 +50,10 @@ def check(config: dict) -> None:
     for name, spec in config.get("kernels", {}).items():
         if spec.get("error"):
             errors.parse(spec["error"])
-        kernels.source_of(spec.get("impl", "golden"))
+        try:
+            kernels.source_files(spec.get("impl", "golden"))
+        except PeatError as err:
+            raise PeatError(f"config key 'kernels.{name}.impl': {err}") from None
         models_for(config, name)
     for spec in config.get("errors", []):
         errors.parse(spec)

@@ -336,7 +336,6 @@ class Outcome:
 
 def _child(conn, func, args, kwargs, memory_mb):
     import resource
-    import traceback
 
     torch.set_num_threads(1)
     if memory_mb:
@@ -351,8 +350,8 @@ def _child(conn, func, args, kwargs, memory_mb):
     except BaseException as err:  # anything the kernel raises is its outcome
         text = f"{type(err).__name__}: {err}".strip().splitlines()
         oom = isinstance(err, MemoryError) or any(m in str(err) for m in OOM_MARKERS)
-        payload = ("oom" if oom else "crash", text[0] if text else type(err).__name__)
-        del traceback
+        status = "shape_mismatch" if isinstance(err, ShapeMismatch) else "oom" if oom else "crash"
+        payload = (status, text[0] if text else type(err).__name__)
     conn.send(payload)
     conn.close()
 
@@ -431,7 +430,8 @@ class _Routed(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         sample = {"A": x, "W": weight, "B": bias, **state}
         args, kwargs = arguments(kernel.op, "forward", sample, attrs)
-        return kernel.forward(*args, **kwargs)
+        return _checked_result(kernel, "forward", kernel.forward(*args, **kwargs), output_shape(kernel.op, x, weight, attrs),
+                               x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -441,9 +441,34 @@ class _Routed(torch.autograd.Function):
         for computation, index in (("input_grad", 3), ("weight_grad", 4)):
             if ctx.needs_input_grad[index]:
                 args, kwargs = arguments(kernel.op, computation, sample, ctx.attrs)
-                grads[computation] = kernel.computation(computation)(*args, **kwargs)
+                like = x if computation == "input_grad" else weight
+                grads[computation] = _checked_result(kernel, computation, kernel.computation(computation)(*args, **kwargs),
+                                                     like.shape, like.dtype)
         bias_grad = _bias_grad(kernel.op, sample, ctx.attrs) if ctx.has_bias and ctx.needs_input_grad[5] else None
         return None, None, None, grads.get("input_grad"), grads.get("weight_grad"), bias_grad
+
+
+class ShapeMismatch(PeatError):
+    """A kernel returned a result of the wrong shape or dtype (outcome ``shape_mismatch``)."""
+
+
+def output_shape(op: str, x: torch.Tensor, weight: torch.Tensor, attrs: dict) -> tuple[int, ...]:
+    """The shape the forward computation of ``op`` must return."""
+    if op == "linear":
+        return (*x.shape[:-1], weight.shape[0])
+    if op == "conv2d":
+        hp = _conv_hp(attrs)
+        size = [(x.shape[2 + i] + 2 * hp["padding"][i] - hp["dilation"][i] * (weight.shape[2 + i] - 1) - 1)
+                // hp["stride"][i] + 1 for i in range(2)]
+        return (x.shape[0], weight.shape[0], *size)
+    return tuple(x.shape)
+
+
+def _checked_result(kernel: Kernel, computation: str, value, shape, dtype) -> torch.Tensor:
+    if not torch.is_tensor(value) or tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+        got = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+        raise ShapeMismatch(f"kernel {kernel.name!r} {computation} returned {got}, expected {tuple(shape)} {dtype}")
+    return value
 
 
 def _bias_grad(op: str, sample: dict, attrs: dict) -> torch.Tensor:

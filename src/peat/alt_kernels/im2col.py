@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import output_shape
+
 OP = "conv2d"
 
 
@@ -18,15 +20,12 @@ def _columns(x, kernel_size, stride, padding, dilation, groups):
     return cols.view(x.shape[0], groups, -1, cols.shape[-1])  # (n, g, c/g*kh*kw, L)
 
 
-def _out_size(size, k, stride, padding, dilation):
-    return [(size[i] + 2 * padding[i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1 for i in range(2)]
-
-
 def forward(x, weight, bias, *, stride, padding, dilation, groups):
     oc, kernel = weight.shape[0], tuple(weight.shape[2:])
     cols = _columns(x, kernel, stride, padding, dilation, groups)
     out = weight.reshape(1, groups, oc // groups, -1) @ cols  # (n, g, oc/g, L)
-    out = out.reshape(x.shape[0], oc, *_out_size(x.shape[2:], kernel, stride, padding, dilation))
+    hp = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
+    out = out.reshape(output_shape("conv2d", x, weight, hp))
     return out + bias.view(1, -1, 1, 1) if bias is not None else out
 
 

@@ -1,0 +1,218 @@
+"""Candidate-kernel training and frequency-based runtime FI: routing, schedules, outputs, bad kernels."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from conftest import REPO, TEST_CONFIG, snakemake
+from peat import candidate, errors, kernels
+from peat.config import validate
+from peat.io import PeatError
+from peat.models import build
+
+torch.set_num_threads(1)
+
+
+def tiny_gpt2():
+    return build({"arch": "gpt2", "size": {"hidden": 16, "layers": 1, "heads": 2}}, {"vocab_size": 40, "seq_len": 8}, 0)
+
+
+def gpt2_step(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(40, (4, 8), generator=gen)
+    logits = model(input_ids=ids).logits
+    loss = nn.functional.cross_entropy(logits.reshape(-1, 40), ids.reshape(-1))
+    loss.backward()
+    return logits.detach()
+
+
+def test_route_touches_only_the_chosen_layers():
+    model = tiny_gpt2()
+    names = kernels.route(model, kernels.load("peat.alt_kernels.blocked_gemm", "linear"), ["*.mlp.*"])
+    assert names == ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
+    routed = {n for n, m in model.named_modules() if "forward" in vars(m)}
+    assert routed == set(names)
+    with pytest.raises(PeatError, match=r"kernels\.x\.layers.*matches no layer_norm layer"):
+        kernels.route(model, kernels.golden("layer_norm"), ["*.mlp.*"], key="kernels.x.layers")
+
+
+def test_gpt2_conv1d_is_served_by_the_linear_kernel():
+    plain = tiny_gpt2()
+    routed = copy.deepcopy(plain)
+    kernels.route(routed, kernels.load("kernels/my_gemm.py", "linear"), ["transformer.h.0.attn.c_attn"])
+    out_plain, out_routed = gpt2_step(plain), gpt2_step(routed)
+    assert not torch.equal(out_plain, out_routed)  # really computed by the candidate
+    assert torch.allclose(out_plain, out_routed, rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(plain.named_parameters(), routed.parameters()):
+        assert a.grad.shape == b.grad.shape and torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_active_switches_between_kernel_and_golden():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32))
+    plain = copy.deepcopy(model)
+    flag = {"on": False}
+    kernels.route(model, errors.faulty(kernels.golden("linear"), "lane:8"), active=lambda: flag["on"])
+    x = torch.randn(3, 6)
+    assert torch.equal(model(x), plain(x))
+    flag["on"] = True
+    diff = (model(x) - plain(x)).abs() > 0
+    assert diff.any(0).sum() == 4 and diff[:, diff.any(0)].all()  # 32 columns, period 8
+
+
+def test_schedules():
+    state = {"step": 0}
+    half, every = candidate.schedule_predicate("f0.5", state, 8), candidate.schedule_predicate("every3", state, 8)
+    active = [(state.update(step=s), half(), every())[1:] for s in range(8)]
+    assert [s for s, (h, _) in enumerate(active) if h] == [0, 1, 2, 3]
+    assert [s for s, (_, e) in enumerate(active) if e] == [0, 3, 6]
+    assert candidate.rfi_cases({"fractions": [0.25, 0.5], "every": [4]}) == ["f0.25", "f0.5", "every4"]
+
+
+def test_monitored_kernel_scores_every_call_against_golden():
+    rows, state = [], {"step": 7, "epoch": 2}
+    kernel = candidate.monitored(errors.faulty(kernels.golden("linear"), "rz:3"), "fc", rows, state)
+    x, w = torch.randn(4, 5) + 3, torch.randn(6, 5)
+    for _ in range(2):
+        kernel.forward(x, w, None)
+    kernel.weight_grad(torch.randn(4, 6), x)
+    assert [(r["computation"], r["call"], r["changed"], r["step"], r["layer"]) for r in rows] == [
+        ("forward", 0, 3, 7, "fc"), ("forward", 1, 3, 7, "fc"), ("weight_grad", 0, 0, 7, "fc")]
+    assert rows[0]["max"] > 0 and rows[2]["max"] == 0
+
+
+def test_compare_lines_up_curves():
+    golden = pd.DataFrame({"step": [1, 2, 2], "epoch": [1, 1, 1], "split": ["train", "train", "val"],
+                           "loss": [2.0, 1.5, 1.6], "accuracy": [0.1, 0.2, 0.3], "perplexity": [float("nan")] * 3})
+    cand = golden.assign(loss=[2.0, 1.75, 1.5])
+    frame = candidate.compare(golden, cand)
+    assert frame["loss_diff"].round(6).tolist() == [0.0, 0.25, -0.1]
+    crashed = candidate.compare(golden, None)
+    assert len(crashed) == 3 and crashed["loss_candidate"].isna().all()
+
+
+def test_config_cross_checks():
+    config = validate(yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml")
+    assert candidate.models_for(config, "im2col") == ["resnet18"]
+    config["kernels"]["ln_all"] = {"op": "layer_norm"}
+    assert candidate.models_for(config, "ln_all") == ["gpt2"]  # resnets have no layer norm
+    bad = copy.deepcopy(config)
+    bad["kernels"]["im2col"]["models"] = ["vgg"]
+    with pytest.raises(PeatError, match=r"kernels\.im2col\.models.*'vgg'"):
+        candidate.check(bad)
+    bad = copy.deepcopy(config)
+    bad["rfi"]["kernels"] = ["nope"]
+    with pytest.raises(PeatError, match=r"rfi\.kernels.*'nope'"):
+        candidate.check(bad)
+    bad = copy.deepcopy(config)
+    bad["kernels"]["im2col"]["impl"] = "kernels/missing.py"
+    with pytest.raises(PeatError, match="missing.py"):
+        candidate.check(bad)
+
+
+# -- the test workflow -------------------------------------------------------------------------
+def outcome(workdir: Path, *parts) -> dict:
+    return json.loads((workdir.joinpath("results", *parts) / "outcome.json").read_text())
+
+
+@pytest.mark.xdist_group("workflow")
+def test_candidate_training_writes_golden_outputs_and_comparison(workflow_run):
+    for model, kernel, layers in (("resnet18", "im2col", ["conv1", "layer1.0.conv2"]),
+                                  ("gpt2", "my_gemm", ["transformer.h.0.mlp.c_fc"]),
+                                  ("gpt2", "welford_ln", ["transformer.h.0.ln_1"])):
+        out = workflow_run / "results/candidate" / model / "cpu" / kernel
+        golden = workflow_run / "results/golden" / model / "cpu"
+        record = outcome(workflow_run, "candidate", model, "cpu", kernel)
+        assert record["status"] == "ok" and record["layers"] == layers
+        for name in ("metrics.csv", "final.h5", "context.h5", "storage.json"):
+            assert (out / name).is_file(), name
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(
+            p.name for p in (golden / "checkpoints").iterdir())
+        frame = pd.read_csv(out / "compare.csv")
+        assert len(frame) == len(pd.read_csv(golden / "metrics.csv"))
+        assert frame["loss_candidate"].notna().all()
+        assert (frame["loss_diff"] == frame["loss_candidate"] - frame["loss_golden"]).all()
+    # The correct alternatives stay within float32 noise of golden early on.
+    frame = pd.read_csv(workflow_run / "results/candidate/gpt2/cpu/my_gemm/compare.csv")
+    assert frame["loss_diff"].abs().iloc[0] < 1e-4
+
+
+@pytest.mark.xdist_group("workflow")
+def test_rfi_records_kernel_output_errors_only_while_active(workflow_run):
+    out = workflow_run / "results/rfi/resnet18/cpu/lane_fc/f0.5"
+    record = json.loads((out / "outcome.json").read_text())
+    assert record["status"] == "ok" and record["layers"] == ["fc"] and record["schedule"] == "f0.5"
+    calls = pd.read_csv(out / "calls.csv")
+    steps = len(pd.read_csv(workflow_run / "results/golden/resnet18/cpu/metrics.csv").query("split == 'train'"))
+    forward = calls[calls["computation"] == "forward"]
+    assert forward["step"].tolist() == list(range(steps // 2))  # active in the first half only
+    assert forward["call"].tolist() == list(range(len(forward)))
+    # lane:4 on a 10-class fc: 2 or 3 whole columns of a 32-image batch offset, nothing else.
+    assert set(forward["changed"]) <= {64, 96} and (forward["nonfinite"] == 0).all()
+    assert (calls.loc[calls["computation"] != "forward", "max"] == 0).all()
+    frame = pd.read_csv(out / "compare.csv")
+    assert frame["loss_diff"].abs().iloc[0] > 0
+
+
+@pytest.mark.xdist_group("workflow")
+def test_bad_kernels_get_an_outcome_not_a_failed_run(workflow_run, tmp_path):
+    config = validate(yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml")
+    spec = config["models"]["resnet18"]
+    golden = workflow_run / "results/golden/resnet18/cpu"
+    data = workflow_run / "results/data/digits.h5"
+    cases = {
+        "raises": ("def forward(x, weight, bias):\n    raise RuntimeError('illegal memory access')\n", {},
+                   "crash", "RuntimeError: illegal memory access"),
+        "hangs": ("import time\n\ndef forward(x, weight, bias):\n    time.sleep(60)\n", {"train_timeout": 3},
+                  "timeout", "no result after 3 s"),
+        "wrong_shape": ("def forward(x, weight, bias):\n    return x[:, :3]\n", {}, "shape_mismatch",
+                        "kernel 'wrong_shape' forward returned (32, 3) torch.float32, expected (32, 10) torch.float32"),
+        "wrong_grad": ("def input_grad(grad_out, weight):\n    return grad_out.double() @ weight.double()\n", {},
+                       "shape_mismatch", "input_grad returned (32, 512) torch.float64, expected (32, 512) torch.float32"),
+    }
+    for name, (source, extra, status, message) in cases.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        kspec = {"op": "linear", "impl": str(path), "layers": ["fc"], **extra}
+        out = tmp_path / "out" / name
+        record = candidate.train_candidate("resnet18", spec, name, kspec, data, golden, out, seed=0)
+        assert record["status"] == status and message in record["message"], record
+        saved = json.loads((out / "outcome.json").read_text())
+        assert saved["status"] == status
+        frame = pd.read_csv(out / "compare.csv")
+        assert frame["loss_candidate"].isna().all() and frame["loss_golden"].notna().all()
+    # NaN is not a crash: training completes and the comparison shows it.
+    path = tmp_path / "nan.py"
+    path.write_text("import torch\n\ndef forward(x, weight, bias):\n    return torch.full((x.shape[0], weight.shape[0]), float('nan'))\n")
+    record = candidate.train_candidate("resnet18", spec, "nan", {"op": "linear", "impl": str(path), "layers": ["fc"]},
+                                       data, golden, tmp_path / "out" / "nan", seed=0)
+    assert record["status"] == "ok" and record["nonfinite_loss"] is True
+
+
+@pytest.mark.xdist_group("workflow")
+def test_editing_a_kernel_reruns_only_its_jobs(workflow_run, tmp_path):
+    work = tmp_path / "wf"
+    shutil.copytree(workflow_run, work, symlinks=True)
+    kernel = work / "kernels" / "my_gemm.py"
+    kernel.parent.mkdir()
+    shutil.copy2(REPO / "kernels" / "my_gemm.py", kernel)  # keeps the old mtime: nothing to do yet
+    args = ("-n", "--rerun-triggers", "mtime")
+    assert "Nothing to be done" in snakemake(work, *args).stdout
+    os.utime(kernel)  # "edit" the kernel
+    dry = snakemake(work, *args).stdout
+    jobs = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.split("Job stats:")[1].split("Reasons")[0], re.M))
+    assert jobs.get("candidate_train") == "1" and "golden_train" not in jobs and "prepare_dataset" not in jobs
+    wildcards = re.findall(r"wildcards: (.*)", dry)
+    assert all("kernel=my_gemm" in w for w in wildcards if "kernel=" in w)
+    assert not any("kernel=im2col" in w or "kernel=welford_ln" in w for w in wildcards)
