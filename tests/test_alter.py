@@ -447,3 +447,22 @@ def test_userblock_and_h5py_fallback_storage(tmp_path):
     with h5py.File(tmp_path / "o.h5") as f:
         assert (f["x"][:] == -np.arange(1, 9)).all() and (f["z"][:] == -np.arange(1, 65).reshape(8, 8)).all()
     assert len(rows) == 72
+
+
+def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(tmp_path):
+    """The study's baseline: any difference from golden comes from the flips, not from resuming."""
+    import yaml
+
+    from peat.data import prepare
+    from peat.train import train_model
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "test.yaml").read_text())
+    spec = {**config["models"]["gpt2"], "checkpoint_epochs": [1]}
+    prepare("pydoc", config["datasets"]["pydoc"], tmp_path / "pydoc.h5")
+    train_model("gpt2", spec, tmp_path / "pydoc.h5", tmp_path / "golden", record=False, progress=False)
+    golden = S._val_curve(pd.read_csv(tmp_path / "golden" / "metrics.csv"))
+    row = S._cell("gpt2", spec, "cpu", tmp_path / "golden" / "checkpoints" / "epoch001.h5", A.Plan(count=0), golden,
+                  1, 0.02, tmp_path / "pydoc.h5", 0, 1, "", tmp_path / "control.json")
+    assert row["status"] == "ok" and row["altered_values"] == 0
+    assert row["final_loss"] == row["golden_loss"] and row["final_accuracy"] == row["golden_accuracy"]
+    assert row["accuracy_loss_pct"] == 0 and row["epochs_to_recover"] == 1 and not row["diverged"]
