@@ -466,3 +466,14 @@ def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(tmp_path):
     assert row["status"] == "ok" and row["altered_values"] == 0
     assert row["final_loss"] == row["golden_loss"] and row["final_accuracy"] == row["golden_accuracy"]
     assert row["accuracy_loss_pct"] == 0 and row["epochs_to_recover"] == 1 and not row["diverged"]
+
+
+def test_summary_of_cells_the_model_lacks(tmp_path):
+    rows = [dict(model="m", vendor="cpu", epoch=1, cls="norm_stats", region="sign", flips=1, seed=0,
+                 status="not_applicable", reason="no dataset of class 'norm_stats'")]
+    pd.DataFrame(rows, columns=list(S.COLUMNS)).to_csv(tmp_path / "part.csv", index=False)
+    S.summarize([tmp_path / "part.csv"], tmp_path / "s.csv", tmp_path / "a.csv", tmp_path / "h.png", 1.0)
+    table = pd.read_csv(tmp_path / "s.csv")
+    assert list(table.columns) == list(S.COLUMNS) and table.loc[0, "status"] == "not_applicable"
+    assert pd.read_csv(tmp_path / "a.csv").empty
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"

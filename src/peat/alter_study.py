@@ -21,6 +21,9 @@ from .io import PeatError, write_csv, write_json
 # Heatmap column order: from the sign bit down to the mantissa.
 REGION_ORDER = ("sign", "exponent_msb", "exponent_other", "exponent", "mantissa", "any")
 GRID = ("model", "vendor", "epoch", "cls", "region", "flips", "seed")
+COLUMNS = GRID + ("status", "reason", "altered_values", "datasets_hit", "nonfinite_injected", "final_accuracy",
+                  "final_loss", "golden_accuracy", "golden_loss", "accuracy_loss_pct", "loss_change_pct", "diverged",
+                  "epochs_to_recover", "resumed_epochs")
 
 
 def check_config(config: dict) -> None:
@@ -58,7 +61,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
         rows.append({**key, **_cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data,
                                     run_seed, threads, config_hash, log_dir / f"{region}_n{n}_seed{seed}.json")})
         print(rows[-1], flush=True)
-    table = pd.DataFrame(rows)
+    table = pd.DataFrame(rows, columns=list(COLUMNS))  # same columns when every cell is not_applicable
     write_csv(out_csv, table)
     return table
 
@@ -156,7 +159,15 @@ def heatmap(table: pd.DataFrame, out_png: str | Path) -> None:
     from .io import atomic_path
 
     ok = table[table["status"] == "ok"]
-    counts = sorted(ok["flips"].unique()) or [0]
+    if ok.empty:  # e.g. only classes the model lacks: say so instead of failing the report
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no applicable cells (see sensitivity.csv, column reason)", ha="center", va="center")
+        with atomic_path(out_png) as tmp:
+            fig.savefig(tmp, dpi=110, format="png", metadata={"Software": None})
+        plt.close(fig)
+        return
+    counts = sorted(ok["flips"].unique())
     regions = [r for r in REGION_ORDER if r in set(ok["region"])]
     classes = [c for c in CLASSES if c in set(ok["cls"])]
     fig, axes = plt.subplots(1, len(counts), figsize=(max(3.4 * len(counts) + 2.0, 7.0), 0.5 * max(len(classes), 2) + 2.4),
