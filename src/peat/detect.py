@@ -154,14 +154,14 @@ def _blocks(m: np.ndarray, rules: Rules) -> dict:
 
 def _lanes(m: np.ndarray, rules: Rules) -> dict:
     """Columns (or rows) filled >= FILL that form a whole arithmetic progression of stride >= 2
-    (a single filled lane counts when the view has >= 2 rows and the stride exceeds the width)."""
+    (a single filled lane counts when the view has >= 2 rows; a vector needs >= 3 lanes)."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     for axis, view in (("col", m), ("row", m.T)):
         rows, cols = view.shape
         if cols < 2:
             continue
         lanes = np.flatnonzero(view.sum(0) >= rules.fill * rows)
-        if len(lanes) == 0 or (len(lanes) == 1 and rows < 2):
+        if len(lanes) == 0 or (rows < 2 and len(lanes) < 3):  # in a vector, 2 wrong elements are no period
             continue
         stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else cols
         expected = len(range(lanes[0] % stride, cols, stride)) if stride < cols else 1

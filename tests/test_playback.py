@@ -1,0 +1,199 @@
+"""Playback FI, Detector verdicts, Analyzer outputs and the detector benchmark on real recorded
+contexts: a tiny model trained a few steps under the real Profiler, and the test workflow."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO
+from peat import analyze, detect, errors, kernels, playback
+from peat.io import PeatError
+from peat.profiler import Profiler
+
+torch.set_num_threads(1)
+LAYERS = ["0", "1", "4", "5", "6"]  # conv2d, batch_norm, linear, layer_norm, linear
+OPS = {"0": "conv2d", "1": "batch_norm", "4": "linear", "5": "layer_norm", "6": "linear"}
+ERRORS = ["rv:2", "lane:4", "nan:1"]
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory):
+    """A real context: 3 recorded training steps of a small conv/bn/linear/ln network."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 24), nn.LayerNorm(24), nn.Linear(24, 5))
+    path = tmp_path_factory.mktemp("ctx") / "context.h5"
+    prof = Profiler(path, LAYERS, every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
+    prof.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        prof.begin_step(step, 1)
+        opt.zero_grad()
+        x, y = torch.randn(16, 3, 6, 6, generator=g), torch.randint(0, 5, (16,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        prof.end_step()
+        opt.step()
+    prof.close()
+    return path
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def replay(context, op="linear", kernel=None, **kw):
+    plan = playback.Plan(context=context, kernel=kernel or kernels.golden(op), errors=kw.pop("errors", ERRORS),
+                         meta={"model": "tiny", "vendor": "cpu", "kernel": "k"}, **kw)
+    return playback.replay(plan)
+
+
+def test_one_row_per_tensor_per_case_and_context_untouched(context):
+    before, mtime = digest(context), context.stat().st_mtime_ns
+    table, record = replay(context, "linear")
+    assert digest(context) == before and context.stat().st_mtime_ns == mtime
+    cases = ["kernel", *ERRORS, "ref:fp16", "ref:bf16", "ref:tf32", "ref:fp64"]
+    # Layers 4 and 6 (linear) x 3 steps x 3 computations x cases, all at the kernel output.
+    assert len(table) == 2 * 3 * 3 * len(cases)
+    assert set(table["case"]) == set(cases) and set(table["fop"]) == {"output"}
+    assert table.groupby(["layer", "step", "computation", "case"]).size().eq(1).all()
+    assert dict(zip(table["computation"], table["tensor"])) == {"forward": "O", "input_grad": "dA", "weight_grad": "dW"}
+    assert record["layers"] == ["4", "6"] and record["outcome"]["status"] == "ok"
+    t = record["timings"]
+    assert t["kernel_s"] > 0 and t["kernel_s"] + t["score_s"] + t["io_s"] <= t["wall_s"]
+    assert t["kernel_fraction"] == pytest.approx(t["kernel_s"] / t["wall_s"], rel=1e-3)
+    # Golden replayed on the recorded inputs reproduces the recorded forward output.
+    own = table[(table["case"] == "kernel") & (table["computation"] == "forward")]
+    assert (own["golden_vs_recorded"] == 0).all() and (own["err_max"] == 0).all()
+    ref = table[table["case"] == "ref:fp64"]
+    assert ((ref["rel_top10"] > 0.2) & (ref["rel_top10"] < 5)).all()
+
+
+def test_first_layer_has_no_input_gradient_rows(context):
+    table, _ = replay(context, "conv2d", errors=[])
+    assert set(table.loc[table["layer"] == "0", "computation"]) == {"forward", "weight_grad"}
+
+
+def test_replay_is_deterministic(context):
+    a, _ = replay(context, "layer_norm")
+    b, _ = replay(context, "layer_norm")
+    pd.testing.assert_frame_equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["conv2d", "batch_norm", "linear", "layer_norm"])
+def test_verdicts_on_golden_and_faulty_kernels(context, op):
+    table, _ = replay(context, op)
+    ok = detect.verdict(table)
+    assert ok["verdict"] == "pass" and ok["error_model"] == "none" and 0 < ok["confidence"] <= 1
+    assert ok["evidence"]["pseudo_errors"]["lane:4"]["forward"] == "periodic_lane"
+    assert ok["evidence"]["pseudo_errors"]["nan:1"] == {c: "non_finite" for c in ok["evidence"]["pseudo_errors"]["nan:1"]}
+    bad, _ = replay(context, kernel=errors.faulty(kernels.golden(op), "rz:2", "weight_grad", seed=1), errors=[])
+    got = detect.verdict(bad)
+    assert got["verdict"] == "fail" and got["error_model"] == "random_zero"
+    assert {(r["pass"], r["error_model"]) for r in got["layers"]} >= {("weight_grad", "random_zero"),
+                                                                     ("forward", "none")}
+    assert got["evidence"]["baselines"]["allclose"]["verdict"] == "fail"
+
+
+def test_reduced_precision_is_accepted_unless_configured(context):
+    table, _ = replay(context, kernel=kernels.load("peat.alt_kernels.bf16_gemm", "linear"), errors=[])
+    assert detect.verdict(table)["error_model"] == "reduced_precision"
+    assert detect.verdict(table)["verdict"] == "pass"
+    assert detect.verdict(table, detect.Rules(accept_reduced_precision=False))["verdict"] == "fail"
+
+
+def test_bad_contexts_fail_with_one_line(context):
+    with pytest.raises(PeatError, match=r"context config_hash is 'h1' but this workflow expects 'h2'") as err:
+        replay(context, expect={"config_hash": "h2"})
+    assert str(context) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(PeatError, match=r"torch_version"):
+        replay(context, expect={"torch_version": "1.0"})
+    with pytest.raises(PeatError, match=r"no recorded layer matches 'fc'.*kernels.k.layers"):
+        replay(context, layers=["fc"])
+    with pytest.raises(PeatError, match=r"layer '5' .* is layer_norm, the kernel is linear"):
+        replay(context, layers=["5"])
+    with pytest.raises(PeatError, match="no such file"):
+        replay(context.with_name("missing.h5"))
+
+
+def test_crashing_and_hanging_kernels_fail_with_their_outcome(context, tmp_path):
+    crash = tmp_path / "crash.py"
+    crash.write_text("def forward(x, weight, bias):\n    raise RuntimeError('boom')\n")
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\ndef weight_grad(grad_out, x):\n    time.sleep(30)\n")
+    for path, status in ((crash, "crash"), (hang, "timeout")):
+        table, record = replay(context, kernel=kernels.load(str(path), "linear"), timeout=2, errors=[])
+        assert record["outcome"]["status"] == status
+        playback.write(table, record, tmp_path / f"{status}.parquet", tmp_path / f"{status}.json")
+        got = detect.run_job(tmp_path / f"{status}.parquet", tmp_path / f"{status}.json", tmp_path / "v.json")
+        assert got["verdict"] == "fail" and got["error_model"] == status
+        assert got["evidence"]["outcome"]["status"] == status
+    assert "boom" in json.loads((tmp_path / "crash.json").read_text())["outcome"]["message"]
+
+
+def test_analyzer_tables_and_figures(context, tmp_path):
+    table, _ = replay(context, "linear")
+    summary = analyze.analyze(table, context, tmp_path)
+    for name in analyze.FIGURES:
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    layers = pd.read_csv(tmp_path / "layers.csv")
+    assert {"err_top10_mean", "err_top10_std", "rel_top10_mean", "iterations"} <= set(layers.columns)
+    assert (layers["iterations"] == 3).all()
+    assert all(r["xmin"] <= r["xmax"] and r["rmin"] <= r["rmax"] for r in summary["ranges"])
+    assert {r["against"] for r in summary["spearman"]} <= {"W_mean", "W_var", "act_mean", "act_var"}
+    assert all(-1 <= r["rho"] <= 1 for r in summary["spearman"])
+    assert analyze.block_role("transformer.h.3.mlp.c_fc") == "transformer.h.*.mlp.c_fc"
+    assert analyze.block_role("layer2.1.conv1") == "layer*.*.conv1"
+    lane = next(r for r in summary["forward_backward"] if r["case"] == "lane:4")
+    assert set(lane["median_rel_top10"]) == {"forward", "input_grad", "weight_grad"}
+
+
+def test_detector_benchmark_smoke(context, tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "detector.py"), "--smoke", "--seeds", "1",
+                           "--context", str(context), "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cases = pd.read_csv(tmp_path / "cases.csv")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    confusion = pd.read_csv(tmp_path / "confusion.csv")
+    assert set(cases["truth"]) >= set(detect.CLASSES) - {"none"} or set(cases["truth"]) >= set(detect.CLASSES)
+    assert summary["cases"] == len(cases)
+    for method in ("detector", "allclose", "peat_rule_of_thumb"):
+        assert confusion.loc[confusion["method"] == method, "count"].sum() == len(cases)
+    bugs = cases["truth"].isin(detect.BUGS)
+    assert summary["detector"]["binary_detection"] == pytest.approx((cases.loc[bugs, "detector_verdict"] == "fail").mean())
+    assert summary["allclose"]["false_alarm_rate"] == pytest.approx((cases.loc[~bugs, "allclose"] == "fail").mean())
+    assert (tmp_path / "confusion.png").read_bytes()[:4] == b"\x89PNG"
+    assert set(pd.read_csv(tmp_path / "metrics.csv")["method"]) == {"detector", "allclose", "peat_rule_of_thumb"}
+
+
+# -- the workflow ------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.xdist_group("workflow")
+def test_workflow_verdicts_and_propagation(workflow_run):
+    verdicts = {p.stem: json.loads(p.read_text()) for p in (workflow_run / "results" / "detect").glob("*/cpu/*.json")}
+    assert verdicts["lane_fc"]["verdict"] == "fail" and verdicts["lane_fc"]["error_model"] == "periodic_lane"
+    for name in ("im2col", "my_gemm", "welford_ln"):
+        assert verdicts[name]["verdict"] == "pass", verdicts[name]
+    for v in verdicts.values():
+        assert set(v) == {"verdict", "error_model", "confidence", "evidence", "layers"}
+        assert 0 <= v["confidence"] <= 1
+    table = pd.read_parquet(workflow_run / "results" / "playback" / "resnet18" / "cpu" / "lane_fc.parquet")
+    loss = table[table["fop"] == "loss"]
+    assert len(loss) and (loss["recon_error"] == 0).all()  # step 0 is rebuilt exactly
+    kernel_loss = loss[loss["case"] == "kernel"]
+    assert (kernel_loss["err_max"] > 0).all()
+    record = json.loads((workflow_run / "results" / "playback" / "resnet18" / "cpu" / "lane_fc.json").read_text())
+    assert record["timings"]["kernel_s"] > 0
+    conv = pd.read_parquet(workflow_run / "results" / "playback" / "resnet18" / "cpu" / "im2col.parquet")
+    assert set(conv.loc[conv["fop"] != "output", "fop"]) == {"next:bn1", "loss", "next:fc"}
+    for name in analyze.FIGURES:
+        assert (workflow_run / "results" / "analyze" / "resnet18" / "cpu" / "lane_fc" / f"{name}.png").stat().st_size
