@@ -91,15 +91,17 @@ def _finite_max(t: torch.Tensor) -> float:
 
 
 def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules = Rules(),
-             diff: torch.Tensor | None = None) -> dict:
+             diff: torch.Tensor | None = None, nonfinite: int | None = None) -> dict:
     """Scalar features the rules use, for one candidate tensor against golden.
 
-    ``diff`` is |candidate - golden| (``peat.scores.abs_error``) when already computed. The
+    ``diff`` (|candidate - golden|, ``peat.scores.abs_error``) and ``nonfinite`` (the count of
+    non-finite values where golden is finite) may be passed in when already computed. The
     shape of the gross set G is only worked out when the rules can need it.
     """
     diff = abs_error(candidate, golden) if diff is None else diff
-    finite_golden = torch.isfinite(golden)
-    out = {"numel": candidate.numel(), "nonfinite": int((~torch.isfinite(candidate) & finite_golden).sum()),
+    if nonfinite is None:
+        nonfinite = int((~torch.isfinite(candidate) & torch.isfinite(golden)).sum())
+    out = {"numel": candidate.numel(), "nonfinite": nonfinite,
            "err_over_tau32": _finite_max(diff) / env["tau32"], "err_over_taurp": _finite_max(diff) / env["taurp"]}
     over32, gross = diff > env["tau32"], diff > env["taurp"]
     out["n32"], out["ngross"] = int(over32.sum()), int(gross.sum())

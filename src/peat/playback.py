@@ -128,12 +128,12 @@ def case_seed(seed: int, *parts) -> int:
 
 # -- one computation on one sample ------------------------------------------------------------
 def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Tensor, env: dict,
-              rules: detect.Rules, noise: dict | None = None) -> dict:
+              rules: detect.Rules, noise: dict | None = None, golden_bits: torch.Tensor | None = None) -> dict:
     """Scores, detector evidence and baselines of one candidate tensor."""
     err = scores.abs_error(candidate, golden)
-    row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err)
+    row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err, golden_bits=golden_bits)
     row["row_mass"] = _bins(row["row_mass"], ROW_BINS)
-    row |= env | detect.evidence(candidate, golden, env, rules, diff=err)
+    row |= env | detect.evidence(candidate, golden, env, rules, diff=err, nonfinite=row["nonfinite"])
     row["allclose"] = detect.allclose(candidate, golden)
     row["error_model"], row["confidence"] = detect.classify(row, rules)
     return row
@@ -237,6 +237,7 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
         with timer("score"):
             env = detect.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules)
             noise = scores.summary(scores.abs_error(ref["golden"], ref["fp64"]))
+            golden_bits = scores.ordered_bits(ref["golden"])
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
                     "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
                     "golden_vs_recorded": float((ref["golden"].double() - sample[target].cpu().double()).abs().max())}
@@ -246,7 +247,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                     rows.append({**base, "case": case, "error": f"shape {tuple(cand.shape)}, expected "
                                  f"{tuple(ref['golden'].shape)}"})
                     continue
-                rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise)})
+                rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise,
+                                                              golden_bits)})
         if plan.propagate is not None and computation == "forward":
             with timer("propagate"):
                 rows += plan.propagate.rows(layer, sample, variants, base, plan.rules)
