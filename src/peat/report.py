@@ -10,7 +10,9 @@ inputs give a byte-identical page.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
+import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -37,8 +39,13 @@ SECTIONS = {
         "loss. The table gives the last validation point of each run.")),
     "candidate": ("Candidate-kernel training", (
         "Training with the candidate kernel routed into the recorded layers, compared with the "
-        "golden run step by step. Curves that leave the golden ones mean the kernel's errors "
-        "change what the model learns.")),
+        "golden run step by step (left: training loss of both; right: their absolute difference, "
+        "log scale). A candidate curve that leaves the golden one means the kernel's errors change "
+        "what the model learns; differences near 1e-7 are float32 rounding. <b>candidate.csv</b> "
+        "gives each run's outcome (status ok/crash/timeout, final validation loss and accuracy of "
+        "candidate and golden); <b>rfi.csv</b> the same for frequency-based runtime fault "
+        "injection, where the faulty kernel is active only in the first fraction of the steps "
+        "(<b>case</b>).")),
     "analyze": ("Analyzer", (
         "The Analyzer's characterization of each candidate kernel against the golden kernel on "
         "the replayed training context: per layer and computation (forward, input gradient, "
@@ -56,8 +63,10 @@ SECTIONS = {
         "whether the faulty rank was named correctly, <b>step</b> when. A drill without an "
         "injected fault is the false-alarm control and must not be detected.")),
     "benchmarks": ("Benchmarks", (
-        "Cost of each stage measured against its alternative in the same run (for example "
-        "playback against retraining). Ratios above 1 mean the peat stage is cheaper.")),
+        "From <code>make bench</code>: each benchmark is a ratio of two things measured in the same "
+        "run (<b>measured_as</b> says which, for example playback time over retraining time). In "
+        "the figures each point is one repeat, the bar the median and the dashed line the goal; "
+        "<b>met</b> says whether the median meets the goal.")),
 }
 
 # The CSV tables written beside index.html (always, header-only when a stage has no data yet),
@@ -67,6 +76,8 @@ TABLES = {
     "golden.csv": ["model", "vendor", "epochs", "steps", "val_loss", "val_accuracy", "val_perplexity"],
     "alter_sensitivity.csv": ["model", "vendor"],
     "alter_absorbed.csv": ["model", "vendor"],
+    "candidate.csv": ["model", "vendor", "kernel"],
+    "rfi.csv": ["model", "vendor", "kernel", "case"],
     "sdc.csv": ["model", "drill"],
     "benchmarks.csv": ["benchmark"],
 }
@@ -74,7 +85,8 @@ MAX_ROWS = 40
 # Caption files are named <rule file>_<figure>.rst; these stages' figures come from another file.
 CAPTION_ALIASES = {"analyze": ("playback",), "detect": ("playback",), "candidate": ("kernels",)}
 TABLE_SECTION = {"verdicts.csv": "verdicts", "golden.csv": "golden", "alter_sensitivity.csv": "alter",
-                 "alter_absorbed.csv": "alter", "sdc.csv": "sdc", "benchmarks.csv": "benchmarks"}
+                 "alter_absorbed.csv": "alter", "sdc.csv": "sdc", "benchmarks.csv": "benchmarks",
+                 "candidate.csv": "candidate", "rfi.csv": "candidate"}
 
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -100,7 +112,7 @@ Tables are also beside this page as CSV: {csvs}.</p>
 
 @dataclass
 class Figure:
-    path: Path
+    png: bytes
     title: str
     caption: str
     group: tuple[str, ...] = ()  # the run it belongs to: (model, vendor[, kernel])
@@ -117,7 +129,7 @@ class Section:
 
 
 def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: list[str], vendors: list[str],
-          title: str | None = None, captions: str | Path | None = None) -> Path:
+          title: str | None = None, captions: str | Path | None = None, dpi: int = 80) -> Path:
     """Write ``out_dir/index.html`` and one CSV per table from the stage outputs ``files``.
 
     ``captions`` is the folder of RST captions (workflow/report): a figure ``X.png`` whose
@@ -127,7 +139,7 @@ def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: li
     paths = sorted(_expand(files))
     sections = {key: Section(key) for key in SECTIONS}
     for path in paths:
-        _classify(path, sections, Path(captions) if captions else None)
+        _classify(path, sections, Path(captions) if captions else None, dpi)
     for csv_name, columns in TABLES.items():
         table = sections[TABLE_SECTION[csv_name]].tables.get(csv_name, pd.DataFrame(columns=columns))
         write_csv(out_dir / csv_name, table)
@@ -157,12 +169,12 @@ def _parts(path: Path) -> list[str]:
     return parts
 
 
-def _classify(path: Path, sections: dict[str, Section], captions: Path | None) -> None:
+def _classify(path: Path, sections: dict[str, Section], captions: Path | None, dpi: int) -> None:
     parts = _parts(path)
     if len(parts) < 3:
         return
     root, stage = parts[0], parts[1]
-    key = {"golden": "golden", "candidate": "candidate", "analyze": "analyze", "alter": "alter",
+    key = {"golden": "golden", "candidate": "candidate", "rfi": "candidate", "analyze": "analyze", "alter": "alter",
            "sdc": "sdc", "detect": "verdicts", "benchmarks": "benchmarks"}.get(stage)
     if key is None:
         return
@@ -170,13 +182,22 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None) -
     if path.suffix == ".png":
         label = " / ".join(parts[2:-1] + [path.stem.replace("_", " ")])
         wildcards = dict(zip(("model", "vendor", "kernel"), parts[2:-1]))
-        section.figures.append(Figure(path, label, _caption(path, stage, captions, wildcards), tuple(parts[2:-1])))
+        section.figures.append(Figure(path.read_bytes(), label, _caption(path, stage, captions, wildcards),
+                                      tuple(parts[2:-1])))
     elif key == "verdicts" and path.suffix == ".json" and len(parts) == 5:
         _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4]))
     elif key == "golden" and path.name == "metrics.csv" and len(parts) == 5:
         _append(section, "golden.csv", _golden_row(path, *parts[2:4]))
     elif key == "alter" and path.suffix == ".csv" and len(parts) == 5 and f"alter_{path.name}" in TABLES:
         _extend(section, f"alter_{path.name}", pd.read_csv(path), model=parts[2], vendor=parts[3])
+    elif stage == "candidate" and path.name == "outcome.json" and len(parts) == 6:
+        _append(section, "candidate.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel"), parts[2:5]))))
+    elif stage == "rfi" and path.name == "outcome.json" and len(parts) == 7:
+        _append(section, "rfi.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel", "case"), parts[2:6]))))
+    elif stage == "candidate" and path.name == "compare.csv" and len(parts) == 6:
+        group = tuple(parts[2:5])
+        section.figures.append(Figure(compare_figure(path, title=" / ".join(group), dpi=dpi),
+                                      " / ".join(group) + " / training vs golden", "", group))
     elif key == "sdc" and path.suffix == ".json" and len(parts) == 4:
         _append(section, "sdc.csv", _flat_row(path, model=parts[2], drill=path.stem))
     elif key == "benchmarks" and path.name == "results.json":
@@ -263,8 +284,8 @@ def _plain(rst: str, wildcards: dict) -> str:
     return " ".join(text.split())
 
 
-def _img(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+def _img(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
 def _table_html(name: str, table: pd.DataFrame, analyzed: set[tuple[str, ...]]) -> str:
@@ -327,7 +348,7 @@ def _render(sections: dict[str, Section], title: str, name: str, models, vendors
             if fig.group != shown:  # one heading per run, the target of the verdict table's links
                 body.append(f'<h3 id="{_anchor(key, fig.group)}">{html.escape(" / ".join(fig.group))}</h3>')
                 shown = fig.group
-            body.append(f'<figure><img src="{_img(fig.path)}" alt="{html.escape(fig.title)}">'
+            body.append(f'<figure><img src="{_img(fig.png)}" alt="{html.escape(fig.title)}">'
                         f"<figcaption><b>{html.escape(fig.title)}.</b> {fig.caption}</figcaption></figure>")
         body.append("</section>")
     return PAGE.format(title=html.escape(title), name=html.escape(name), models=html.escape(", ".join(models)),
@@ -338,20 +359,13 @@ def _render(sections: dict[str, Section], title: str, name: str, models, vendors
 # -- golden training curves (one figure per run, also flagged for Snakemake's report) -----------
 def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str, dpi: int = 80) -> Path:
     """Loss per step (train line, val dots) and the validation metric per epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
     metrics = pd.read_csv(metrics_csv)
     if not {"step", "epoch", "split", "loss"} <= set(metrics.columns):
         raise PeatError(f"{metrics_csv}: needs columns step, epoch, split, loss (not a training metrics file?)")
     train, val = metrics[metrics["split"] == "train"], metrics[metrics["split"] == "val"]
     text = "perplexity" in val and val["perplexity"].notna().any()
     metric = "perplexity" if text else "accuracy"
-    with sns.axes_style("whitegrid"):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2), dpi=dpi)
+    with _axes(dpi) as (fig, (left, right)):
         left.plot(train["step"], train["loss"], lw=1, label="train (per step)")
         left.plot(val["step"], val["loss"], "o", label="validation (per epoch)")
         left.set(xlabel="optimizer step", ylabel="loss", title="loss")
@@ -360,8 +374,55 @@ def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str,
         right.set(xlabel="epoch", ylabel=f"validation {metric}", title=f"validation {metric}")
         right.xaxis.get_major_locator().set_params(integer=True)
         fig.suptitle(title)
-        fig.tight_layout()
-        with atomic_path(out_png) as tmp:
-            fig.savefig(tmp, format="png", metadata={"Software": None})
-        plt.close(fig)
+    with atomic_path(out_png) as tmp:
+        tmp.write_bytes(_png(fig))
     return Path(out_png)
+
+
+def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> bytes:
+    """Candidate-kernel training against golden: loss per step, and their difference."""
+    compare = pd.read_csv(compare_csv)
+    if not {"step", "split", "loss_golden", "loss_candidate"} <= set(compare.columns):
+        raise PeatError(f"{compare_csv}: needs columns step, split, loss_golden, loss_candidate")
+    train = compare[compare["split"] == "train"]
+    with _axes(dpi) as (fig, (left, right)):
+        left.plot(train["step"], train["loss_golden"], lw=1.5, label="golden")
+        left.plot(train["step"], train["loss_candidate"], "--", lw=1.5, label="candidate")
+        left.set(xlabel="optimizer step", ylabel="training loss", title="loss")
+        left.legend(fontsize="small")
+        diff = (train["loss_candidate"] - train["loss_golden"]).abs()
+        right.plot(train["step"], diff.where(diff > 0), "o-", ms=3, color="C3")
+        right.set(xlabel="optimizer step", ylabel="|candidate - golden|", title="loss difference (0 not shown)")
+        if (diff > 0).any():
+            right.set_yscale("log")
+        fig.suptitle(title)
+    return _png(fig)
+
+
+@contextlib.contextmanager
+def _axes(dpi: int):
+    """A figure with two panels side by side, closed afterwards."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    with sns.axes_style("whitegrid"):
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=dpi)
+        try:
+            yield fig, axes
+            fig.tight_layout()
+        except BaseException:
+            plt.close(fig)
+            raise
+
+
+def _png(fig) -> bytes:
+    """PNG bytes without the matplotlib version stamp, so reruns are byte-identical."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()

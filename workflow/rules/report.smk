@@ -78,6 +78,7 @@ rule collate_report:
         models=MODELS,
         vendors=VENDORS,
         captions=os.path.join(workflow.basedir, "workflow/report"),
+        dpi=config["report"]["dpi"],
     script:
         "../scripts/collate_report.py"
 
