@@ -64,3 +64,18 @@ def sweep_figure(entry: dict, frame: pd.DataFrame):
         ax.set_xscale("log")
         ax.set_yscale("log")
     return fig
+
+
+def markdown(results: dict) -> str:
+    """The results as a Markdown table (for the README), one row per benchmark."""
+    lines = ["| benchmark | median | min | max | repeats | goal | met |", "|---|---|---|---|---|---|---|"]
+    for e in results["benchmarks"]:
+        if e.get("median") is None:
+            lines.append(f"| `{e['name']}` | error: {e.get('error')} | | | 0 | {e.get('goal', '')} | no |")
+            continue
+        unit = " s" if e.get("unit") == "seconds" else ""
+        note = " (not finished)" if e.get("details", {}).get("finished") is False else ""
+        quick = " (quick)" if e.get("quick") else ""
+        lines.append(f"| `{e['name']}`{quick} | {e['median']:.4g}{unit}{note} | {e['min']:.4g}{unit} | "
+                     f"{e['max']:.4g}{unit} | {e['repeats']} | {e['goal']} | {'yes' if e['met'] else '**no**'} |")
+    return "\n".join(lines)

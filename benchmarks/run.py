@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import tempfile
@@ -41,6 +42,7 @@ class Settings:
     storage_files: list[Path] = field(default_factory=list)
     workflow_runs: dict = field(default_factory=dict)  # config name -> (workdir, config, wall seconds of a full run)
     cache: dict = field(default_factory=dict)  # measurements shared by two benchmarks (playback)
+    workflow_timeout: float | None = None  # seconds; a full workflow run past it is stopped
 
 
 # Benchmark name -> "module:function" (function(settings) -> harness.Result), in the order they
@@ -97,12 +99,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="a finished default-config workflow directory to read (context storage) instead of "
                              "running end_to_end first")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one, removed)")
+    parser.add_argument("--workflow-timeout", type=float, metavar="SECONDS",
+                        help="stop the full workflow run after this long (end_to_end then reports a lower bound)")
+    parser.add_argument("--table", action="store_true", help="print OUT/results.json as a Markdown table and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(figures.markdown(json.loads((args.out / "results.json").read_text())))
+        return 0
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory(prefix="peat-bench-") as tmp:
         settings = Settings(quick=args.quick, repeats=args.repeats or (2 if args.quick else 5),
-                            workdir=(args.workdir or Path(tmp)).resolve(), results=args.results)
+                            workdir=(args.workdir or Path(tmp)).resolve(), results=args.results,
+                            workflow_timeout=args.workflow_timeout)
         settings.workdir.mkdir(parents=True, exist_ok=True)
         header = harness.machine() | {"quick": args.quick, "started": now()}
         entries = [run_one(name, settings) for name in names if not args.only or name in args.only]

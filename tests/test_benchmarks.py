@@ -76,6 +76,8 @@ def test_only_merges_into_existing_results(smoke, tmp_path):
     merged = json.loads((tmp_path / "results.json").read_text())["benchmarks"]
     assert [e["name"] for e in merged] == ["kernel_interface_overhead", "playback_efficiency", "checkpoint_alteration"]
     assert merged[0] == existing["benchmarks"][0]
+    table = figures.markdown({"benchmarks": merged}).splitlines()
+    assert len(table) == 2 + 3 and table[3].startswith("| `playback_efficiency` | error: AttributeError")
 
 
 def test_paired_alternates_order_and_drops_warmup():
