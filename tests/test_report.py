@@ -48,10 +48,11 @@ def _planned_jobs(dry_run: str) -> set[str]:
             and len(line.split()) == 2 and line.split()[1].isdigit()}
 
 
-def _expected_images(workdir: Path) -> set[str]:
-    """Every PNG the report rule received: its inputs are the union of the stages' targets."""
-    stages = [p for p in (workdir / "results").rglob("*.png")]
-    return {str(p.relative_to(workdir)) for p in stages}
+def _expected_images(workdir: Path) -> list[Path]:
+    """Every PNG the stages wrote (the report's inputs are the union of their targets), plus one
+    candidate-vs-golden figure the report draws per candidate training."""
+    results = workdir / "results"
+    return sorted(results.rglob("*.png")) + sorted(results.glob("candidate/*/*/*/compare.csv"))
 
 
 @pytest.mark.xdist_group("workflow")
@@ -169,12 +170,12 @@ def test_bad_metrics_file_is_one_line(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
-def test_verdicts_link_to_analyzer_figures(workflow_run, tmp_path):
+def test_verdicts_link_to_analyzer_figures(tmp_path):
     """Synthetic stage outputs: a failing verdict row links to its kernel's Analyzer figures."""
-    curve = workflow_run / "results/golden/gpt2/cpu/training_curves.png"
-    fig = tmp_path / "results/analyze/gpt2/cpu/k1/bits.png"
-    fig.parent.mkdir(parents=True)
-    fig.write_bytes(curve.read_bytes())
+    metrics = tmp_path / "metrics.csv"
+    pd.DataFrame({"step": [0, 1, 2], "epoch": [1, 1, 1], "split": ["train", "train", "val"], "loss": [2.0, 1.5, 1.7],
+                  "accuracy": [0.1, 0.2, 0.3], "perplexity": [float("nan")] * 3}).to_csv(metrics, index=False)
+    fig = training_curves(metrics, tmp_path / "results/analyze/gpt2/cpu/k1/bits.png", title="t", dpi=30)
     verdict = tmp_path / "results/detect/gpt2/cpu/k1.json"
     verdict.parent.mkdir(parents=True)
     verdict.write_text(json.dumps({"verdict": "fail", "error_model": "bit_flip", "confidence": 0.875, "layers": []}))

@@ -132,8 +132,9 @@ def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: li
           title: str | None = None, captions: str | Path | None = None, dpi: int = 80) -> Path:
     """Write ``out_dir/index.html`` and one CSV per table from the stage outputs ``files``.
 
-    ``captions`` is the folder of RST captions (workflow/report): a figure ``X.png`` whose
-    caption file ``X.rst`` exists gets that text, the others their section's caption.
+    ``captions`` is the folder of RST captions (workflow/report): a figure ``X.png`` of stage
+    ``S`` gets the text of ``X.rst`` or ``S_X.rst`` (the file Snakemake's report uses too); every
+    section also opens with a paragraph on how to read it.
     """
     out_dir = Path(out_dir)
     paths = sorted(_expand(files))
@@ -173,7 +174,7 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
     parts = _parts(path)
     if len(parts) < 3:
         return
-    root, stage = parts[0], parts[1]
+    stage = parts[1]
     key = {"golden": "golden", "candidate": "candidate", "rfi": "candidate", "analyze": "analyze", "alter": "alter",
            "sdc": "sdc", "detect": "verdicts", "benchmarks": "benchmarks"}.get(stage)
     if key is None:

@@ -9,6 +9,12 @@ REPORT_TABLES = list(peat.report.TABLES)
 BENCHMARKS = "reports/benchmarks"
 
 
+# Seconds of plotting: not worth a trip through a cluster's queue.
+localrules:
+    golden_curves,
+    collate_report,
+
+
 rule golden_curves:
     input:
         golden("{model}", "{vendor}", "metrics.csv"),
@@ -26,10 +32,6 @@ rule golden_curves:
         ),
     log:
         "logs/report/curves/{model}/{vendor}.log",
-    resources:
-        slurm_partition=CPU_PARTITION,
-        gres="",
-        gpu_jobs=0,
     params:
         dpi=config["report"]["dpi"],
     script:
@@ -68,10 +70,6 @@ rule collate_report:
         tables=expand(f"{REPORT_DIR}/{{table}}", table=REPORT_TABLES),
     log:
         "logs/report/collate.log",
-    resources:
-        slurm_partition=CPU_PARTITION,
-        gres="",
-        gpu_jobs=0,
     params:
         name=config["name"],
         title=config["report"]["title"],
