@@ -250,7 +250,8 @@ def _flat_row(path: Path, **keys) -> dict:
     """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
     data = _load_json(path)
     scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
-    return {**keys, **scalars}
+    first = {k: scalars.pop(k) for k in ("status", "detected") if k in scalars}  # the outcome, then details
+    return {**keys, **first, **scalars}
 
 
 def _benchmark_table(path: Path) -> pd.DataFrame:
@@ -393,7 +394,8 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
         left.legend(fontsize="small")
         diff = (train["loss_candidate"] - train["loss_golden"]).abs()
         right.plot(train["step"], diff.where(diff > 0), "o-", ms=3, color="C3")
-        right.set(xlabel="optimizer step", ylabel="|candidate - golden|", title="loss difference (0 not shown)")
+        right.set(xlabel="optimizer step", ylabel="|candidate - golden|", title="loss difference (0 not shown)",
+                  xlim=left.get_xlim())
         if (diff > 0).any():
             right.set_yscale("log")
         fig.suptitle(title)
