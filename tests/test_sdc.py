@@ -178,8 +178,12 @@ def test_transient_fault_is_seen_once(drills):
     assert alarm["detail"]["failed_audits"] == [[0, 1]] and "rerun" in alarm["detail"]
 
 
-def _srun_like(script_args: list[str], world: int, tmp: Path, timeout: float) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks the way srun does (SLURM_* variables, one node name per rank)."""
+def _srun_like(script_args: list[str], world: int, tmp: Path, timeout: float,
+               stalled: int | None = None) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks the way srun does (SLURM_* variables, one node name per rank).
+
+    The ``stalled`` rank is waited for last and killed once the others have ended.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -190,16 +194,19 @@ def _srun_like(script_args: list[str], world: int, tmp: Path, timeout: float) ->
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *script_args], env=env, cwd=tmp,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    done = []
+    done = {}
     deadline = time.monotonic() + timeout
-    for p in procs:
+    for rank in sorted(range(world), key=lambda r: r == stalled):
+        p = procs[rank]
+        if rank == stalled:
+            p.kill()
         try:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             out, _ = p.communicate()
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out))
-    return done
+        done[rank] = subprocess.CompletedProcess(p.args, p.returncode, out)
+    return [done[r] for r in range(world)]
 
 
 def _config_file(tmp: Path, **sdc_cfg) -> Path:
@@ -211,7 +218,7 @@ def _config_file(tmp: Path, **sdc_cfg) -> Path:
 def test_stop_policy_exits_with_the_sdc_code_and_names_the_node(digits, tmp_path):
     config = _config_file(tmp_path, policy="stop", drills=["lane_fault"], drain_marker=str(tmp_path / "drain-{node}.json"))
     ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
-                       3, tmp_path, timeout=120)
+                       3, tmp_path, timeout=300)
     assert [r.returncode for r in ranks] == [sdc.EXIT_SDC] * 3, ranks[0].stdout[-2000:]
     assert "drain node(s) node1" in ranks[0].stdout
     assert [p.name for p in tmp_path.glob("drain-*.json")] == ["drain-node1.json"]
@@ -225,10 +232,21 @@ def test_dead_rank_fails_the_drill_clearly_within_bounded_time(digits, tmp_path)
     config = _config_file(tmp_path, drills=["dead"], timeout_s=15)
     start = time.monotonic()
     ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
-                       3, tmp_path, timeout=90)
+                       3, tmp_path, timeout=300)
     elapsed = time.monotonic() - start
     assert ranks[1].returncode == 13  # the injected rank died
     for r in (ranks[0], ranks[2]):
         assert r.returncode == EXIT_PEER, r.stdout[-2000:]
         assert "a peer rank died or hung past the timeout" in r.stdout
-    assert elapsed < 90
+    assert elapsed < 300
+
+
+def test_hung_rank_times_out_instead_of_hanging(digits, tmp_path):
+    config = _config_file(tmp_path, drills=["hang"], timeout_s=8)
+    start = time.monotonic()
+    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
+                       3, tmp_path, timeout=300, stalled=1)
+    for r in (ranks[0], ranks[2]):
+        assert r.returncode == EXIT_PEER, r.stdout[-2000:]
+        assert "a peer rank died or hung past the timeout" in r.stdout
+    assert time.monotonic() - start < 300

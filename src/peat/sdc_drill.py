@@ -214,28 +214,35 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
     if rank == cfg["injected_rank"]:
         fault = Fault(drill, trainer.model, cfg["injection_step"], cfg["faults"], seed)
     plain = []
-    for step in range(cfg["steps"]):
-        if fault is not None:
-            fault.before(step)
-        spent = _check_time(guard)
-        t0 = time.perf_counter()
-        guard.begin_step(step)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        try:
-            trainer.loss(trainer.ddp, step, rank).backward()
-        except (RuntimeError, dist.DistError) as err:
-            raise PeatError(sdc.collective_failure(rank, f"DDP gradient all-reduce at step {step}", err)) from None
-        if guard.check_gradients(replay=lambda r, s=step: trainer.loss(guard.module, s, r)):
-            trainer.optimizer.step()
-        if fault is not None:
-            fault.after_step(step)
-        guard.check_weights()
-        total, in_checks = time.perf_counter() - t0, _check_time(guard) - spent
-        plain.append(total - in_checks)
-    guard.finish()
+    try:
+        for step in range(cfg["steps"]):
+            plain.append(_drill_step(trainer, guard, fault, step))
+        guard.finish()
+    except sdc.SDCError:
+        pass  # policy raise: every rank raised at the same alarm; the drill ends there
     injected = None if drill == "clean" else cfg["injected_rank"]
     return summarize(drill, model_name, world, injected, cfg, guard, plain) | {
         "backend": dist.get_backend(), "hosts": guard.hosts, "seed": seed, "torch_version": str(torch.__version__)}
+
+
+def _drill_step(trainer: Trainer, guard: sdc.Guard, fault: "Fault | None", step: int) -> float:
+    """One guarded DDP step; returns its time outside the checks (the plain DDP step)."""
+    if fault is not None:
+        fault.before(step)
+    spent = _check_time(guard)
+    t0 = time.perf_counter()
+    guard.begin_step(step)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    try:
+        trainer.loss(trainer.ddp, step, trainer.rank).backward()
+    except (RuntimeError, dist.DistError) as err:
+        raise PeatError(sdc.collective_failure(trainer.rank, f"DDP gradient all-reduce at step {step}", err)) from None
+    if guard.check_gradients(replay=lambda r: trainer.loss(guard.module, step, r)):
+        trainer.optimizer.step()
+    if fault is not None:
+        fault.after_step(step)
+    guard.check_weights()
+    return time.perf_counter() - t0 - (_check_time(guard) - spent)
 
 
 def _check_time(guard: sdc.Guard) -> float:
@@ -344,9 +351,9 @@ def benchmark(spec: dict, data, cfg: dict, seed: int, device: torch.device, step
     for step in range(steps):
         t_plain.append(_timed(lambda: _plain_step(plain, step), device))
         if step % 2:  # audit steps are timed separately through guard.timers
-            t_guarded.append(_timed(lambda: _guarded_step(guarded, guard, step), device))
+            t_guarded.append(_timed(lambda: _drill_step(guarded, guard, None, step), device))
         else:
-            _guarded_step(guarded, guard, step)
+            _drill_step(guarded, guard, None, step)
     guard.finish()
     p, g = statistics.median(t_plain), statistics.median(t_guarded)
     audit = guard.costs()["audit"]
@@ -366,15 +373,6 @@ def _plain_step(trainer: Trainer, step: int) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.loss(trainer.ddp, step, trainer.rank).backward()
     trainer.optimizer.step()
-
-
-def _guarded_step(trainer: Trainer, guard: sdc.Guard, step: int) -> None:
-    guard.begin_step(step)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.loss(trainer.ddp, step, trainer.rank).backward()
-    if guard.check_gradients(replay=lambda r: trainer.loss(guard.module, step, r)):
-        trainer.optimizer.step()
-    guard.check_weights()
 
 
 if __name__ == "__main__":
