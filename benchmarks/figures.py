@@ -41,16 +41,26 @@ def figure(path: Path, entry: dict) -> None:
         fig = sweep_figure(entry, pd.DataFrame(sweep))
     else:
         fig, ax = plt.subplots(figsize=(4.5, 3))
-        frame = pd.DataFrame({"repeat": range(1, len(entry["samples"]) + 1), entry["unit"]: entry["samples"]})
-        sns.stripplot(frame, y=entry["unit"], ax=ax, size=7, color="tab:blue", jitter=0.05)
+        sns.stripplot(clocks(entry), x="clock", y=entry["unit"], hue="clock", ax=ax, size=7, jitter=0.08)
         ax.axhline(entry["median"], color="tab:blue", lw=1, label=f"median {entry['median']:.4g}")
         ax.axhline(entry["goal_value"], color="tab:red", ls="--", lw=1, label=f"goal {entry['goal']}")
+        ax.set_xlabel("")
         ax.legend(loc="best", fontsize=7)
-    fig.suptitle(f"{entry['name']}: {'met' if entry['met'] else 'NOT met'}", fontsize=9)
+    fig.suptitle(f"{entry['name']}: median {entry['median']:.4g} [{entry['min']:.4g}, {entry['max']:.4g}], "
+                 f"goal {'met' if entry['met'] else 'NOT met'}", fontsize=8)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
+
+
+def clocks(entry: dict) -> pd.DataFrame:
+    """One row per repeat and clock: the primary samples, and wall-clock ratios where kept apart."""
+    primary = "CPU time (primary)" if "wall_ratios" in entry.get("details", {}) else "measured"
+    frame = pd.DataFrame({"clock": primary, entry["unit"]: entry["samples"]})
+    if "wall_ratios" in entry.get("details", {}):
+        frame = pd.concat([frame, pd.DataFrame({"clock": "wall clock", entry["unit"]: entry["details"]["wall_ratios"]})])
+    return frame
 
 
 def sweep_figure(entry: dict, frame: pd.DataFrame):
