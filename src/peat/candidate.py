@@ -141,7 +141,7 @@ def monitored(kernel: kernels.Kernel, layer: str, rows: list, state: dict) -> ke
 
         return run
 
-    return kernels.Kernel(name=kernel.name, op=kernel.op, custom=kernel.custom, source=kernel.source,
+    return kernels.Kernel(name=kernel.name, op=kernel.op, custom=kernels.COMPUTATIONS, source=kernel.source,
                           **{c: wrap(c) for c in kernels.COMPUTATIONS})
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .io import PeatError
+from .kernels import COMPUTATIONS
 
 CASTS = ("fp16", "bf16", "tf32", "fp64")
 REGIONS = {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22), "any": (0, 31)}
@@ -279,7 +280,8 @@ def faulty(kernel, error, computation: str = "forward", seed: int = 0):
         return model.apply(func(*args, **kwargs), generator, operands=(op, computation, args, kwargs))
 
     wrapped.error = model
-    return dataclasses.replace(kernel, name=f"{kernel.name}+{model.spec}", **{computation: wrapped},
+    custom = tuple(c for c in COMPUTATIONS if c in kernel.custom or c == computation)
+    return dataclasses.replace(kernel, name=f"{kernel.name}+{model.spec}", **{computation: wrapped}, custom=custom,
                                meta=kernel.meta | {"error": model.spec, "computation": computation, "seed": seed})
 
 

@@ -437,15 +437,19 @@ class _Routed(torch.autograd.Function):
     def backward(ctx, grad_out):
         kernel, (x, weight) = ctx.kernel, ctx.saved_tensors
         sample = {"A": x, "W": weight, "dO": grad_out.contiguous(), **ctx.state}
-        grads = {}
-        for computation, index in (("input_grad", 3), ("weight_grad", 4)):
-            if ctx.needs_input_grad[index]:
-                args, kwargs = arguments(kernel.op, computation, sample, ctx.attrs)
-                like = x if computation == "input_grad" else weight
-                grads[computation] = _checked_result(kernel, computation, kernel.computation(computation)(*args, **kwargs),
-                                                     like.shape, like.dtype)
-        bias_grad = _bias_grad(kernel.op, sample, ctx.attrs) if ctx.has_bias and ctx.needs_input_grad[5] else None
-        return None, None, None, grads.get("input_grad"), grads.get("weight_grad"), bias_grad
+        needed = {"input_grad": ctx.needs_input_grad[3], "weight_grad": ctx.needs_input_grad[4]}
+        own = {c for c, need in needed.items() if need and c in kernel.custom}
+        # What the kernel leaves to golden comes from one fused call, as in PyTorch's own backward.
+        mask = [needed["input_grad"] and "input_grad" not in own, needed["weight_grad"] and "weight_grad" not in own,
+                ctx.has_bias and ctx.needs_input_grad[5]]
+        dx, dw, db = _golden_grads(kernel.op, sample, ctx.attrs, mask) if any(mask) else (None, None, None)
+        grads = {"input_grad": dx, "weight_grad": dw}
+        for computation in own:
+            args, kwargs = arguments(kernel.op, computation, sample, ctx.attrs)
+            like = x if computation == "input_grad" else weight
+            grads[computation] = _checked_result(kernel, computation, kernel.computation(computation)(*args, **kwargs),
+                                                 like.shape, like.dtype)
+        return None, None, None, grads["input_grad"], grads["weight_grad"], db
 
 
 class ShapeMismatch(PeatError):
@@ -471,21 +475,22 @@ def _checked_result(kernel: Kernel, computation: str, value, shape, dtype) -> to
     return value
 
 
-def _bias_grad(op: str, sample: dict, attrs: dict) -> torch.Tensor:
-    """Golden bias gradient, computed the way PyTorch's own backward does (bit-identical)."""
+def _golden_grads(op: str, sample: dict, attrs: dict, mask: list[bool]) -> tuple:
+    """Golden (input, weight, bias) gradients where ``mask`` says, computed as PyTorch's backward does."""
     dO, x, w = sample["dO"], sample["A"], sample["W"]
     if op == "linear":
-        return dO.reshape(-1, dO.shape[-1]).sum(0)
+        golden = GOLDEN["linear"]
+        return (golden["input_grad"](dO, w) if mask[0] else None, golden["weight_grad"](dO, x) if mask[1] else None,
+                dO.reshape(-1, dO.shape[-1]).sum(0) if mask[2] else None)
     if op == "conv2d":
         hp = _conv_hp(attrs)
         return torch.ops.aten.convolution_backward(
-            dO, x, w, [w.shape[0]], hp["stride"], hp["padding"], hp["dilation"], False, [0, 0], hp["groups"],
-            [False, False, True])[2]
-    mask = [False, False, True]
+            dO, x, w, [w.shape[0]] if mask[2] else None, hp["stride"], hp["padding"], hp["dilation"], False, [0, 0],
+            hp["groups"], mask)
     if op == "batch_norm":
         return _bn_backward(dO, x, w, sample["running_mean"], sample["running_var"], sample["training"],
-                            float(attrs["eps"]), mask)[2]
-    return _ln_backward(dO, x, w, tuple(attrs["normalized_shape"]), float(attrs["eps"]), mask)[2]
+                            float(attrs["eps"]), mask)
+    return _ln_backward(dO, x, w, tuple(attrs["normalized_shape"]), float(attrs["eps"]), mask)
 
 
 def _routed_forward(module, kernel: Kernel, active: Callable[[], bool] | None):
