@@ -34,3 +34,32 @@ def workflow_run(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("workflow")
     snakemake(workdir)
     return workdir
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory) -> Path:
+    """The test config's digits dataset, prepared by the library."""
+    import yaml
+
+    from peat import data
+
+    path = tmp_path_factory.mktemp("data") / "digits.h5"
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["datasets"]["digits"]
+    data.prepare("digits", spec | {"val_fraction": 0.2}, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def golden_twice(digits, tmp_path_factory) -> list[Path]:
+    """Two independent golden trainings of the test config's resnet18."""
+    import yaml
+
+    from peat.train import train_model
+
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"]
+    runs = []
+    for _ in range(2):
+        out = tmp_path_factory.mktemp("golden")
+        train_model("resnet18", spec, digits, out, seed=0, threads=1, config_hash="abc", progress=False)
+        runs.append(out)
+    return runs

@@ -103,23 +103,6 @@ def test_missing_gpu_vendor_fails_with_one_line():
 
 # -- golden training -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "digits.h5"
-    data.prepare("digits", CONFIG["datasets"]["digits"] | {"val_fraction": 0.2}, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def golden_twice(digits, tmp_path_factory):
-    runs = []
-    for _ in range(2):
-        out = tmp_path_factory.mktemp("golden")
-        train_model("resnet18", SPEC, digits, out, seed=0, threads=1, config_hash="abc", progress=False)
-        runs.append(out)
-    return runs
-
-
 def h5_datasets(path: Path) -> dict[str, np.ndarray]:
     items = {}
     with h5py.File(path) as f:

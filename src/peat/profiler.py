@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .io import PeatError, open_h5, write_json
+from .io import PeatError, atomic_path, open_h5, write_json
 
 SUMMARY_STATS = ("mean", "std", "min", "max", "absmax", "nonfinite")
 SUMMARY_DTYPE = np.dtype([("step", "i8"), ("epoch", "i4"), ("layer", "S128"), ("tensor", "S8")]
@@ -119,7 +120,10 @@ class Profiler:
         self._open(resuming=first_step > 0)
 
     def _open(self, resuming: bool) -> None:
-        if resuming and self.partial.exists():
+        # A file open for writing when its process was killed may be corrupt: resume from the
+        # last consistent snapshot instead.
+        if resuming and self._snapshot.exists():
+            shutil.copyfile(self._snapshot, self.partial)
             self.file = open_h5(self.partial, "a")
             self._truncate(self.first_step)
             return
@@ -186,6 +190,18 @@ class Profiler:
             self._rows.clear()
         self.file.attrs["naive_bytes_per_step"] = self.naive_bytes_per_step
         self.file.flush()
+
+    @property
+    def _snapshot(self) -> Path:
+        return self.partial.with_name("context.snapshot.h5")
+
+    def snapshot(self) -> None:
+        """Write a consistent copy of the context so far, for a resumed run to start from."""
+        self.flush()
+        self.file.close()
+        with atomic_path(self._snapshot) as tmp:
+            shutil.copyfile(self.partial, tmp)
+        self.file = open_h5(self.partial, "a")
 
     def close(self) -> None:
         """Finish the file, rename it into place and write the storage accounting beside it."""

@@ -109,9 +109,11 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         if epoch in run.checkpoint_epochs:
             checkpoint.save(partial / f"epoch{epoch:03d}.h5", model, optimizer, **save)
         if epoch < run.epochs:
-            checkpoint.save(resume, model, optimizer, **save)
+            # Context snapshot first: if we die between the two, the older resume point
+            # simply truncates the newer snapshot.
             if profiler is not None:
-                profiler.flush()
+                profiler.snapshot()
+            checkpoint.save(resume, model, optimizer, **save)
     bar.close()
     checkpoint.save(out_dir / "final.h5", model, optimizer, step=step, epoch=run.epochs, meta=run.meta, history=history)
     if profiler is not None:
