@@ -94,6 +94,11 @@ def norms(tensors) -> torch.Tensor:
     return torch.stack([t.detach().double().square().sum() for t in tensors]).view(torch.int64)
 
 
+def gradient_fingerprint(grads) -> torch.Tensor:
+    """``[checksums..., norms...]`` of a list of gradients: what the ring audit compares."""
+    return torch.cat([checksum(grads), norms(grads)])
+
+
 def fingerprints_match(a: torch.Tensor, b: torch.Tensor, tolerance: float = 0.0) -> bool:
     """Compare two gradient fingerprints ``[checksums..., norms...]``.
 
@@ -267,8 +272,7 @@ class Guard:
             name = [n for n, p in self.module.named_parameters() if p.requires_grad][first]
             detail = {"first_differing_parameter": name}
             if not localized:
-                detail["note"] = ("two replicas: detected but cannot localize" if self.world == 2
-                                  else "no majority of identical replicas: cannot localize")
+                detail["note"] = self._unlocalized("no majority of identical replicas")
             self._alarm("fingerprint", suspects, localized, detail, step)
 
     # - ring audit -
@@ -294,9 +298,11 @@ class Guard:
         self.timers["audit"].append(time.perf_counter() - t0)
         if suspects:
             if not localized:
-                detail["note"] = ("two replicas: detected but cannot localize" if self.world == 2
-                                  else "failed audits have no common rank: cannot localize")
+                detail["note"] = self._unlocalized("failed audits have no common rank")
             self._alarm("audit", suspects, localized, detail)
+
+    def _unlocalized(self, why: str) -> str:
+        return f"{'two replicas' if self.world == 2 else why}: detected but cannot localize"
 
     def _second_opinion(self, replay, auditor: int, audited: int, reported) -> list[int]:
         """One failed audit: the audited rank recomputes its own micro-batch. Differing from its own
@@ -324,9 +330,7 @@ class Guard:
             with torch.no_grad():
                 for b, saved in zip(self.module.buffers(), buffers):
                     b.copy_(saved)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
-        parts = _fingerprint_parts(grads)
-        return torch.cat([torch.stack([c for c, _ in parts]), torch.stack([n for _, n in parts])])
+        return gradient_fingerprint([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
 
     # - alarms -
 

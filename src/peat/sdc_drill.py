@@ -66,6 +66,17 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
         raise PeatError(f"sdc drill of model {model!r}: torchrun exited with {proc.returncode} (see the log above)")
 
 
+def drill_config(config: dict, model: str) -> dict:
+    """The part of a validated config that ``model``'s drills depend on (Snakemake params: editing
+    another section does not rerun the drills). Drills train from scratch: ``init_from`` is dropped.
+    """
+    spec = {k: v for k, v in config["models"][model].items() if k != "init_from"}
+    keep = ("name", "seed", "threads", "vendors", "reference_vendor")
+    return {**{k: config[k] for k in keep if k in config}, "models": {model: spec},
+            "datasets": {spec["dataset"]: config["datasets"][spec["dataset"]]},
+            "sdc": {**config["sdc"], "models": [model]}}
+
+
 def _launch_timeout(sdc_cfg: dict) -> float:
     # Generous: every collective already times out after timeout_s; this only guards the launcher.
     return 600 + 4 * sdc_cfg["timeout_s"]

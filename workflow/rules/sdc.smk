@@ -1,5 +1,5 @@
 # Silent-data-corruption drills with torchrun (issue: SDC checks).
-from peat.sdc_drill import check_config as sdc_check_config
+from peat.sdc_drill import check_config as sdc_check_config, drill_config
 
 try:
     sdc_check_config(config)
@@ -19,7 +19,7 @@ rule sdc_drill:
         "logs/sdc/{model}.log",
     threads: config["sdc"]["world_size"]
     params:
-        config=config,
+        config=lambda w: drill_config(config, w.model),
     script:
         "../scripts/sdc_drill.py"
 

@@ -4,5 +4,5 @@ sys.stderr = sys.stdout = open(snakemake.log[0], "w")
 
 from peat.sdc_drill import launch
 
-launch(dict(snakemake.params.config), snakemake.wildcards.model, snakemake.input.data,
+launch(snakemake.params.config, snakemake.wildcards.model, snakemake.input.data,
        snakemake.output.events.rsplit("/", 1)[0])
