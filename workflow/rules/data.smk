@@ -3,6 +3,8 @@ rule prepare_dataset:
         "results/data/{dataset}.h5",
     log:
         "logs/data/{dataset}.log",
+    # Shareable across workflows and users with `snakemake --cache` (SNAKEMAKE_OUTPUT_CACHE).
+    cache: "omit-software"
     resources:
         slurm_partition=slurm_partition,
         gres=slurm_gres,

@@ -4,10 +4,11 @@ rule golden_train:
         init=init_checkpoint,
     output:
         metrics=golden("{model}", "{vendor}", "metrics.csv"),
-        final=golden("{model}", "{vendor}", "final.h5"),
-        context=golden("{model}", "{vendor}", "context.h5"),
+        # Reused by every later stage and costly to recompute: read-only once written.
+        final=protected(golden("{model}", "{vendor}", "final.h5")),
+        context=protected(golden("{model}", "{vendor}", "context.h5")),
         storage=golden("{model}", "{vendor}", "storage.json"),
-        checkpoints=directory(golden("{model}", "{vendor}", "checkpoints")),
+        checkpoints=protected(directory(golden("{model}", "{vendor}", "checkpoints"))),
     log:
         "logs/golden/{model}/{vendor}.log",
     threads: config["threads"]
