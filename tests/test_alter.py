@@ -324,6 +324,7 @@ def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     assert sha(tmp_path / "r.h5") == sha(out)
     assert main(["alter", str(mixed), str(out), "--bits", "3-1"]) == 2
     assert main(["alter", str(mixed), str(out), "--count", "1", "--fraction", "0.1"]) == 2
+    assert main(["alter", str(mixed), str(out), "--scale", "-2", "--no-sign-change"]) == 2
 
 
 def test_h5diff_statistics(tmp_path):

@@ -332,6 +332,8 @@ class Plan:
             raise PeatError("--scale replaces bit flips: do not combine it with --region, --bits, --burst or --mask")
         if self.scale is not None and not math.isfinite(self.scale):
             raise PeatError(f"--scale {self.scale}: must be finite")
+        if self.scale is not None and self.scale < 0 and not self.sign_change:
+            raise PeatError(f"--scale {self.scale} changes every sign: it contradicts --no-sign-change")
         for cls in self.classes:
             if cls not in CLASSES:
                 raise PeatError(f"--class {cls!r}: allowed: {', '.join(CLASSES)}")
@@ -395,8 +397,6 @@ class Edit:
 
 def _eligible(entry: Entry, raw: np.ndarray, plan: Plan, masks: np.ndarray) -> np.ndarray | None:
     """Boolean mask of values that can be corrupted under --no-nonfinite (None: all of them)."""
-    if plan.nonfinite:
-        return None
     if plan.scale is not None:
         if not entry.layout.is_float:
             return None
