@@ -244,6 +244,13 @@ def test_scale_multiplies_exactly(mixed, tmp_path):
     run_alter(mixed, tmp_path / "o.h5", log=log, count=25, scale=3.0, seed=2)
     A.alter(mixed, tmp_path / "r.h5", A.Plan(), replay=log)
     assert sha(tmp_path / "r.h5") == sha(tmp_path / "o.h5")
+    # A huge factor overflows float16/float32 values; --no-nonfinite leaves exactly those out.
+    floats = sum(e.size for e in A.scan(mixed) if e.layout.is_float)
+    wild = run_alter(mixed, tmp_path / "o.h5", fraction=1.0, scale=1e38).records
+    tame = run_alter(mixed, tmp_path / "o.h5", fraction=1.0, scale=1e38, nonfinite=False).records
+    overflowed = sum(isinstance(r["new"], str) for r in wild)
+    assert len(wild) == floats and overflowed > 0 and len(tame) == floats - overflowed
+    assert not any(isinstance(r["new"], str) for r in tame)
 
 
 def test_amounts(mixed, tmp_path):

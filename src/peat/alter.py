@@ -400,10 +400,8 @@ def _eligible(entry: Entry, raw: np.ndarray, plan: Plan, masks: np.ndarray) -> n
     if plan.scale is not None:
         if not entry.layout.is_float:
             return None
-        vals = _values(raw, entry.dtype, entry.layout)
-        with np.errstate(over="ignore", invalid="ignore"):
-            new = (vals * vals.dtype.type(plan.scale)) if entry.layout.name != "bfloat16" else _bf16_round(vals * np.float32(plan.scale))
-        return np.isfinite(vals) & np.isfinite(new)
+        new = _values(_scaled(raw, entry, plan.scale), entry.dtype, entry.layout)
+        return np.isfinite(_values(raw, entry.dtype, entry.layout)) & np.isfinite(new)
     if not entry.layout.is_float:
         return None
     bad = _bad_counts(masks, entry.layout)
