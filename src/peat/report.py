@@ -30,7 +30,8 @@ SECTIONS = {
         "(none and reduced_precision pass; random_value, random_zero, bit_flip, periodic_lane, "
         "block_structured, non_finite fail; crash/timeout mean the kernel did not finish); "
         "<b>confidence</b> (0..1) is how consistently the tensors of the failing layers point to "
-        "that error model. <b>expected</b>, where given, is the ground truth of an injected error.")),
+        "that error model. <b>injected</b> names the error a test kernel injects on purpose (config "
+        "key kernels.&lt;name&gt;.error), so its row shows whether the Detector recognized it.")),
     "golden": ("Golden training", (
         "Training curves of the trusted golden runs that every other stage compares against. "
         "Left: loss per optimizer step (line, training batches) and on the validation split after "
@@ -72,7 +73,7 @@ SECTIONS = {
 # The CSV tables written beside index.html (always, header-only when a stage has no data yet),
 # with the columns they start with; a stage's own columns follow.
 TABLES = {
-    "verdicts.csv": ["model", "vendor", "kernel", "verdict", "error_model", "confidence"],
+    "verdicts.csv": ["model", "vendor", "kernel", "verdict", "error_model", "confidence", "injected"],
     "golden.csv": ["model", "vendor", "epochs", "steps", "val_loss", "val_accuracy", "val_perplexity"],
     "alter_sensitivity.csv": ["model", "vendor"],
     "alter_absorbed.csv": ["model", "vendor"],
@@ -129,7 +130,8 @@ class Section:
 
 
 def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: list[str], vendors: list[str],
-          title: str | None = None, captions: str | Path | None = None, dpi: int = 80) -> Path:
+          title: str | None = None, captions: str | Path | None = None, dpi: int = 80,
+          injected: dict[str, str] | None = None) -> Path:
     """Write ``out_dir/index.html`` and one CSV per table from the stage outputs ``files``.
 
     ``captions`` is the folder of RST captions (workflow/report): a figure ``X.png`` of stage
@@ -140,7 +142,7 @@ def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: li
     paths = sorted(_expand(files))
     sections = {key: Section(key) for key in SECTIONS}
     for path in paths:
-        _classify(path, sections, Path(captions) if captions else None, dpi)
+        _classify(path, sections, Path(captions) if captions else None, dpi, injected or {})
     for csv_name, columns in TABLES.items():
         table = sections[TABLE_SECTION[csv_name]].tables.get(csv_name, pd.DataFrame(columns=columns))
         write_csv(out_dir / csv_name, table)
@@ -170,7 +172,8 @@ def _parts(path: Path) -> list[str]:
     return parts
 
 
-def _classify(path: Path, sections: dict[str, Section], captions: Path | None, dpi: int) -> None:
+def _classify(path: Path, sections: dict[str, Section], captions: Path | None, dpi: int,
+              injected: dict[str, str]) -> None:
     parts = _parts(path)
     if len(parts) < 3:
         return
@@ -186,7 +189,7 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
         section.figures.append(Figure(path.read_bytes(), label, _caption(path, stage, captions, wildcards),
                                       tuple(parts[2:-1])))
     elif key == "verdicts" and path.suffix == ".json" and len(parts) == 5:
-        _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4]))
+        _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4]) | {"injected": injected.get(path.stem, "")})
     elif key == "golden" and path.name == "metrics.csv" and len(parts) == 5:
         _append(section, "golden.csv", _golden_row(path, *parts[2:4]))
     elif key == "alter" and path.suffix == ".csv" and len(parts) == 5 and f"alter_{path.name}" in TABLES:
@@ -229,12 +232,8 @@ def _verdict_row(path: Path, model: str, vendor: str) -> dict:
     data = _load_json(path)
     if "verdict" not in data:
         raise PeatError(f"{path}: missing key 'verdict' (not a detector result?)")
-    row = {"model": model, "vendor": vendor, "kernel": path.stem, "verdict": data["verdict"],
-           "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan"))}
-    for extra in ("expected", "error", "ground_truth"):
-        if extra in data and not isinstance(data[extra], (dict, list)):
-            row["expected"] = data[extra]
-    return row
+    return {"model": model, "vendor": vendor, "kernel": path.stem, "verdict": data["verdict"],
+            "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan"))}
 
 
 def _golden_row(path: Path, model: str, vendor: str) -> dict:
