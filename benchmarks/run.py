@@ -43,6 +43,7 @@ class Settings:
     workflow_runs: dict = field(default_factory=dict)  # config name -> (workdir, config, wall seconds of a full run)
     cache: dict = field(default_factory=dict)  # measurements shared by two benchmarks (playback)
     workflow_timeout: float | None = None  # seconds; a full workflow run past it is stopped
+    record_layers: list[str] | None = None  # overrides the recorded layers of the training benchmarks
 
 
 # Benchmark name -> "module:function" (function(settings) -> harness.Result), in the order they
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one, removed)")
     parser.add_argument("--workflow-timeout", type=float, metavar="SECONDS",
                         help="stop the full workflow run after this long (end_to_end then reports a lower bound)")
+    parser.add_argument("--record-layers", nargs="+", metavar="GLOB",
+                        help="layers the training benchmarks record instead of the default config's (said in results)")
     parser.add_argument("--table", action="store_true", help="print OUT/results.json as a Markdown table and exit")
     args = parser.parse_args(argv)
     if args.table:
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="peat-bench-") as tmp:
         settings = Settings(quick=args.quick, repeats=args.repeats or (2 if args.quick else 5),
                             workdir=(args.workdir or Path(tmp)).resolve(), results=args.results,
-                            workflow_timeout=args.workflow_timeout)
+                            workflow_timeout=args.workflow_timeout, record_layers=args.record_layers)
         settings.workdir.mkdir(parents=True, exist_ok=True)
         header = harness.machine() | {"quick": args.quick, "started": now()}
         entries = [run_one(name, settings) for name in names if not args.only or name in args.only]

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from harness import CPU_NOTE, Goal, Result, paired, paired_details, ratios
-from training import MODEL, case, dataset, default_config
+from training import MODEL, case, dataset, default_config, record_spec
 
 from peat import candidate, errors, kernels, playback
 from peat.profiler import read_layer
@@ -63,7 +63,7 @@ def playback_runs(settings) -> dict:
             "errors": specs, "layers": layers, "kernel": name, "max_samples_per_layer":
             config["playback"].get("max_samples_per_layer"), "propagate": config["playback"].get("propagate"),
             "samples_per_layer": len(read_layer(context, layers[0])[1]),
-            "training_steps": c.spec["max_train_samples"] // c.spec["batch_size"],
+            "training_steps": c.spec["max_train_samples"] // c.spec["batch_size"], "record": record_spec(settings, c),
             "timings": [s["timings"] for s in sidecars]}
     settings.cache["playback"] = runs
     return runs
@@ -75,8 +75,8 @@ def playback_vs_retraining(settings) -> Result:
     return Result("playback_vs_retraining",
                   f"one playback campaign as the workflow runs it (peat.playback.run_job: kernel {r['kernel']}, "
                   f"{len(r['layers'])} recorded {OP} layers of {MODEL}, errors {', '.join(r['errors'])}, "
-                  f"{r['samples_per_layer']} recorded steps per layer) / the runtime-FI trainings it replaces: one {r['training_steps']}-step training with the "
-                  f"fault routed in, measured, x {r['cases']} error-model x layer cases; {CPU_NOTE}",
+                  f"{r['samples_per_layer']} recorded steps per layer; context recording {r['record']}) / the "
+                  f"runtime-FI trainings it replaces: one {r['training_steps']}-step training with the fault routed in, measured, x {r['cases']} error-model x layer cases; {CPU_NOTE}",
                   Goal("<=", 0.01, "<= 0.01"), samples=ratios(r["campaign"].cpu, replaced),
                   details=paired_details(r["campaign"], r["rfi_training"], ("campaign", "rfi_training"), r["cases"])
                   | {k: r[k] for k in ("kernel", "cases", "errors", "layers", "samples_per_layer",

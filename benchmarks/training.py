@@ -63,15 +63,23 @@ def case(settings, model: str = MODEL) -> Case:
     steps = 2 if settings.quick else 20
     spec = dict(spec, epochs=1, checkpoint_epochs=[], max_train_samples=steps * spec["batch_size"],
                 max_val_samples=spec["batch_size"])
+    if settings.record_layers:
+        spec["record"] = dict(spec["record"], layers=list(settings.record_layers))
     return Case(model, spec, dataset(settings, config, model), settings.workdir / "train")
+
+
+def record_spec(settings, c: Case) -> str:
+    """What the recorded trainings record, saying so when --record-layers overrides the default."""
+    rec = c.spec["record"]
+    which = f"override --record-layers {' '.join(rec['layers'])}" if settings.record_layers else "default config spec"
+    return f"{len(rec['layers'])} layers every {rec.get('every', 10)} steps ({which})"
 
 
 def profiler_overhead(settings) -> Result:
     c = case(settings)
-    every = c.spec["record"].get("every", 10)
     result = Result("profiler_overhead",
                     f"{MODEL} golden training ({c.spec['max_train_samples'] // c.spec['batch_size']} steps), "
-                    f"Profiler recording {len(c.spec['record']['layers'])} layers every {every} steps "
+                    f"Profiler recording {record_spec(settings, c)} "
                     f"(+ summaries of every layer every step) / the same training without recording; {CPU_NOTE}",
                     Goal("<=", 1.10, "<= 1.10"))
     with_rec, without = paired(lambda: c.train("recorded", record=True), lambda: c.train("plain", record=False),
@@ -94,7 +102,8 @@ def context_storage(settings) -> Result:
             c = case(settings)
             c.train("recorded", record=True)
             settings.storage_files.append(c.workdir / "recorded" / "storage.json")
-        source = f"{MODEL} truncated to {case(settings).spec['max_train_samples']} samples, default record spec"
+        c = case(settings)
+        source = f"{MODEL} truncated to {c.spec['max_train_samples']} samples, recording {record_spec(settings, c)}"
         files = {MODEL: settings.storage_files[-1]}
     rows = {k: json.loads(f.read_text()) for k, f in files.items()}
     return Result("context_storage",
