@@ -13,7 +13,6 @@ start-up dominates these small runs. Rank 0 writes ``DIR/{drill}.json``; alarms 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -115,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        if args.model not in config["models"]:
+            raise PeatError(f"{args.config}: no model {args.model!r}; defined: {', '.join(config['models'])}")
         spec, sdc_cfg = config["models"][args.model], config["sdc"]
         drills = args.drills.split(",") if args.drills else sdc_cfg["drills"]
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"])
