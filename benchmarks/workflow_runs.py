@@ -165,7 +165,7 @@ def incremental_rerun(settings) -> Result:
                   f"wall seconds of the full run from scratch, {config_path(settings).relative_to(REPO)}",
                   Goal("<=", 0.25, "<= 0.25"), samples=[rerun / full],
                   details={"rerun_s": rerun, "full_s": full, "edited": edited.name,
-                           "rerun_jobs": _jobs(workdir)})
+                           "rerun_jobs": _jobs(workdir), "rerun_reasons": _reasons(workdir)})
 
 
 def _jobs(workdir: Path) -> dict:
@@ -184,3 +184,9 @@ def _jobs(workdir: Path) -> dict:
                 continue
             counts[parts[0]] = int(parts[1])
     return counts
+
+
+def _reasons(workdir: Path) -> list[str]:
+    """Why snakemake reran what it did; on a shared checkout, other people's edits show up here."""
+    log = (workdir / "bench-snakemake.log").read_text().splitlines()
+    return sorted({line.split("reason:", 1)[1].strip() for line in log if "reason:" in line})
