@@ -248,3 +248,16 @@ def test_hung_rank_times_out_instead_of_hanging(digits, tmp_path):
         assert r.returncode == EXIT_PEER, r.stdout[-2000:]
         assert "a peer rank died or hung past the timeout" in r.stdout
     assert time.monotonic() - start < 300
+
+
+def test_two_replicas_detect_but_cannot_localize(digits, tmp_path):
+    out = tmp_path / "resnet18"
+    config = make_config(world_size=2, steps=3, injection_step=1, drills=["weight_flip"])
+    launch(config, "resnet18", digits, out, timeout=300)
+    result = json.loads((out / "weight_flip.json").read_text())
+    assert result["world_size"] == 2 and result["detected"] is True and result["check"] == "fingerprint"
+    assert result["detection_step"] == 1 and result["suspect_ranks"] == [0, 1] and result["localized"] is False
+    assert result["right_rank"] is False
+    first = result["alarms"][0]
+    assert first["detail"]["note"] == "two replicas: detected but cannot localize"
+    assert first["detail"]["first_differing_parameter"] == "conv1.weight"
