@@ -81,9 +81,7 @@ rule alter_summary:
     log:
         "logs/alter/{model}/{vendor}/summary.log",
     resources:
-        slurm_partition=slurm_partition,
-        gres=slurm_gres,
-        gpu_jobs=gpu_jobs,
+        slurm_partition=CPU_PARTITION,
     params:
         max_loss_pct=ALTER["absorbed_loss_pct"],
     script:
