@@ -282,3 +282,18 @@ def test_run_isolated_returns_the_value(context):
     golden = kernels.golden("conv2d")
     outcome = kernels.run_isolated(kernels.call, golden, "forward", samples[0], attrs, expect=samples[0]["O"])
     assert outcome.ok and outcome.message == "" and torch.equal(outcome.value, samples[0]["O"])
+
+
+@pytest.mark.parametrize("func, status, message", [
+    (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 1 s"),
+    (_wrong_shape, "shape_mismatch", "returned (6, 47)")])
+def test_inline_runs_used_under_cuda_record_the_same_outcomes(context, func, status, message):
+    attrs, samples = read_layer(context, "fc")
+    kernel = kernels.Kernel("bad", "linear", func, func, func, custom=kernels.COMPUTATIONS)
+    outcome = kernels._run_inline(kernels.call, (kernel, "forward", samples[0], attrs), {}, 1, samples[0]["O"])
+    assert outcome.status == status and message in outcome.message
+
+
+def test_run_isolated_rejects_results_it_cannot_read_back_safely():
+    outcome = kernels.run_isolated(lambda: object())
+    assert outcome.status == "crash" and "could not be read back" in outcome.message

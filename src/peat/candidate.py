@@ -101,7 +101,16 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
 
     metrics = train_model(name, spec, data_path, out_dir, prepare_model=prepare, before_step=before_step,
                           progress=False, **train_kw)
-    return routed, metrics, pd.DataFrame(calls)
+    # Plain containers: the parent reads them back with torch.load(weights_only=True).
+    return {"layers": routed, "metrics": metrics.to_dict("list"), "calls": pd.DataFrame(calls).to_dict("list")}
+
+
+def _preload(spec: dict) -> None:
+    """Import the model library here, once: forked children inherit it instead of importing again."""
+    from .models import IMAGE_ARCHS
+
+    __import__("torchvision" if spec["arch"] in IMAGE_ARCHS else "transformers")
+    from . import train  # noqa: F401
 
 
 def _total_steps(spec: dict, data_path) -> int:
@@ -192,14 +201,18 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
               "layers_requested": layers}
     train_kw = dict(vendor=vendor, seed=seed, threads=threads, init=init, config_hash=config_hash,
                     record=schedule is None)
+    _preload(spec)
     outcome = kernels.run_isolated(_routed_training, model, spec, kernel_name, kspec, layers, data_path, out_dir,
                                    train_kw, schedule, timeout=kspec.get("train_timeout", 3600))
-    routed, metrics, calls = outcome.value if outcome.ok else ([], None, pd.DataFrame())
+    result = outcome.value if outcome.ok else {"layers": [], "metrics": None, "calls": {}}
+    routed, calls = result["layers"], pd.DataFrame(result["calls"])
+    metrics = pd.DataFrame(result["metrics"]) if result["metrics"] is not None else None
     frame = compare(pd.read_csv(golden_dir / "metrics.csv"), metrics)
     write_csv(out_dir / "compare.csv", frame)
     if schedule is not None:
         write_csv(out_dir / "calls.csv", calls if not calls.empty else pd.DataFrame(columns=CALL_COLUMNS))
     record |= outcome.record() | {"layers": routed} | _summary(frame)
+    record["provenance"] = provenance.stamp(config_hash, vendor)
     write_json(out_dir / "outcome.json", record)
     return record
 

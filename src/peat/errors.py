@@ -125,25 +125,25 @@ def round_to(t: torch.Tensor, precision: str) -> torch.Tensor:
 
 # -- element errors ------------------------------------------------------------------------
 def _choose(n: int, k: int, generator) -> torch.Tensor:
-    return torch.randperm(n, generator=generator)[:k]
+    return torch.randperm(n, generator=generator)[:k]  # on the CPU: same draws on every device
 
 
 def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     out = t.detach().clone()
     flat = out.view(-1)
     if model.kind == "rz":
-        candidates = torch.nonzero(flat != 0).view(-1)
-        idx = candidates[_choose(len(candidates), model.count, generator)]
+        candidates = torch.nonzero(flat != 0).view(-1).cpu()
+        idx = candidates[_choose(len(candidates), model.count, generator)].to(flat.device)
         flat[idx] = 0
         return out
-    idx = _choose(flat.numel(), model.count, generator)
+    idx = _choose(flat.numel(), model.count, generator).to(flat.device)
     if model.kind == "nan":
         flat[idx] = float("nan")
     elif model.kind == "inf":
         flat[idx] = torch.where(flat[idx] < 0, -math.inf, math.inf).to(flat.dtype)
     else:
         mean, std = _finite_stats(t)
-        values = (mean + std * torch.randn(len(idx), generator=generator, dtype=torch.float64)).to(flat.dtype)
+        values = (mean + std * torch.randn(len(idx), generator=generator, dtype=torch.float64)).to(flat.dtype).to(flat.device)
         # A draw equal to the old value would change nothing: nudge it by one std.
         values = torch.where(values == flat[idx], values + std, values)
         flat[idx] = values
@@ -169,14 +169,14 @@ def _bit_flip(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
         raise PeatError(f"error spec {model.spec!r}: bit flips act on float32 tensors, got {t.dtype}")
     out = t.detach().clone()
     bits = out.view(-1).view(torch.int32)
-    idx = _choose(bits.numel(), model.count, generator)
+    idx = _choose(bits.numel(), model.count, generator).to(bits.device)
     lo, hi = _bit_range(model)
     if model.mode in REGIONS:
         start = torch.randint(lo, hi - model.burst + 2, (len(idx),), generator=generator)
     else:
         start = torch.full((len(idx),), lo)
     width = (1 << model.burst) - 1
-    masks = torch.tensor([_int32(width << int(s)) for s in start], dtype=torch.int32)
+    masks = torch.tensor([_int32(width << int(s)) for s in start], dtype=torch.int32, device=bits.device)
     bits[idx] ^= masks
     return out
 

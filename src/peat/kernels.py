@@ -99,7 +99,7 @@ def _bn_backward(grad_out, x, weight, running_mean, running_var, training, eps, 
     mean, invstd = torch.ops.aten.native_batch_norm(x, None, None, None, None, True, 0.0, eps)[1:] \
         if training else (None, None)
     if weight is None:
-        weight = torch.ones(x.shape[1], dtype=x.dtype)
+        weight = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
     return torch.ops.aten.native_batch_norm_backward(
         grad_out, x, weight, running_mean, running_var, mean, invstd, training, eps, mask)
 
@@ -119,7 +119,7 @@ def _ln_forward(x, weight, bias, *, normalized_shape, eps):
 def _ln_backward(grad_out, x, weight, normalized_shape, eps, mask):
     mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), None, None, eps)[1:]
     if weight is None:
-        weight = torch.ones(list(normalized_shape), dtype=x.dtype)
+        weight = torch.ones(list(normalized_shape), dtype=x.dtype, device=x.device)
     return torch.ops.aten.native_layer_norm_backward(grad_out, x, list(normalized_shape), mean, rstd, weight,
                                                      torch.zeros_like(weight), mask)
 
@@ -348,12 +348,17 @@ def _child(conn, func, args, kwargs, memory_mb):
         torch.save(value, buf)
         payload = ("ok", buf.getvalue())
     except BaseException as err:  # anything the kernel raises is its outcome
-        text = f"{type(err).__name__}: {err}".strip().splitlines()
-        oom = isinstance(err, MemoryError) or any(m in str(err) for m in OOM_MARKERS)
-        status = "shape_mismatch" if isinstance(err, ShapeMismatch) else "oom" if oom else "crash"
-        payload = (status, text[0] if text else type(err).__name__)
+        payload = _failure(err)
     conn.send(payload)
     conn.close()
+
+
+def _failure(err: BaseException) -> tuple[str, str]:
+    """(status, one-line message) for an exception a kernel raised."""
+    oom = isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or any(m in str(err) for m in OOM_MARKERS)
+    status = "shape_mismatch" if isinstance(err, ShapeMismatch) else "oom" if oom else "crash"
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    return status, text[0] if text else type(err).__name__
 
 
 def _address_space() -> int:
@@ -368,10 +373,15 @@ def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | 
                  expect: torch.Tensor | None = None, **kwargs) -> Outcome:
     """Call ``func(*args, **kwargs)`` in a forked child, so a crash, hang or leak cannot take us down.
 
-    ``expect`` (a tensor) makes a result of another shape or dtype a ``shape_mismatch``.
+    ``expect`` (a tensor) makes a result of another shape or dtype a ``shape_mismatch``. The
+    result travels back through ``torch.load(weights_only=True)``: tensors and plain containers.
+    CUDA cannot be used in a child forked after CUDA started, so then the call runs in this
+    process, with the timeout as an alarm (a hang inside native code or a segfault is not caught).
     """
     import multiprocessing as mp
 
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return _run_inline(func, args, kwargs, timeout, expect)
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     start = time.perf_counter()
@@ -395,8 +405,35 @@ def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | 
     status, body = payload
     if status != "ok":
         return Outcome(status, body, seconds=seconds)
-    value = torch.load(io.BytesIO(body), weights_only=False)
+    try:
+        value = torch.load(io.BytesIO(body), weights_only=True)
+    except Exception as err:  # e.g. a kernel returning an arbitrary object
+        return Outcome("crash", f"result could not be read back: {str(err).splitlines()[0]}", seconds=seconds)
     return _checked(value, expect, seconds)
+
+
+def _run_inline(func, args, kwargs, timeout, expect) -> Outcome:
+    import threading
+
+    def alarm(signum, frame):
+        raise TimeoutError(f"no result after {timeout:g} s")
+
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+    start = time.perf_counter()
+    try:
+        value = func(*args, **kwargs)
+    except TimeoutError as err:
+        return Outcome("timeout", str(err), seconds=time.perf_counter() - start)
+    except Exception as err:  # the kernel's failure is its outcome
+        return Outcome(*_failure(err), seconds=time.perf_counter() - start)
+    finally:
+        if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return _checked(value, expect, time.perf_counter() - start)
 
 
 def _died(exitcode: int | None, seconds: float) -> Outcome:

@@ -34,7 +34,7 @@ def blocked(block: int = 32):
     """Accumulate the K dimension block by block, in order (a register-tiled GEMM's order)."""
 
     def gemm(a, b):
-        acc = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype)
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
         for s in k_chunks(a.shape[1], block):
             acc += a[:, s] @ b[s]
         return acc

@@ -42,7 +42,7 @@ def weight_grad(grad_out, x, *, weight_shape, stride, padding, dilation, groups)
     n, oc = grad_out.shape[:2]
     cols = _columns(x, tuple(weight_shape[2:]), stride, padding, dilation, groups)
     dout = grad_out.reshape(n, groups, oc // groups, -1)
-    acc = torch.zeros(groups, oc // groups, cols.shape[2], dtype=x.dtype)
+    acc = torch.zeros(groups, oc // groups, cols.shape[2], dtype=x.dtype, device=x.device)
     for i in range(n):  # one image at a time, as a batched im2col kernel accumulates
         acc += dout[i] @ cols[i].transpose(1, 2)
     return acc.reshape(weight_shape)

@@ -12,7 +12,7 @@ from ._norm import make
 
 def welford(rows, chunk):
     count = 0
-    mean = torch.zeros(rows.shape[0], dtype=rows.dtype)
+    mean = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
     m2 = torch.zeros_like(mean)
     for start in range(0, rows.shape[1], chunk):
         part = rows[:, start:start + chunk]

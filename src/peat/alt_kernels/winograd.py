@@ -27,7 +27,7 @@ def applies(weight, stride, padding, dilation, groups) -> bool:
 
 def winograd_conv(x, weight, padding):
     """3x3 stride-1 correlation of ``x`` with ``weight`` (zero padding ``padding``) by F(2x2,3x3)."""
-    bt, g, at = (m.to(x.dtype) for m in (BT, G, AT))
+    bt, g, at = (m.to(dtype=x.dtype, device=x.device) for m in (BT, G, AT))
     x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
     out_h, out_w = x.shape[2] - 2, x.shape[3] - 2
     tiles_h, tiles_w = -(-out_h // 2), -(-out_w // 2)
