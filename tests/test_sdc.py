@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 
@@ -222,7 +223,8 @@ def test_stop_policy_exits_with_the_sdc_code_and_names_the_node(digits, tmp_path
     assert [p.name for p in tmp_path.glob("drain-*.json")] == ["drain-node1.json"]
     event = json.loads((tmp_path / "drain-node1.json").read_text())
     assert event["suspect_ranks"] == [1] and event["hosts"] == ["node1"] and event["step"] == 2
-    assert (tmp_path / "out" / "lane_fault.stop.pt").exists()  # saved by a healthy rank before exiting
+    with h5py.File(tmp_path / "out" / "lane_fault.stop.h5") as saved:  # peat checkpoint from a healthy rank
+        assert saved.attrs["step"] == 2 and saved.attrs["sdc_drill"] == "lane_fault" and "model/conv1.weight" in saved
     assert not (tmp_path / "out" / "lane_fault.json").exists()
 
 

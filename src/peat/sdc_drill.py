@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import errors, sdc
+from . import checkpoint, errors, sdc
 from .io import PeatError, write_json
 
 DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
@@ -220,8 +220,9 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
         events.unlink(missing_ok=True)
     guard = sdc.Guard(trainer.ddp, policy=cfg["policy"], events=events, audit_every=cfg["audit_every"],
                       fingerprint_every=cfg["fingerprint_every"], audit_tolerance=cfg["audit_tolerance"],
-                      save=lambda path: torch.save(trainer.model.state_dict(), path),
-                      checkpoint=out_dir / f"{drill}.stop.pt", drain_marker=cfg["drain_marker"])
+                      save=lambda path: checkpoint.save(path, trainer.model, trainer.optimizer, step=guard.step,
+                                                        epoch=0, meta={"model": model_name, "sdc_drill": drill}),
+                      checkpoint=out_dir / f"{drill}.stop.h5", drain_marker=cfg["drain_marker"])
     fault = None
     if rank == cfg["injected_rank"]:
         fault = Fault(drill, trainer.model, cfg["injection_step"], cfg["faults"], seed)
