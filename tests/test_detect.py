@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from peat import detect, errors, kernels, scores
+from peat import detect, errors, evidence, kernels, scores
 
 torch.set_num_threads(1)
 
@@ -80,12 +80,12 @@ def case(op: str, seed: int = 0):
     gold = kernels.golden(op)
     golden = kernels.call(gold, "forward", sample, attrs)
     ref = kernels.call(gold, "forward", sample, attrs, torch.float64)
-    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", sample, attrs) for p in detect.PRECISIONS}
-    return sample, attrs, golden, ref, detect.envelopes(golden, ref, rounded)
+    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", sample, attrs) for p in evidence.PRECISIONS}
+    return sample, attrs, golden, ref, evidence.envelopes(golden, ref, rounded)
 
 
 def classify(candidate, golden, env, rules=detect.Rules()):
-    return detect.classify(detect.evidence(candidate, golden, env, rules), rules)[0]
+    return detect.classify(evidence.evidence(candidate, golden, env, rules), rules)[0]
 
 
 SPECS = ["rv:1", "rv:3", "rz:1", "rz:4", "bit_flip:exponent", "bit_flip:sign:3", "bit_flip:30x2", "lane:4",
@@ -143,8 +143,8 @@ def test_envelopes_are_measured_not_fixed():
     sample, attrs, golden, ref, env = case("linear")
     big = sample | {"A": sample["A"] * 1024}
     gold = kernels.golden("linear")
-    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", big, attrs) for p in detect.PRECISIONS}
-    env2 = detect.envelopes(kernels.call(gold, "forward", big, attrs),
+    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", big, attrs) for p in evidence.PRECISIONS}
+    env2 = evidence.envelopes(kernels.call(gold, "forward", big, attrs),
                             kernels.call(gold, "forward", big, attrs, torch.float64), rounded)
     assert env2["tau32"] == pytest.approx(env["tau32"] * 1024, rel=0.5)
     assert env2["taurp"] > env["taurp"] * 100
@@ -165,7 +165,7 @@ def test_priority_order_first_class_wins():
 def test_baselines():
     sample, attrs, golden, ref, env = case("linear")
     fp16 = kernels.call(kernels.load("peat.alt_kernels.fp16_gemm", "linear"), "forward", sample, attrs)
-    assert detect.allclose(golden, golden) and not detect.allclose(fp16, golden)
+    assert evidence.allclose(golden, golden) and not evidence.allclose(fp16, golden)
     assert detect.rules_from({"k32": 4, "benchmark_seeds": 3}) == detect.Rules(k32=4)
 
 

@@ -159,12 +159,13 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
         return
     own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], 1e-3))
     grid = sns.relplot(own, x="step", y="log10_err_top10", hue="case", col="layer", row="computation",
-                       kind="line", marker="o", height=2.2, aspect=1.3, facet_kws={"sharey": False})
+                       kind="line", marker="o", height=2.2, aspect=1.3, facet_kws={"sharey": False},
+                       errorbar=None)
     grid.set_axis_labels("training step", "log10 top-10% |error|")
     _save(grid.figure, out / "score_vs_iteration.png", dpi)
 
-    grid = sns.catplot(own, x="log10_rel_top10", y="case", col="layer", row="computation", kind="box",
-                       height=2.4, aspect=1.2, sharex=False)
+    grid = sns.catplot(own, x="log10_rel_top10", y="case", hue="layer", col="computation", kind="box",
+                       height=3.2, aspect=0.9, sharex=False, fliersize=2)
     grid.set_axis_labels("log10 top-10% error / fp32-vs-fp64 noise", "")
     _save(grid.figure, out / "distributions.png", dpi)
 
@@ -175,14 +176,13 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
     ax.set_title("kernel under test: layer x iteration")
     _save(fig, out / "heatmap.png", dpi)
 
-    bits = pd.DataFrame([{"case": r["case"], "bit": b, "count": int(c)}
-                         for r in own[["case", "bits"]].to_dict("records") for b, c in enumerate(r["bits"])])
-    bits = bits.groupby(["case", "bit"], as_index=False)["count"].sum()
-    grid = sns.catplot(bits, x="bit", y="count", col="case", col_wrap=4, kind="bar", height=2, aspect=1.6,
-                       sharey=False, color="steelblue")
-    grid.set_xticklabels([str(b) if b % 4 == 3 else "" for b in range(32)])
-    grid.set_axis_labels("bit (0 = mantissa LSB, 31 = sign)", "elements differing")
-    _save(grid.figure, out / "bits.png", dpi)
+    bits = pd.DataFrame({r: np.sum(np.stack(list(rows)), axis=0) for r, rows in own.groupby("case")["bits"]}).T
+    fig, ax = plt.subplots(figsize=(9, 0.8 + 0.3 * len(bits)))
+    sns.heatmap(np.log10(bits.astype(float) + 1), ax=ax, cmap="rocket_r",
+                cbar_kws={"label": "log10(1 + elements whose bit differs)"})
+    ax.set_xlabel("bit (0 = mantissa LSB, 23-30 exponent, 31 = sign)")
+    ax.set_ylabel("")
+    _save(fig, out / "bits.png", dpi)
     _spatial_maps(own, out / "spatial.png", dpi)
 
 
@@ -197,8 +197,10 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int) -> None:
         ax.axis("off")
     for ax, row in zip(axes.flat, cases):
         m = np.asarray(row["map"], dtype=float).reshape(int(row["map_rows"]), int(row["map_cols"]))
-        sns.heatmap(np.log10(m + 1e-30), ax=ax, cmap="magma", cbar=False, xticklabels=False, yticklabels=False,
-                    vmin=max(-30.0, float(np.log10(m.max() + 1e-30)) - 8))
+        ax.imshow(np.log10(m + 1e-30), cmap="magma", aspect="auto", interpolation="nearest",
+                  vmin=max(-30.0, float(np.log10(m.max() + 1e-30)) - 8))
+        ax.set_xticks([])
+        ax.set_yticks([])
         ax.set_title(f"{row['case']}\n{row['layer']} {row['computation']} step {row['step']}", fontsize=7)
         ax.set_xlabel("columns (channels)", fontsize=7)
         ax.set_ylabel("rows", fontsize=7)

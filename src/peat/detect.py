@@ -1,5 +1,9 @@
 """PEAT's Detector: is a kernel correct-but-different, or buggy, and what kind of bug is it?
 
+The tensor features the rules read (envelopes, the sets S and G and their shapes) are
+computed by ``peat.evidence``; this module holds the rules, the kernel verdict and the
+baselines, and needs no torch (the detect and analyze jobs stay light).
+
 Every rule compares a candidate result with golden float32 *on the same recorded inputs*,
 against envelopes measured on those inputs, never against a fixed absolute tolerance:
 
@@ -38,18 +42,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
-from scipy import ndimage
 
-from .errors import matrix
 from .io import PeatError, write_json
-from .scores import abs_error, popcount
 
 CLASSES = ("non_finite", "block_structured", "periodic_lane", "bit_flip", "random_zero", "random_value",
            "reduced_precision", "none")
 BUGS = CLASSES[:6]
-PRECISIONS = ("fp16", "bf16", "tf32")
-EPS32 = 2.0 ** -23
 
 
 @dataclass(frozen=True)
@@ -67,127 +65,8 @@ class Rules:
     accept_reduced_precision: bool = True
 
 
-# -- evidence of one tensor ------------------------------------------------------------------
-def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
-              rules: Rules = Rules()) -> dict:
-    """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs."""
-    ref = reference.double()
-    absmax = float(torch.nan_to_num(golden.double().abs(), posinf=0.0).max()) if golden.numel() else 0.0
-    noise32 = _finite_max((golden.double() - ref).abs())
-    rp = {p: _finite_max((t.double() - ref).abs()) for p, t in rounded.items()}
-    tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
-    taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
-    return {"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32, "taurp": taurp}
-
-
-def _finite_max(t: torch.Tensor) -> float:
-    if t.numel() == 0:
-        return 0.0
-    top = float(t.max())
-    if math.isfinite(top):  # the common case, without a masked copy
-        return top
-    t = t[torch.isfinite(t)]
-    return float(t.max()) if t.numel() else 0.0
-
-
-def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules = Rules(),
-             diff: torch.Tensor | None = None, nonfinite: int | None = None) -> dict:
-    """Scalar features the rules use, for one candidate tensor against golden.
-
-    ``diff`` (|candidate - golden|, ``peat.scores.abs_error``) and ``nonfinite`` (the count of
-    non-finite values where golden is finite) may be passed in when already computed. The
-    shape of the gross set G is only worked out when the rules can need it.
-    """
-    diff = abs_error(candidate, golden) if diff is None else diff
-    if nonfinite is None:
-        nonfinite = int((~torch.isfinite(candidate) & torch.isfinite(golden)).sum())
-    out = {"numel": candidate.numel(), "nonfinite": nonfinite,
-           "err_over_tau32": _finite_max(diff) / env["tau32"], "err_over_taurp": _finite_max(diff) / env["taurp"]}
-    over32, gross = diff > env["tau32"], diff > env["taurp"]
-    out["n32"], out["ngross"] = int(over32.sum()), int(gross.sum())
-    out |= {f"s_{k}": v for k, v in shape(over32, candidate, golden, env, rules).items()}
-    needs_gross = out["ngross"] > 0 and out["n32"] > 0 and _shape_class(out, "s_", rules) is None
-    out |= {f"g_{k}": v for k, v in shape(gross if needs_gross else gross[:0], candidate, golden, env, rules).items()}
-    out["g_n"] = out["ngross"]
-    return out
-
-
-def shape(mask: torch.Tensor, candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules) -> dict:
-    """How the wrong elements ``mask`` are laid out and what they look like."""
-    n = int(mask.sum())
-    few = max(rules.sparse_min, rules.sparse * mask.numel())
-    out = {"n": n, "sparse": 0 < n <= few and n < mask.numel() / 2, "block_cover": 0.0, "block_area": 0.0,
-           "block_tiles": 0, "lane_cover": 0.0, "lane_stride": 0, "lane_axis": "", "zero_frac": 0.0,
-           "bit_frac": 0.0, "inrange_frac": 0.0}
-    if n == 0 or mask.numel() == 0:
-        return out
-    m = matrix(mask).numpy()
-    if n * rules.cover <= rules.block_area * m.size:  # else no tiles within block_area can explain S
-        out |= _blocks(m, rules)
-    out |= _lanes(m, rules)
-    if not out["sparse"]:
-        return out
-    c, g = candidate[mask], golden[mask]
-    out["zero_frac"] = float(((c == 0) & (g != 0)).double().mean())
-    out["bit_frac"] = float(_few_bits(c, g, env["tau32"]).double().mean())
-    fin = golden[torch.isfinite(golden)]
-    if fin.numel():
-        out["inrange_frac"] = float(((c >= fin.min()) & (c <= fin.max())).double().mean())
-    return out
-
-
-def _blocks(m: np.ndarray, rules: Rules) -> dict:
-    labels, count = ndimage.label(m, structure=np.ones((3, 3)))
-    n = int(m.sum())
-    # Tiles (>= 4 elements each) holding COVER of S leave at most this many components.
-    if count > (1 - rules.cover) * n + rules.cover * n / 4:
-        return {"block_cover": 0.0, "block_area": 0.0, "block_tiles": 0}
-    rows, cols = np.nonzero(labels)
-    comp = pd.DataFrame({"label": labels[rows, cols], "row": rows, "col": cols}).groupby("label")
-    box = comp.agg(r0=("row", "min"), r1=("row", "max"), c0=("col", "min"), c1=("col", "max"), size=("row", "size"))
-    height, width = box["r1"] - box["r0"] + 1, box["c1"] - box["c0"] + 1
-    flat = min(m.shape) == 1  # a vector: a tile is a run of >= 4 wrong elements
-    wide = (height >= 2) & (width >= 2) if not flat else (height * width >= 4)
-    tiles = box[wide & (box["size"] >= 4) & (box["size"] >= rules.fill * height * width)]
-    area = float((height * width)[tiles.index].sum())
-    return {"block_cover": float(tiles["size"].sum() / len(rows)), "block_area": area / m.size,
-            "block_tiles": int(len(tiles))}
-
-
-def _lanes(m: np.ndarray, rules: Rules) -> dict:
-    """Columns (or rows) filled >= FILL that form a whole arithmetic progression of stride >= 2
-    (a single filled lane counts when the view has >= 2 rows; a vector needs >= 3 lanes)."""
-    best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
-    for axis, view in (("col", m), ("row", m.T)):
-        rows, cols = view.shape
-        if cols < 2:
-            continue
-        lanes = np.flatnonzero(view.sum(0) >= rules.fill * rows)
-        if len(lanes) == 0 or (rows < 2 and len(lanes) < 3):  # in a vector, 2 wrong elements are no period
-            continue
-        stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else cols
-        expected = len(range(lanes[0] % stride, cols, stride)) if stride < cols else 1
-        if stride < 2 or len(lanes) < rules.cover * expected:
-            continue
-        cover = float(view[:, lanes].sum() / view.sum())
-        if cover > best["lane_cover"]:
-            best = {"lane_cover": cover, "lane_stride": stride, "lane_axis": axis}
-    return best
-
-
-def _few_bits(c: torch.Tensor, g: torch.Tensor, tau32: float) -> torch.Tensor:
-    """Elements that differ from golden in 1 or 2 bits above those fp32 noise can reach."""
-    xor = (c.float().view(torch.int32) ^ g.float().view(torch.int32)).long() & 0xFFFFFFFF
-    _, exponent = torch.frexp(g.float())
-    ulp = torch.ldexp(torch.ones_like(g, dtype=torch.float64), exponent.long() - 24)
-    low = torch.clamp(torch.floor(torch.log2(tau32 / ulp)), 0, 23).long()
-    high = xor & ~(torch.bitwise_left_shift(torch.ones_like(low), low) - 1)
-    bits = popcount(high)
-    return (bits >= 1) & (bits <= 2)
-
-
 # -- rules ---------------------------------------------------------------------------------------
-def _shape_class(f: dict, prefix: str, rules: Rules) -> tuple[str, float] | None:
+def shape_class(f: dict, prefix: str, rules: Rules) -> tuple[str, float] | None:
     if (f[f"{prefix}block_cover"] >= rules.cover and 0 < f[f"{prefix}block_area"] <= rules.block_area
             and f[f"{prefix}block_tiles"] <= rules.max_tiles):
         return "block_structured", f[f"{prefix}block_cover"]
@@ -208,12 +87,12 @@ def classify(f: dict, rules: Rules = Rules()) -> tuple[str, float]:
         return "non_finite", 1.0
     if f["n32"] == 0:
         return "none", float(np.clip(1.0 - f["err_over_tau32"], 0.0, 1.0))
-    found = _shape_class(f, "s_", rules)
+    found = shape_class(f, "s_", rules)
     if found:
         return found
     if f["ngross"] == 0:
         return "reduced_precision", float(np.clip(1.0 - f["err_over_taurp"], 0.0, 1.0))
-    return _shape_class(f, "g_", rules) or ("block_structured", float(f["g_n"] / f["numel"]))
+    return shape_class(f, "g_", rules) or ("block_structured", float(f["g_n"] / f["numel"]))
 
 
 def passes(error_model: str, rules: Rules = Rules()) -> bool:
@@ -227,11 +106,6 @@ def worst(classes) -> str:
 
 
 # -- baselines -------------------------------------------------------------------------------------
-def allclose(candidate: torch.Tensor, golden: torch.Tensor) -> bool:
-    """``torch.allclose`` with its default tolerances (rtol=1e-5, atol=1e-8), the usual unit test."""
-    return bool(torch.allclose(candidate.float(), golden.float()))
-
-
 def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
     """PEAT's published rules of thumb on one kernel's FIP=FOP rows (per layer and computation).
 
@@ -257,7 +131,7 @@ def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
 def verdict(table: pd.DataFrame, rules: Rules = Rules(), outcome: dict | None = None) -> dict:
     """The Detector's JSON for one kernel from its playback rows (case == "kernel", fop == "output")."""
     if outcome is not None and outcome.get("status", "ok") != "ok":
-        return {"verdict": "fail", "error_model": "crash" if outcome["status"] != "timeout" else "timeout",
+        return {"verdict": "fail", "error_model": outcome["status"],  # crash | oom | timeout | shape_mismatch
                 "confidence": 1.0, "evidence": {"outcome": outcome}, "layers": []}
     own = table[(table["case"] == "kernel") & (table["fop"] == "output")]
     if own.empty:
@@ -351,6 +225,7 @@ def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, se
                                                              f"{record.get('context')}"}}
     result["evidence"]["outcomes"] = record.get("outcomes", [])
     result["evidence"]["timings"] = record.get("timings", {})
+    result["provenance"] = record.get("provenance", {})
     result = json_safe(result)
     write_json(out, result)
     print(f"detect: {result['verdict']} ({result['error_model']}, confidence {result['confidence']:.3f})")

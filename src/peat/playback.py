@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import detect, errors, kernels, scores
+from . import detect, errors, evidence, kernels, provenance, scores
 from .io import PeatError, atomic_path, open_h5, write_json
 from .profiler import read_layer
 
@@ -72,6 +72,7 @@ class Plan:
     max_samples: int | None = None           # per layer, evenly spaced over the recorded steps
     seed: int = 0
     timeout: float = 60.0                    # first call of each custom computation runs isolated
+    memory_mb: int | None = None             # ... with this much more address space than the parent
     expect: dict = field(default_factory=dict)  # context root attrs the workflow expects
     meta: dict = field(default_factory=dict)    # constant columns (model, vendor, kernel)
     propagate: object = None                    # peat.propagate.Propagator or None
@@ -133,8 +134,8 @@ def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Te
     err = scores.abs_error(candidate, golden)
     row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err, golden_bits=golden_bits)
     row["row_mass"] = _bins(row["row_mass"], ROW_BINS)
-    row |= env | detect.evidence(candidate, golden, env, rules, diff=err, nonfinite=row["nonfinite"])
-    row["allclose"] = detect.allclose(candidate, golden)
+    row |= env | evidence.evidence(candidate, golden, env, rules, diff=err, nonfinite=row["nonfinite"])
+    row["allclose"] = evidence.allclose(candidate, golden)
     row["error_model"], row["confidence"] = detect.classify(row, rules)
     return row
 
@@ -203,7 +204,7 @@ def probe(plan: Plan, computation: str, sample: dict, attrs: dict) -> kernels.Ou
         return kernels.Outcome("ok", "golden fallback")
     expect = kernels.expected(computation, sample)
     return kernels.run_isolated(kernels.call, plan.kernel, computation, sample, attrs, timeout=plan.timeout,
-                                expect=expect)
+                                memory_mb=plan.memory_mb, expect=expect)
 
 
 def _overall(outcomes: list[dict]) -> dict:
@@ -235,7 +236,7 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                 rows.append({**plan.meta, "layer": layer, "step": sample["step"], "case": case,
                              "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
-            env = detect.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules)
+            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules)
             noise = scores.summary(scores.abs_error(ref["golden"], ref["fp64"]))
             golden_bits = scores.ordered_bits(ref["golden"])
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
@@ -284,7 +285,9 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
         expect["config_hash"] = config_hash
     plan = Plan(context=Path(context), kernel=build(kernel_name, kspec), layers=kspec.get("layers"),
                 errors=list(errors_), computations=tuple(settings.get("computations", kernels.COMPUTATIONS)),
-                max_samples=settings.get("max_samples_per_layer"), seed=seed, timeout=settings.get("timeout", 60.0),
+                max_samples=settings.get("max_samples_per_layer"), seed=seed,
+                timeout=min(settings.get("timeout", 60.0), kspec.get("timeout", 60.0)),
+                memory_mb=settings.get("memory_mb"),
                 expect=expect, meta={"model": model, "vendor": vendor, "kernel": kernel_name},
                 rules=detect.rules_from(rules), device=device)
     if propagate_from is not None and settings.get("propagate", True):
@@ -293,6 +296,7 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
         plan.propagate = Propagator(context=plan.context, device=device, samples=settings.get("propagate_samples"),
                                     **propagate_from)
     table, record = replay(plan)
+    record["provenance"] = provenance.stamp(config_hash, vendor)
     write(table, record, out, sidecar)
     print(f"playback {model}/{vendor}/{kernel_name}: {len(table)} rows, timings {record['timings']}")
     return table

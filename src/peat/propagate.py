@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, errors, kernels
-from .detect import envelopes
+from .evidence import envelopes
 from .io import open_h5
 from .models import build, loss_and_metrics
 from .profiler import match_layers, read_layer
