@@ -105,7 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record-layers", nargs="+", metavar="GLOB",
                         help="layers the training benchmarks record instead of the default config's (said in results)")
     parser.add_argument("--table", action="store_true", help="print OUT/results.json as a Markdown table and exit")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="RESULTS_JSON",
+                        help="merge the entries of results.json files of other runs into OUT and exit")
     args = parser.parse_args(argv)
+    if args.merge:
+        for path in args.merge:
+            other = json.loads(path.read_text())
+            figures.write(args.out, other["machine"], other["benchmarks"], merge=True)
+        return 0
     if args.table:
         print(figures.markdown(json.loads((args.out / "results.json").read_text())))
         return 0
