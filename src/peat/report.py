@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import provenance
 from .io import PeatError, atomic_path, write_csv
 
 # Section key -> (title, caption shown when a figure has no caption file of its own).
@@ -189,7 +190,7 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
         section.figures.append(Figure(path.read_bytes(), label, _caption(path, stage, captions, wildcards),
                                       tuple(parts[2:-1])))
     elif key == "verdicts" and path.suffix == ".json" and len(parts) == 5:
-        _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4]) | {"injected": injected.get(path.stem, "")})
+        _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4], injected.get(path.stem, "")))
     elif key == "golden" and path.name == "metrics.csv" and len(parts) == 5:
         _append(section, "golden.csv", _golden_row(path, *parts[2:4]))
     elif key == "alter" and path.suffix == ".csv" and len(parts) == 5 and f"alter_{path.name}" in TABLES:
@@ -228,12 +229,13 @@ def _load_json(path: Path):
         raise PeatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
 
 
-def _verdict_row(path: Path, model: str, vendor: str) -> dict:
+def _verdict_row(path: Path, model: str, vendor: str, injected: str) -> dict:
     data = _load_json(path)
     if "verdict" not in data:
         raise PeatError(f"{path}: missing key 'verdict' (not a detector result?)")
     return {"model": model, "vendor": vendor, "kernel": path.stem, "verdict": data["verdict"],
-            "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan"))}
+            "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan")),
+            "injected": injected, **provenance.columns(data)}
 
 
 def _golden_row(path: Path, model: str, vendor: str) -> dict:
@@ -290,15 +292,28 @@ def _img(png: bytes) -> str:
 
 
 def _table_html(name: str, table: pd.DataFrame, analyzed: set[tuple[str, ...]]) -> str:
+    prov = [c for c in table.columns if c.startswith("prov_")]
+    provenance_note = _provenance_note(table[prov])
+    table = table.drop(columns=prov)  # one line under the table instead of ten columns; all in the CSV
     if name == "verdicts.csv":
-        return _verdict_html(table, analyzed)
+        return _verdict_html(table, analyzed) + provenance_note
     note = ""
     if len(table) > MAX_ROWS:  # tidy tables of whole studies: the CSV has them all
         note = f'<p class="meta">First {MAX_ROWS} of {len(table)} rows; all in <a href="{name}">{name}</a>.</p>'
         table = table.head(MAX_ROWS)
     table = table.map(_cell)
     return (f'<div class="wide"><p class="meta">{name}</p>'
-            + table.to_html(index=False, border=0, table_id=name.removesuffix(".csv"), escape=True) + note + "</div>")
+            + table.to_html(index=False, border=0, table_id=name.removesuffix(".csv"), escape=True)
+            + note + provenance_note + "</div>")
+
+
+def _provenance_note(prov: pd.DataFrame) -> str:
+    """The provenance columns as one line: each key with its distinct values."""
+    if prov.empty:
+        return ""
+    values = {c.removeprefix("prov_"): sorted(set(map(_cell, prov[c])) - {""}) for c in prov.columns}
+    text = "; ".join(f"{k} {', '.join(v)}" for k, v in values.items() if v)
+    return f'<p class="meta">Provenance: {html.escape(text)}.</p>'
 
 
 def _cell(value) -> str:
