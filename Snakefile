@@ -20,6 +20,7 @@ include: "workflow/rules/playback.smk"
 include: "workflow/rules/alter.smk"
 include: "workflow/rules/sdc.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/bench.smk"
 
 
 rule all:
