@@ -24,6 +24,6 @@ include: "workflow/rules/bench.smk"
 
 
 rule all:
+    default_target: True
     input:
         final_targets(),
-    default_target: True
