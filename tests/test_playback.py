@@ -137,6 +137,16 @@ def test_crashing_and_hanging_kernels_fail_with_their_outcome(context, tmp_path)
         assert got["verdict"] == "fail" and got["error_model"] == status
         assert got["evidence"]["outcome"]["status"] == status
     assert "boom" in json.loads((tmp_path / "crash.json").read_text())["outcome"]["message"]
+    later = tmp_path / "later.py"  # passes its isolated probe, then fails on a later recorded step
+    later.write_text("import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                     "    if len(CALLS) > 1:\n        raise ValueError('step two')\n"
+                     "    return torch.nn.functional.linear(x, weight, bias)\n")
+    table, record = replay(context, kernel=kernels.load(str(later), "linear"), errors=[], layers=["4"],
+                           computations=("forward",))
+    playback.write(table, record, tmp_path / "later.parquet", tmp_path / "later.json")
+    got = detect.run_job(tmp_path / "later.parquet", tmp_path / "later.json", tmp_path / "v.json")
+    assert got["verdict"] == "fail" and got["error_model"] == "crash"
+    assert "step two" in got["evidence"]["outcome"]["message"]
 
 
 def test_analyzer_tables_and_figures(context, tmp_path):

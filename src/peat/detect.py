@@ -215,7 +215,8 @@ def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, se
     outcome = record.get("outcome", {"status": "ok"})
     if "error" in table and table["error"].notna().any():
         bad = table[table["error"].notna()].iloc[0]
-        outcome = {"status": "crash", "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
+        outcome = {"status": bad.get("status") or "crash",
+                   "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
         table = table[table["error"].isna()]
     if outcome.get("status", "ok") != "ok" or not table.empty:
         result = verdict(table, rules, outcome=outcome)

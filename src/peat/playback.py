@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -232,9 +231,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
             try:
                 candidates[case] = _call(timer, kernel, computation, sample, attrs)
             except Exception as err:  # a kernel failing later than its probe: a row saying so
-                candidates[case] = torch.full_like(ref["golden"], math.nan)
-                rows.append({**plan.meta, "layer": layer, "step": sample["step"], "case": case,
-                             "error": f"{type(err).__name__}: {err}"})
+                rows.append({**plan.meta, "layer": layer, "step": int(sample["step"]), "computation": computation,
+                             "case": case, "status": "crash", "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
             env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules)
             noise = scores.summary(scores.abs_error(ref["golden"], ref["fp64"]))
@@ -245,8 +243,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
             for case, cand in candidates.items():
                 cand = cand.float() if cand.dtype == torch.float64 else cand
                 if cand.shape != ref["golden"].shape:
-                    rows.append({**base, "case": case, "error": f"shape {tuple(cand.shape)}, expected "
-                                 f"{tuple(ref['golden'].shape)}"})
+                    rows.append({**base, "case": case, "status": "shape_mismatch",
+                                 "error": f"returned {tuple(cand.shape)}, expected {tuple(ref['golden'].shape)}"})
                     continue
                 rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise,
                                                               golden_bits)})
