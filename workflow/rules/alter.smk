@@ -15,8 +15,8 @@ wildcard_constraints:
     cls="|".join(peat.alter.CLASSES),
 
 
-def alter_dir(model, vendor):
-    return f"results/alter/{model}/{vendor}"
+def alter_path(model, vendor, name):
+    return f"results/alter/{model}/{vendor}/{name}"
 
 
 rule alter_cells:
@@ -25,9 +25,9 @@ rule alter_cells:
         metrics=golden("{model}", "{vendor}", "metrics.csv"),
         data=dataset_file,
     output:
-        table=alter_dir("{model}", "{vendor}") + "/cells/epoch{epoch}/{cls}.csv",
+        table=alter_path("{model}", "{vendor}", "cells/epoch{epoch}/{cls}.csv"),
         logs=directory(
-            alter_dir("{model}", "{vendor}") + "/cells/epoch{epoch}/{cls}_injections"
+            alter_path("{model}", "{vendor}", "cells/epoch{epoch}/{cls}_injections")
         ),
     log:
         "logs/alter/{model}/{vendor}/epoch{epoch}_{cls}.log",
@@ -50,7 +50,7 @@ rule alter_cells:
 
 def alter_cell_tables(wildcards):
     return expand(
-        alter_dir(wildcards.model, wildcards.vendor) + "/cells/epoch{epoch}/{cls}.csv",
+        alter_path(wildcards.model, wildcards.vendor, "cells/epoch{epoch}/{cls}.csv"),
         epoch=ALTER["epochs"],
         cls=ALTER["classes"],
     )
@@ -61,19 +61,19 @@ rule alter_summary:
         alter_cell_tables,
     output:
         sensitivity=report(
-            alter_dir("{model}", "{vendor}") + "/sensitivity.csv",
+            alter_path("{model}", "{vendor}", "sensitivity.csv"),
             caption="../report/alter_sensitivity.rst",
             category="Checkpoint alteration",
             subcategory="{model}",
         ),
         absorbed=report(
-            alter_dir("{model}", "{vendor}") + "/absorbed.csv",
+            alter_path("{model}", "{vendor}", "absorbed.csv"),
             caption="../report/alter_absorbed.rst",
             category="Checkpoint alteration",
             subcategory="{model}",
         ),
         heatmap=report(
-            alter_dir("{model}", "{vendor}") + "/heatmap.png",
+            alter_path("{model}", "{vendor}", "heatmap.png"),
             caption="../report/alter_heatmap.rst",
             category="Checkpoint alteration",
             subcategory="{model}",
@@ -90,7 +90,7 @@ rule alter_summary:
 
 def alter_targets():
     return expand(
-        alter_dir("{model}", "{vendor}") + "/{name}",
+        alter_path("{model}", "{vendor}", "{name}"),
         model=ALTER["models"],
         vendor=VENDORS,
         name=["sensitivity.csv", "absorbed.csv", "heatmap.png"],
