@@ -24,6 +24,7 @@ targets and whether they are met) and ``confusion.png``.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import sys
 import time
@@ -119,7 +120,8 @@ def layer_cases(context: str, layer: str, op: str, *, seeds: int, steps: int, sp
     return out
 
 
-def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules, layers_per_op=None) -> pd.DataFrame:
+def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules, layers_per_op=None,
+                layers=None) -> pd.DataFrame:
     cases = []
     for context in contexts:
         info = playback.check_context(context, {})
@@ -127,6 +129,8 @@ def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules,
         for layer, op in info["ops"].items():
             seen[op] = seen.get(op, 0) + 1
             if layers_per_op is not None and seen[op] > layers_per_op:
+                continue
+            if layers and not any(fnmatch.fnmatchcase(layer, g) for g in layers):
                 continue
             print(f"{context}: {layer} ({op})", flush=True)
             cases += layer_cases(context, layer, op, seeds=seeds, steps=steps, specs=specs,
@@ -197,7 +201,7 @@ def figure(confusion: pd.DataFrame, path: Path) -> None:
 
 
 def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: bool = False,
-        rules: detect.Rules = detect.Rules()) -> dict:
+        rules: detect.Rules = detect.Rules(), layers: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     out = Path(out)
     start = time.perf_counter()
@@ -205,10 +209,10 @@ def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: boo
         raise PeatError("no context files given (--context) and none under results/golden/*/*/context.h5")
     frame = build_cases(contexts, seeds=seeds, steps=steps, specs=SMOKE_SPECS if smoke else SPECS,
                         alternatives={k: v[:1] for k, v in ALTERNATIVES.items()} if smoke else ALTERNATIVES,
-                        rules=rules, layers_per_op=1 if smoke else None)
+                        rules=rules, layers_per_op=1 if smoke else None, layers=layers)
     confusion, per_class, summary = metrics(frame)
     summary |= {"cases": int(len(frame)), "contexts": [str(c) for c in contexts], "seeds": seeds, "steps": steps,
-                "smoke": smoke, "specs": list(SMOKE_SPECS if smoke else SPECS), "wall_s": time.perf_counter() - start,
+                "smoke": smoke, "layers": layers, "specs": list(SMOKE_SPECS if smoke else SPECS), "wall_s": time.perf_counter() - start,
                 "label_corrections": frame.loc[frame["truth"] != frame["case"].map(_spec_truth), "case"]
                 .value_counts().to_dict()}
     write_csv(out / "cases.csv", frame)
@@ -232,10 +236,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="recorded iterations replayed per case")
     parser.add_argument("--out", default="reports/benchmarks/detector")
     parser.add_argument("--smoke", action="store_true", help="a few specs, one layer per op (for the tests)")
+    parser.add_argument("--layer", action="append", default=None, help="only recorded layers matching this glob")
     args = parser.parse_args(argv)
     contexts = args.context or sorted(glob.glob("results/golden/*/*/context.h5"))
     try:
-        summary = run(contexts, args.out, seeds=args.seeds, steps=args.steps, smoke=args.smoke)
+        summary = run(contexts, args.out, seeds=args.seeds, steps=args.steps, smoke=args.smoke, layers=args.layer)
     except PeatError as err:
         print(f"detector benchmark: error: {err}", file=sys.stderr)
         return 2
