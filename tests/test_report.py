@@ -225,3 +225,16 @@ def test_verdicts_link_to_analyzer_figures(tmp_path):
     assert pd.read_csv(tmp_path / "out/verdicts.csv").to_dict("records") == [
         {"model": "gpt2", "vendor": "cpu", "kernel": "k1", "verdict": "fail", "error_model": "bit_flip", "confidence": 0.875,
          "injected": "bit_flip:exponent"}]
+
+
+def test_benchmark_section_from_make_bench_results(tmp_path):
+    bench = tmp_path / "reports/benchmarks/results.json"
+    bench.parent.mkdir(parents=True)
+    bench.write_text(json.dumps({"machine": {"cpus": 2}, "benchmarks": [
+        {"name": "sdc_checks", "median": 1.05, "goal": "<= 1.02", "met": False, "samples": [1.0, 1.1]},
+        {"name": "playback_efficiency", "median": 0.5, "goal": "<= 1", "met": True, "samples": [0.5]}]}))
+    page = build([bench], tmp_path / "out", name="t", models=["m"], vendors=["cpu"]).read_text()
+    table = pd.read_csv(tmp_path / "out/benchmarks.csv")
+    assert table.columns[:4].tolist() == ["benchmark", "median", "goal", "met"]
+    assert table.benchmark.tolist() == ["sdc_checks", "playback_efficiency"] and table.met.tolist() == [False, True]
+    assert 'id="benchmarks-section"' in page and "<td>sdc_checks</td>" in page

@@ -261,7 +261,9 @@ def _benchmark_table(path: Path) -> pd.DataFrame:
     if isinstance(items, dict):
         items = [{"benchmark": k, **(v if isinstance(v, dict) else {"value": v})} for k, v in items.items()]
     rows = [{k: v for k, v in item.items() if not isinstance(v, (dict, list))} for item in items if isinstance(item, dict)]
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows).rename(columns={"name": "benchmark"})
+    first = [c for c in ("benchmark", "median", "goal", "met", "unit", "measured_as", "error") if c in table]
+    return table[first + [c for c in table.columns if c not in first]]
 
 
 def _caption(path: Path, stage: str, captions: Path | None, wildcards: dict) -> str:
@@ -361,7 +363,7 @@ def _render(sections: dict[str, Section], title: str, name: str, models, vendors
             body.append(_table_html(csv_name, table, analyzed))
         shown = None
         for fig in section.figures:
-            if fig.group != shown:  # one heading per run, the target of the verdict table's links
+            if fig.group and fig.group != shown:  # one heading per run, the target of the verdict table's links
                 body.append(f'<h3 id="{_anchor(key, fig.group)}">{html.escape(" / ".join(fig.group))}</h3>')
                 shown = fig.group
             body.append(f'<figure><img src="{_img(fig.png)}" alt="{html.escape(fig.title)}">'
