@@ -336,7 +336,7 @@ def _verdict_html(table: pd.DataFrame, analyzed: set[tuple[str, ...]]) -> str:
     for rec in table.to_dict("records"):
         cells = []
         for col, value in rec.items():
-            text = html.escape(f"{value:.3f}" if isinstance(value, float) else str(value))
+            text = html.escape(f"{value:.3f}" if isinstance(value, float) and value == value else _cell(value))
             run = (rec["model"], rec["vendor"], rec["kernel"])
             if col == "kernel" and run in analyzed:
                 text = f'<a href="#{_anchor("analyze", run)}">{text}</a>'

@@ -77,7 +77,7 @@ rule collate_report:
         vendors=VENDORS,
         captions=os.path.join(workflow.basedir, "workflow/report"),
         dpi=config["report"]["dpi"],
-        injected={k: v.get("error", "") for k, v in config["kernels"].items()},
+        injected={k: v.get("error") or "" for k, v in config["kernels"].items()},
     script:
         "../scripts/collate_report.py"
 
