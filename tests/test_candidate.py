@@ -136,8 +136,8 @@ def test_candidate_training_writes_golden_outputs_and_comparison(workflow_run):
         assert record["status"] == "ok" and record["layers"] == layers
         for name in ("metrics.csv", "final.h5", "context.h5", "storage.json"):
             assert (out / name).is_file(), name
-        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(
-            p.name for p in (golden / "checkpoints").iterdir())
+        assert sorted(p.name for p in (out / "checkpoints").glob("*.h5")) == sorted(
+            p.name for p in (golden / "checkpoints").glob("*.h5"))
         frame = pd.read_csv(out / "compare.csv")
         assert len(frame) == len(pd.read_csv(golden / "metrics.csv"))
         assert frame["loss_candidate"].notna().all()

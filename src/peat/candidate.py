@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from . import errors, kernels
+from . import errors, kernels, provenance
 from .io import PeatError, write_csv, write_json
 
 # Ops each architecture contains (llama normalises with RMSNorm, which is none of PEAT's ops).
@@ -87,9 +87,11 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
 
     kernel = build(kernel_name, kspec)
     routed, calls, state = [], [], {"step": 0, "epoch": 0}
-    active = schedule_predicate(schedule, state, _total_steps(spec, data_path)) if schedule else None
+    scheduled = schedule_predicate(schedule, state, _total_steps(spec, data_path)) if schedule else None
 
     def prepare(model):
+        # RFI schedules training steps; validation passes in between run golden.
+        active = (lambda: model.training and scheduled()) if scheduled else None
         chosen = kernels.select(model, kernel.op, layers, key=f"kernels.{kernel_name}.layers")
         for layer in chosen:  # one kernel per layer under RFI, so each call's error names its layer
             routed_kernel = kernel if schedule is None else monitored(kernel, layer, calls, state)
