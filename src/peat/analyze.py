@@ -166,7 +166,7 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
 
     grid = sns.catplot(own, x="log10_rel_top10", y="case", hue="layer", col="computation", kind="box",
                        height=3.2, aspect=0.9, sharex=False, fliersize=2)
-    grid.set_axis_labels("log10 top-10% error / fp32-vs-fp64 noise", "")
+    grid.set_axis_labels("log10 top-10% err / fp32 noise", "")
     _save(grid.figure, out / "distributions.png", dpi)
 
     kernel = own[own["case"] == "kernel"]
