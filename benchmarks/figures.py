@@ -26,6 +26,9 @@ def write(out: Path, header: dict, entries: list[dict], merge: bool = False) -> 
         entries = [e for e in json.loads(path.read_text())["benchmarks"] if e["name"] not in fresh] + entries
     for entry in entries:
         entry.setdefault("quick", header["quick"])
+    flags = {e["quick"] for e in entries}
+    # Merged runs may differ: each entry says whether it was a --quick one.
+    header = header | {"quick": flags.pop() if len(flags) == 1 else "per entry"}
     entries.sort(key=lambda e: ORDER.index(e["name"]))
     for entry in entries:
         if entry.get("samples"):
