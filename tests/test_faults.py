@@ -1,0 +1,196 @@
+"""Faults through the real workflow: kernels that crash, exit, exhaust memory or hang; bad files;
+provenance and bit-identical reruns. See docs/reliability.md for the table of faults."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from conftest import snakemake
+from peat import checkpoint, kernels, provenance
+from peat.io import PeatError
+
+# A reduced config: one tiny GPT-2, one recorded linear layer, forward playback only, no
+# pseudo-errors, no propagation; four kernels that fail in four ways and one that is correct.
+CONFIG = {
+    "name": "faults", "seed": 0, "threads": 1, "vendors": ["cpu"], "reference_vendor": "cpu",
+    "datasets": {"pydoc": {"source": "pydoc", "seq_len": 32, "part": [0.0, 0.2], "val_fraction": 0.1}},
+    "models": {"gpt2": {"arch": "gpt2", "dataset": "pydoc", "size": {"hidden": 32, "layers": 1, "heads": 2},
+                        "epochs": 1, "batch_size": 16, "max_train_samples": 32, "max_val_samples": 16,
+                        "optimizer": {"name": "adamw", "lr": 0.003}, "checkpoint_epochs": [1],
+                        "record": {"layers": ["transformer.h.0.mlp.c_fc"], "every": 2}}},
+    "errors": [],
+    "playback": {"max_samples_per_layer": 1, "computations": ["forward"], "propagate": False, "memory_mb": 256},
+}
+# name -> (kernel source, detector error_model, text the recorded message must contain)
+FAULTY = {
+    "segv": ("import ctypes\n\n\ndef forward(x, weight, bias):\n    ctypes.string_at(0)  # null read\n",
+             "crash", "killed by SIGSEGV"),
+    "exits": ("import os\n\n\ndef forward(x, weight, bias):\n    os._exit(3)\n",
+              "crash", "exited with code 3 without a result"),
+    "hog": ("import torch\n\n\ndef forward(x, weight, bias):\n    hoard = []\n    while True:\n"
+            "        hoard.append(torch.ones(2**22))\n", "oom", "can't allocate memory"),
+    "hangs": ("import time\n\n\ndef forward(x, weight, bias):\n    time.sleep(600)\n",
+              "timeout", "no result after 3 s (killed)"),
+}
+GOOD = "import torch.nn.functional as F\n\n\ndef forward(x, weight, bias):\n    return F.linear(x, weight, bias)\n"
+DETECT = "results/detect/gpt2/cpu/{}.json"
+PLAYBACK = "results/playback/gpt2/cpu/{}.parquet"
+
+
+def write_config(workdir: Path, kernels_: dict[str, str]) -> Path:
+    """Kernel files under ``workdir`` and a config naming them; returns the config path."""
+    (workdir / "kernels_under_test").mkdir(parents=True, exist_ok=True)
+    spec = {}
+    for name, source in kernels_.items():
+        (workdir / "kernels_under_test" / f"{name}.py").write_text(source)
+        spec[name] = {"op": "linear", "impl": f"kernels_under_test/{name}.py", "train": False,
+                      **({"timeout": 3} if name == "hangs" else {})}  # the kernel's own call limit
+    config = workdir / "faults.yaml"
+    config.write_text(yaml.safe_dump(CONFIG | {"kernels": spec}))
+    return config
+
+
+@pytest.fixture(scope="module")
+def faults_run(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("faults")
+    config = write_config(workdir, {"good": GOOD, **{k: v[0] for k, v in FAULTY.items()}})
+    snakemake(workdir, configfile=config)
+    return workdir
+
+
+def verdict(workdir: Path, kernel: str) -> dict:
+    return json.loads((workdir / DETECT.format(kernel)).read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults")
+@pytest.mark.parametrize("kernel", FAULTY)
+def test_failing_kernel_gets_its_outcome_and_a_fail_verdict(faults_run, kernel):
+    _, status, message = FAULTY[kernel]
+    record = json.loads((faults_run / PLAYBACK.format(kernel)).with_suffix(".json").read_text())
+    assert record["outcome"]["status"] == status and message in record["outcome"]["message"]
+    assert record["outcome"]["message"].startswith("transformer.h.0.mlp.c_fc forward: ")
+    got = verdict(faults_run, kernel)
+    assert (got["verdict"], got["error_model"], got["confidence"]) == ("fail", status, 1.0)
+    assert got["evidence"]["outcome"] == record["outcome"]
+    assert pd.read_parquet(faults_run / PLAYBACK.format(kernel)).empty  # no scores made up for it
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults")
+def test_other_kernels_and_the_report_complete(faults_run):
+    good = verdict(faults_run, "good")
+    assert (good["verdict"], good["error_model"]) == ("pass", "none")
+    assert len(pd.read_parquet(faults_run / PLAYBACK.format("good"))) > 0
+    table = pd.read_csv(faults_run / "reports/faults/verdicts.csv").set_index("kernel")
+    assert table["error_model"].to_dict() == {"good": "none", **{k: v[1] for k, v in FAULTY.items()}}
+    assert table["verdict"].to_dict() == {"good": "pass", **{k: "fail" for k in FAULTY}}
+    page = (faults_run / "reports/faults/index.html").read_text()
+    assert all(f">{k}<" in page for k in ["good", *FAULTY])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults")
+def test_results_and_report_record_provenance(faults_run):
+    with h5py.File(faults_run / "results/golden/gpt2/cpu/context.h5") as f:
+        context_hash, torch_version = str(f.attrs["config_hash"]), str(f.attrs["torch_version"])
+    want = provenance.stamp(context_hash, "cpu")
+    assert want["config_hash"] and want["torch"] == torch.__version__ == torch_version
+    for kernel in ["good", *FAULTY]:
+        assert verdict(faults_run, kernel)["provenance"] == want
+        record = json.loads((faults_run / PLAYBACK.format(kernel)).with_suffix(".json").read_text())
+        assert record["provenance"] == want
+    table = pd.read_csv(faults_run / "reports/faults/verdicts.csv", dtype=str)
+    for key, value in want.items():
+        assert (table[f"prov_{key}"] == value).all(), key
+
+
+def _without_timings(result: dict) -> dict:
+    """A verdict minus wall-clock measurements, which legitimately differ between runs."""
+    result["evidence"].pop("timings")
+    for outcome in [result["evidence"].get("outcome", {}), *result["evidence"]["outcomes"]]:
+        outcome.pop("seconds", None)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults")
+def test_rerun_gives_bit_identical_playback_tables_and_verdicts(faults_run, tmp_path):
+    chosen = ["good", "segv"]
+    before = {k: ((faults_run / PLAYBACK.format(k)).read_bytes(), _without_timings(verdict(faults_run, k)))
+              for k in chosen}
+    snakemake(faults_run, *[DETECT.format(k) for k in chosen], "--forcerun", "playback",
+              configfile=faults_run / "faults.yaml")
+    for k in chosen:
+        assert (faults_run / PLAYBACK.format(k)).read_bytes() == before[k][0], k
+        assert _without_timings(verdict(faults_run, k)) == before[k][1], k
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults")
+def test_kernel_with_syntax_error_fails_its_job_and_nothing_downstream_runs(faults_run):
+    # Last in this file: it adds a kernel to the shared run's config.
+    config = write_config(faults_run, {"good": GOOD, **{k: v[0] for k, v in FAULTY.items()},
+                                       "broken": "def forward(x, weight, bias)\n    return x\n"})
+    report = faults_run / "reports/faults/verdicts.csv"
+    report_before = report.read_bytes()
+    proc = snakemake(faults_run, "--keep-going", configfile=config, check=False)
+    assert proc.returncode != 0
+    log = (faults_run / "logs/playback/gpt2/cpu/broken.log").read_text()
+    # The job's log ends with the one line naming the file and the problem (above it: the traceback).
+    assert log.strip().splitlines()[-1] == ("peat.io.PeatError: kernels_under_test/broken.py: import failed: "
+                                            "SyntaxError: expected ':' (broken.py, line 1)")
+    assert "Error in rule playback" in proc.stdout + proc.stderr and "broken.log" in proc.stdout + proc.stderr
+    for downstream in (PLAYBACK.format("broken"), DETECT.format("broken"), "results/analyze/gpt2/cpu/broken"):
+        assert not (faults_run / downstream).exists(), downstream
+    assert report.read_bytes() == report_before  # the report waits for every verdict; it did not rerun
+
+
+@pytest.mark.parametrize("source", ["dataset", "context"])
+def test_wrong_hdf5_layout_given_as_checkpoint_fails_naming_the_file(digits, tmp_path, source):
+    path = digits if source == "dataset" else tmp_path / "context.h5"
+    if source == "context":
+        with h5py.File(path, "w") as f:  # the layout of a training context, not of a checkpoint
+            f.create_group("layers/fc/0000000").create_dataset("O", data=[1.0])
+            f.attrs.update(model="resnet18", config_hash="abc")
+    with pytest.raises(PeatError) as err:
+        checkpoint.load(path, torch.nn.Linear(2, 2))
+    assert str(err.value) == f"{path}: not a peat checkpoint (no /model group)"
+
+
+def test_kernel_file_with_syntax_error_is_one_line_naming_it(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def forward(x, weight, bias)\n    return x\n")
+    with pytest.raises(PeatError) as err:
+        kernels.load(str(bad), "linear")
+    assert str(err.value) == f"{bad}: import failed: SyntaxError: expected ':' (bad.py, line 1)"
+
+
+def test_provenance_stamp_is_stable_and_flat():
+    a, b = provenance.stamp("h", "cpu"), provenance.stamp("h", "cpu")
+    assert a == b and all(isinstance(v, str) for v in a.values())
+    assert set(a) == {"config_hash", "vendor", "device", "python", "platform", *provenance.PACKAGES}
+    assert provenance.columns({"provenance": a})["prov_torch"] == torch.__version__
+    assert provenance.columns({}) == {}
+
+
+def test_killed_writer_leaves_no_result_that_looks_complete(tmp_path):
+    target = tmp_path / "verdict.json"
+    script = ("import os, signal\nfrom peat.io import atomic_path\n"
+              f"with atomic_path({str(target)!r}) as tmp:\n"
+              "    tmp.write_text('{\"verdict\": \"pa')  # killed half-way through the JSON\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert not target.exists()
+    assert [p.name for p in tmp_path.iterdir()][0].startswith(".verdict.json.")  # only the hidden partial
