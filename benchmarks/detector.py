@@ -20,8 +20,7 @@ targets and whether they are met) and ``confusion.png``.
     python benchmarks/detector.py [--context PATH ...] [--seeds 5] [--steps 2] [--out DIR] [--smoke]
     snakemake detector_benchmark --cores 2
 """
-
-from __future__ import annotations
+# No `from __future__` import: Snakemake's `script:` prepends its own code to this file.
 
 import argparse
 import fnmatch
