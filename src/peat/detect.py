@@ -118,7 +118,8 @@ def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
     for (layer, comp, op), rows in table.groupby(["layer", "computation", "op"], sort=True):
         top = np.log10(np.maximum(rows["rel_top10"].to_numpy(float), 1.0))
         var = np.log10(np.maximum(rows["rel_var"].to_numpy(float), 1.0))
-        swing = float(np.nanmax(top) - np.nanmin(top)) if len(top) else 0.0
+        finite = top[np.isfinite(top)]
+        swing = float(finite.max() - finite.min()) if len(finite) else 0.0
         bad = (rows["nonfinite"] > 0).any() or not np.isfinite(top).all()
         bad = bad or (swing > 1.0 if op in ("linear", "conv2d") else bool(np.nanmin(var) > 10.0))
         if bad:
