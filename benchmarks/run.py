@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="paired repeats per benchmark (default 5, quick 2)")
     parser.add_argument("--out", type=Path, default=REPO / "reports" / "benchmarks", help="output folder")
     parser.add_argument("--results", type=Path,
-                        help="a finished default-config workflow directory to read (context storage) instead of "
-                             "running end_to_end first")
+                        help="the results/ folder of a default-config workflow run: context_storage reads its "
+                             "golden storage.json files (end_to_end sets this to its own run)")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one, removed)")
     parser.add_argument("--workflow-timeout", type=float, metavar="SECONDS",
                         help="stop the full workflow run after this long (end_to_end then reports a lower bound)")
