@@ -28,9 +28,18 @@ def snakemake(workdir: Path, *args: str, configfile: Path | None = TEST_CONFIG, 
     return proc
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    # A session fixture runs once per xdist worker: keep every user of the (expensive) test
+    # workflow on one worker. tryfirst, so xdist's own hook sees the group.
+    for item in items:
+        if "workflow_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("workflow"))
+
+
 @pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory) -> Path:
-    """The whole test workflow, run once; tests using it must be in xdist group 'workflow'."""
+    """The whole test workflow, run once (all its users share one xdist worker)."""
     workdir = tmp_path_factory.mktemp("workflow")
     snakemake(workdir)
     return workdir
