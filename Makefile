@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(VENV)/bin/snakemake --cores $(CORES) --configfile $(CONFIG)
 
 test: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -n 2 --dist loadgroup tests
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -n 2 --dist loadgroup --durations=20 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/snakemake --lint

@@ -194,7 +194,7 @@ def test_workflow_verdicts(workflow_run):
     for name in ("im2col", "my_gemm", "welford_ln"):
         assert verdicts[name]["verdict"] == "pass", verdicts[name]
     for v in verdicts.values():
-        assert set(v) == {"verdict", "error_model", "confidence", "evidence", "layers"}
+        assert set(v) == {"verdict", "error_model", "confidence", "evidence", "layers", "provenance"}
         assert 0 <= v["confidence"] <= 1
     table = pd.read_parquet(workflow_run / "results" / "playback" / "resnet18" / "cpu" / "lane_fc.parquet")
     assert set(table["fop"]) == {"output"}  # test.yaml turns the later observing points off
