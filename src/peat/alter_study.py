@@ -17,6 +17,7 @@ import pandas as pd
 
 from .alter import CLASSES, Plan, alter
 from .io import PeatError, write_csv, write_json
+from .provenance import columns, stamp
 
 # Heatmap column order: from the sign bit down to the mantissa.
 REGION_ORDER = ("sign", "exponent_msb", "exponent_other", "exponent", "mantissa", "any")
@@ -62,6 +63,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
                                     run_seed, threads, config_hash, log_dir / f"{region}_n{n}_seed{seed}.json")})
         print(rows[-1], flush=True)
     table = pd.DataFrame(rows, columns=list(COLUMNS))  # same columns when every cell is not_applicable
+    table = table.assign(**columns(stamp(config_hash, vendor)))
     write_csv(out_csv, table)
     return table
 

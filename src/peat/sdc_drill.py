@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, errors, sdc
 from .io import PeatError, write_json
+from .provenance import stamp
 
 DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
 RELIABILITY = ("dead", "hang")  # a rank exits / stalls mid-drill: the drill must fail clearly
@@ -235,7 +236,8 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
         pass  # policy raise: every rank raised at the same alarm; the drill ends there
     injected = None if drill == "clean" else cfg["injected_rank"]
     return summarize(drill, model_name, world, injected, cfg, guard, plain) | {
-        "backend": dist.get_backend(), "hosts": guard.hosts, "seed": seed, "torch_version": str(torch.__version__)}
+        "backend": dist.get_backend(), "hosts": guard.hosts, "seed": seed, "torch_version": str(torch.__version__),
+        "provenance": stamp(vendor="nvidia" if dist.get_backend() == "nccl" else "cpu")}
 
 
 def _drill_step(trainer: Trainer, guard: sdc.Guard, fault: "Fault | None", step: int) -> float:
