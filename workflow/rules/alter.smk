@@ -1,22 +1,5 @@
-# Checkpoint alteration study (issue 5): flip bits in golden checkpoints over a grid of
-# location class x bit region x flips x seeds, resume training, compare with golden.
-import peat.alter
-import peat.alter_study
-
-ALTER = config["alter"]
-try:
-    peat.alter_study.check_config(config)
-except PeatError as err:
-    sys.exit(f"peat: {err}")
-
-
-wildcard_constraints:
-    epoch=r"\d+",
-    cls="|".join(peat.alter.CLASSES),
-
-
-def alter_path(model, vendor, name):
-    return f"results/alter/{model}/{vendor}/{name}"
+# Checkpoint alteration study: flip bits in golden checkpoints over a grid of location
+# class x bit region x flips x seeds, resume training, compare with golden.
 
 
 rule alter_cells:
@@ -31,11 +14,11 @@ rule alter_cells:
         ),
     log:
         "logs/alter/{model}/{vendor}/epoch{epoch}_{cls}.log",
+    conda:
+        "../../envs/peat.yaml"
     threads: config["threads"]
     resources:
-        slurm_partition=slurm_partition,
-        gres=slurm_gres,
-        gpu_jobs=gpu_jobs,
+        **VENDOR_RESOURCES,
     params:
         spec=lambda w: config["models"][w.model],
         regions=ALTER["regions"],
@@ -46,14 +29,6 @@ rule alter_cells:
         config_hash=lambda w: model_hash(w.model),
     script:
         "../scripts/alter_cells.py"
-
-
-def alter_cell_tables(wildcards):
-    return expand(
-        alter_path(wildcards.model, wildcards.vendor, "cells/epoch{epoch}/{cls}.csv"),
-        epoch=ALTER["epochs"],
-        cls=ALTER["classes"],
-    )
 
 
 rule alter_summary:
@@ -80,18 +55,11 @@ rule alter_summary:
         ),
     log:
         "logs/alter/{model}/{vendor}/summary.log",
+    conda:
+        "../../envs/peat.yaml"
     resources:
-        slurm_partition=CPU_PARTITION,
+        **CPU_RESOURCES,
     params:
         max_loss_pct=ALTER["absorbed_loss_pct"],
     script:
         "../scripts/alter_summary.py"
-
-
-def alter_targets():
-    return expand(
-        alter_path("{model}", "{vendor}", "{name}"),
-        model=ALTER["models"],
-        vendor=VENDORS,
-        name=["sensitivity.csv", "absorbed.csv", "heatmap.png"],
-    )

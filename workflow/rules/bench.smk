@@ -1,7 +1,6 @@
 # Benchmarks of every stage (issue 8): `snakemake bench` runs benchmarks/run.py, the same as
 # `make bench`. Not part of the default target: it times the whole workflow itself. With
 # --configfile config/test.yaml it is the smoke run (--quick).
-import os
 
 
 rule bench:
@@ -9,11 +8,11 @@ rule bench:
         "reports/benchmarks/results.json",
     log:
         "logs/bench.log",
+    conda:
+        "../../envs/peat.yaml"
     threads: workflow.cores
     resources:
-        slurm_partition=CPU_PARTITION,
-        gres="",
-        gpu_jobs=0,
+        **CPU_RESOURCES,
     params:
         runner=os.path.join(workflow.basedir, "benchmarks/run.py"),
         quick=config["name"] == "test",

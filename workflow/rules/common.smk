@@ -1,29 +1,91 @@
-# Helpers shared by the rule files: config validation, paths and target lists.
+# Helpers shared by all stages (config validation, paths, inputs and target lists), so that
+# the stage files (data, golden, kernels, ...) hold only rules.
 import os
 import sys
 
+import peat.alter
+import peat.alter_study
+import peat.report
+import peat.slurm
+from peat.candidate import check as check_kernels, models_for, rfi_cases
 from peat.config import config_hash, validate
 from peat.io import PeatError
+from peat.kernels import source_files
+from peat.sdc_drill import check_config as check_sdc, drill_config
 
+# Jobs import peat from this checkout, also inside a --use-conda environment (envs/peat.yaml).
+os.environ.update(
+    PYTHONPATH=os.pathsep.join(
+        p for p in (os.path.join(workflow.basedir, "src"), os.getenv("PYTHONPATH")) if p
+    )
+)
+
+# Every config problem stops the workflow here, before any job, with one line naming the key.
 try:
-    validate(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml"))
+    validate(
+        config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
+    )
+    check_kernels(config)
+    peat.alter_study.check_config(config)
+    check_sdc(config)
 except PeatError as err:
     sys.exit(f"peat: {err}")
 
 MODELS = list(config["models"])
 VENDORS = config["vendors"]
+KERNELS = config["kernels"]
+RFI = config["rfi"]
+PLAYBACK = config["playback"]
+DETECT = config["detect"]
+ALTER = config["alter"]
+REPORT_DIR = f"reports/{config['name']}"
+REPORT_TABLES = list(peat.report.TABLES)
+BENCHMARKS = "reports/benchmarks"
+ANALYZE_FIGURES = {
+    "score_vs_iteration.png": "playback_score_vs_iteration.rst",
+    "distributions.png": "playback_distributions.rst",
+    "heatmap.png": "playback_heatmap.rst",
+    "bits.png": "playback_bits.rst",
+    "spatial.png": "playback_spatial.rst",
+}
 
 
 wildcard_constraints:
     model="|".join(MODELS),
     vendor="|".join(VENDORS),
     dataset="|".join(config["datasets"]),
+    kernel="|".join(KERNELS) or "no-kernel-configured",
+    case=r"f[0-9.]+|every[0-9]+",
+    epoch=r"\d+",
+    cls="|".join(peat.alter.CLASSES),
 
 
+# --- Paths of each stage's outputs.
 def golden(model, vendor, name):
     return f"results/golden/{model}/{vendor}/{name}"
 
 
+def candidate(model, vendor, kernel, name):
+    return f"results/candidate/{model}/{vendor}/{kernel}/{name}"
+
+
+def rfi_path(model, vendor, kernel, case, name):
+    return f"results/rfi/{model}/{vendor}/{kernel}/{case}/{name}"
+
+
+def playback_path(model, vendor, kernel, ext):
+    return f"results/playback/{model}/{vendor}/{kernel}.{ext}"
+
+
+def analyze_path(model, vendor, kernel, name):
+    return f"results/analyze/{model}/{vendor}/{kernel}/{name}"
+
+
+def alter_path(model, vendor, name):
+    return f"results/alter/{model}/{vendor}/{name}"
+
+
+# --- Inputs and parameters computed from wildcards.
 def dataset_file(wildcards):
     return f"results/data/{config['models'][wildcards.model]['dataset']}.h5"
 
@@ -37,37 +99,85 @@ def model_hash(model):
     """What a model's golden results depend on: its spec, its dataset and the seed."""
     spec = config["models"][model]
     return config_hash(
-        {"model": spec, "dataset": config["datasets"][spec["dataset"]], "seed": config["seed"]}
+        {
+            "model": spec,
+            "dataset": config["datasets"][spec["dataset"]],
+            "seed": config["seed"],
+        }
     )
 
 
-def golden_targets():
+def kernel_sources(wildcards):
+    # A kernel's source files are inputs of every job that uses it: editing one reruns only
+    # that kernel's jobs, never data prep or golden training.
+    return source_files(KERNELS[wildcards.kernel]["impl"])
+
+
+def kernel_hash(wildcards):
+    return config_hash(
+        {"model": model_hash(wildcards.model), "kernel": KERNELS[wildcards.kernel]}
+    )
+
+
+def routed_inputs():
+    """Inputs of a training with a kernel routed in (candidate training and runtime FI)."""
+    return {
+        "data": dataset_file,
+        "init": init_checkpoint,
+        "golden_metrics": golden("{model}", "{vendor}", "metrics.csv"),
+        "context": golden("{model}", "{vendor}", "context.h5"),
+        "kernel": kernel_sources,
+    }
+
+
+def routed_params():
+    return {
+        "spec": lambda w: config["models"][w.model],
+        "kernel": lambda w: KERNELS[w.kernel],
+        "seed": config["seed"],
+        "config_hash": kernel_hash,
+    }
+
+
+def reference_context(wildcards):
+    # Playback replays the reference vendor's recording (cross-vendor validation).
+    return golden(wildcards.model, config["reference_vendor"], "context.h5")
+
+
+def propagation_inputs(wildcards):
+    # The later observing points rebuild the model at the step: data, initial weights, checkpoints.
+    if not PLAYBACK["propagate"]:
+        return {}
+    ref = config["reference_vendor"]
+    base = config["models"][wildcards.model].get("init_from")
+    return {
+        "data": dataset_file(wildcards),
+        "checkpoints": golden(wildcards.model, ref, "checkpoints"),
+        "init": [golden(base, ref, "final.h5")] if base else [],
+    }
+
+
+def alter_cell_tables(wildcards):
     return expand(
-        golden("{model}", "{vendor}", "{name}"),
-        model=MODELS,
-        vendor=VENDORS,
-        name=["metrics.csv", "context.h5"],
+        alter_path(wildcards.model, wildcards.vendor, "cells/epoch{epoch}/{cls}.csv"),
+        epoch=ALTER["epochs"],
+        cls=ALTER["classes"],
     )
 
 
-def final_targets():
-    # Each stage's rule file defines its *_targets(); the report depends on all of them.
-    return (
-        golden_targets()
-        + kernel_targets()
-        + playback_targets()
-        + alter_targets()
-        + sdc_targets()
-        + report_targets()
-    )
+def benchmark_files():
+    # Written by `make bench`, not by this workflow: included in the report when present.
+    if not os.path.isdir(BENCHMARKS):
+        return []
+    names = sorted(os.listdir(BENCHMARKS))
+    return [
+        f"{BENCHMARKS}/{n}" for n in names if n == "results.json" or n.endswith(".png")
+    ]
 
 
-# --- SLURM (issue 7): vendor -> partition and GPU request, from the config's slurm: section.
-# Every rule adds `resources: slurm_partition=slurm_partition, gres=slurm_gres, gpu_jobs=gpu_jobs`;
-# a rule without a {vendor} wildcard is a CPU-only stage and goes to slurm.cpu_partition.
-import peat.slurm
-
-
+# --- Where jobs go on SLURM (issue 7): vendor -> partition and GPU request, from the config's
+# slurm section. Jobs of a vendor take VENDOR_RESOURCES; CPU-only stages, with or without
+# a {vendor} wildcard (plots, tables, drills), take CPU_RESOURCES.
 def _job_vendor(wildcards):
     return getattr(wildcards, "vendor", None)
 
@@ -80,13 +190,21 @@ def slurm_gres(wildcards):
     return peat.slurm.resources(config, _job_vendor(wildcards))["gres"]
 
 
-# CPU-only stages that still carry a {vendor} wildcard (plots, tables) use this one.
-CPU_PARTITION = peat.slurm.resources(config, None)["slurm_partition"]
-
-
 def gpu_jobs(wildcards):
     # 1 for a GPU vendor's job: the workstation profile caps these at one at a time.
     return int(_job_vendor(wildcards) in peat.slurm.GPU_VENDORS)
+
+
+VENDOR_RESOURCES = {
+    "slurm_partition": slurm_partition,
+    "gres": slurm_gres,
+    "gpu_jobs": gpu_jobs,
+}
+CPU_RESOURCES = {
+    "slurm_partition": peat.slurm.resources(config, None)["slurm_partition"],
+    "gres": "",
+    "gpu_jobs": 0,
+}
 
 
 onstart:
@@ -96,3 +214,96 @@ onstart:
             peat.slurm.preflight(config, workflow.dag.needrun_jobs())
         except PeatError as err:
             sys.exit(f"peat: {err}")
+
+
+# --- Targets of each stage; `all` and the report take their union.
+def golden_targets():
+    return expand(
+        golden("{model}", "{vendor}", "{name}"),
+        model=MODELS,
+        vendor=VENDORS,
+        name=["metrics.csv", "context.h5"],
+    )
+
+
+def candidate_targets():
+    return [
+        candidate(model, vendor, kernel, name)
+        for kernel, spec in KERNELS.items()
+        if spec["train"]
+        for model in models_for(config, kernel)
+        for vendor in VENDORS
+        for name in ("outcome.json", "compare.csv")
+    ]
+
+
+def rfi_targets():
+    return [
+        rfi_path(model, vendor, kernel, case, name)
+        for kernel in RFI["kernels"]
+        for model in models_for(config, kernel)
+        if not RFI["models"] or model in RFI["models"]
+        for vendor in VENDORS
+        for case in rfi_cases(RFI)
+        for name in ("outcome.json", "compare.csv", "calls.csv")
+    ]
+
+
+def kernel_targets():
+    return candidate_targets() + rfi_targets()
+
+
+def playback_targets():
+    return [
+        path
+        for kernel in KERNELS
+        for model in models_for(config, kernel)
+        for vendor in VENDORS
+        for path in [
+            f"results/detect/{model}/{vendor}/{kernel}.json",
+            *[
+                analyze_path(model, vendor, kernel, name)
+                for name in ["layers.csv", "summary.json", *ANALYZE_FIGURES]
+            ],
+        ]
+    ]
+
+
+def alter_targets():
+    return expand(
+        alter_path("{model}", "{vendor}", "{name}"),
+        model=ALTER["models"],
+        vendor=VENDORS,
+        name=["sensitivity.csv", "absorbed.csv", "heatmap.png"],
+    )
+
+
+def sdc_targets():
+    return expand(
+        "results/sdc/{model}/{drill}.json",
+        model=config["sdc"]["models"],
+        drill=config["sdc"]["drills"],
+    )
+
+
+def curve_targets():
+    return expand(
+        golden("{model}", "{vendor}", "training_curves.png"),
+        model=MODELS,
+        vendor=VENDORS,
+    )
+
+
+def report_targets():
+    return [f"{REPORT_DIR}/index.html"]
+
+
+def final_targets():
+    return (
+        golden_targets()
+        + kernel_targets()
+        + playback_targets()
+        + alter_targets()
+        + sdc_targets()
+        + report_targets()
+    )

@@ -5,10 +5,10 @@ rule prepare_dataset:
         "logs/data/{dataset}.log",
     # Shareable across workflows and users with `snakemake --cache` (SNAKEMAKE_OUTPUT_CACHE).
     cache: "omit-software"
+    conda:
+        "../../envs/peat.yaml"
     resources:
-        slurm_partition=slurm_partition,
-        gres=slurm_gres,
-        gpu_jobs=gpu_jobs,
+        **CPU_RESOURCES,
     params:
         spec=lambda w: config["datasets"][w.dataset],
     script:

@@ -11,11 +11,11 @@ rule golden_train:
         checkpoints=protected(directory(golden("{model}", "{vendor}", "checkpoints"))),
     log:
         "logs/golden/{model}/{vendor}.log",
+    conda:
+        "../../envs/peat.yaml"
     threads: config["threads"]
     resources:
-        slurm_partition=slurm_partition,
-        gres=slurm_gres,
-        gpu_jobs=gpu_jobs,
+        **VENDOR_RESOURCES,
     params:
         spec=lambda w: config["models"][w.model],
         seed=config["seed"],

@@ -1,33 +1,5 @@
-# Playback FI, Analyzer and Detector (issue: playback and detection).
-# Every configured kernel replays the reference vendor's golden context of every model that
-# has its op; the Analyzer and the Detector read the resulting table.
-PLAYBACK = config["playback"]
-DETECT = config["detect"]
-
-
-def playback_path(model, vendor, kernel, ext):
-    return f"results/playback/{model}/{vendor}/{kernel}.{ext}"
-
-
-def analyze_path(model, vendor, kernel, name):
-    return f"results/analyze/{model}/{vendor}/{kernel}/{name}"
-
-
-def reference_context(wildcards):
-    return golden(wildcards.model, config["reference_vendor"], "context.h5")
-
-
-def propagation_inputs(wildcards):
-    # The later observing points rebuild the model at the step: data, initial weights, checkpoints.
-    if not PLAYBACK["propagate"]:
-        return {}
-    ref = config["reference_vendor"]
-    base = config["models"][wildcards.model].get("init_from")
-    return {
-        "data": dataset_file(wildcards),
-        "checkpoints": golden(wildcards.model, ref, "checkpoints"),
-        "init": [golden(base, ref, "final.h5")] if base else [],
-    }
+# Playback FI, Analyzer and Detector: every configured kernel replays the reference vendor's
+# golden context of every model that has its op; the Analyzer and the Detector read the table.
 
 
 rule playback:
@@ -40,11 +12,11 @@ rule playback:
         record=playback_path("{model}", "{vendor}", "{kernel}", "json"),
     log:
         "logs/playback/{model}/{vendor}/{kernel}.log",
+    conda:
+        "../../envs/peat.yaml"
     threads: config["threads"]
     resources:
-        slurm_partition=slurm_partition,
-        gres=slurm_gres,
-        gpu_jobs=gpu_jobs,
+        **VENDOR_RESOURCES,
     params:
         spec=lambda w: config["models"][w.model],
         kernel=lambda w: KERNELS[w.kernel],
@@ -65,21 +37,14 @@ rule detect:
         "results/detect/{model}/{vendor}/{kernel}.json",
     log:
         "logs/detect/{model}/{vendor}/{kernel}.log",
+    conda:
+        "../../envs/peat.yaml"
     resources:
-        slurm_partition=CPU_PARTITION,
+        **CPU_RESOURCES,
     params:
         rules=DETECT,
     script:
         "../scripts/detect.py"
-
-
-ANALYZE_FIGURES = {
-    "score_vs_iteration.png": "playback_score_vs_iteration.rst",
-    "distributions.png": "playback_distributions.rst",
-    "heatmap.png": "playback_heatmap.rst",
-    "bits.png": "playback_bits.rst",
-    "spatial.png": "playback_spatial.rst",
-}
 
 
 rule analyze:
@@ -105,8 +70,10 @@ rule analyze:
         summary=analyze_path("{model}", "{vendor}", "{kernel}", "summary.json"),
     log:
         "logs/analyze/{model}/{vendor}/{kernel}.log",
+    conda:
+        "../../envs/peat.yaml"
     resources:
-        slurm_partition=CPU_PARTITION,
+        **CPU_RESOURCES,
     script:
         "../scripts/analyze.py"
 
@@ -129,25 +96,13 @@ rule detector_benchmark:
         ),
     log:
         "logs/benchmarks/detector.log",
+    conda:
+        "../../envs/peat.yaml"
     threads: config["threads"]
+    resources:
+        **CPU_RESOURCES,
     params:
         seeds=DETECT["benchmark_seeds"],
         rules=DETECT,
     script:
         "../../benchmarks/detector.py"
-
-
-def playback_targets():
-    return [
-        path
-        for kernel in KERNELS
-        for model in models_for(config, kernel)
-        for vendor in VENDORS
-        for path in [
-            f"results/detect/{model}/{vendor}/{kernel}.json",
-            *[
-                analyze_path(model, vendor, kernel, name)
-                for name in ["layers.csv", "summary.json", *ANALYZE_FIGURES]
-            ],
-        ]
-    ]

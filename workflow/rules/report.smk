@@ -1,12 +1,7 @@
-# Collated report under reports/<name>/ (issue 7): golden training curves and one page over the
-# outputs of every stage. The report rule takes the union of the stages' targets as input, so
-# any upstream change (a kernel source, a config section) regenerates the page without
-# rerunning golden training, and a stage without targets simply has no section.
-import peat.report
-
-REPORT_DIR = f"reports/{config['name']}"
-REPORT_TABLES = list(peat.report.TABLES)
-BENCHMARKS = "reports/benchmarks"
+# Collated report under reports/<name>/: golden training curves and one page over the outputs
+# of every stage. The report takes the union of the stages' targets as input, so any upstream
+# change (a kernel source, a config section) regenerates the page without rerunning golden
+# training, and a stage without targets simply has no section.
 
 
 # Seconds of plotting: not worth a trip through a cluster's queue.
@@ -32,28 +27,12 @@ rule golden_curves:
         ),
     log:
         "logs/report/curves/{model}/{vendor}.log",
+    conda:
+        "../../envs/peat.yaml"
     params:
         dpi=config["report"]["dpi"],
     script:
         "../scripts/golden_curves.py"
-
-
-def curve_targets():
-    return expand(
-        golden("{model}", "{vendor}", "training_curves.png"),
-        model=MODELS,
-        vendor=VENDORS,
-    )
-
-
-def benchmark_files():
-    # Written by `make bench`, not by this workflow: included when present.
-    if not os.path.isdir(BENCHMARKS):
-        return []
-    names = sorted(os.listdir(BENCHMARKS))
-    return [
-        f"{BENCHMARKS}/{n}" for n in names if n == "results.json" or n.endswith(".png")
-    ]
 
 
 rule collate_report:
@@ -70,6 +49,8 @@ rule collate_report:
         tables=expand(f"{REPORT_DIR}/{{table}}", table=REPORT_TABLES),
     log:
         "logs/report/collate.log",
+    conda:
+        "../../envs/peat.yaml"
     params:
         name=config["name"],
         title=config["report"]["title"],
@@ -80,7 +61,3 @@ rule collate_report:
         injected={k: v.get("error") or "" for k, v in config["kernels"].items()},
     script:
         "../scripts/collate_report.py"
-
-
-def report_targets():
-    return [f"{REPORT_DIR}/index.html"]

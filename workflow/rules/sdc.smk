@@ -1,10 +1,4 @@
-# Silent-data-corruption drills with torchrun (issue: SDC checks).
-from peat.sdc_drill import check_config as sdc_check_config, drill_config
-
-try:
-    sdc_check_config(config)
-except PeatError as err:
-    sys.exit(f"peat: {err}")
+# Silent-data-corruption drills: real multi-process training with torchrun, one fault each.
 
 
 rule sdc_drill:
@@ -17,16 +11,12 @@ rule sdc_drill:
         events=directory("results/sdc/{model}/events"),
     log:
         "logs/sdc/{model}.log",
+    conda:
+        "../../envs/peat.yaml"
     threads: config["sdc"]["world_size"]
+    resources:
+        **CPU_RESOURCES,
     params:
         config=lambda w: drill_config(config, w.model),
     script:
         "../scripts/sdc_drill.py"
-
-
-def sdc_targets():
-    return expand(
-        "results/sdc/{model}/{drill}.json",
-        model=config["sdc"]["models"],
-        drill=config["sdc"]["drills"],
-    )
