@@ -474,6 +474,8 @@ def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(tmp_path):
     assert row["status"] == "ok" and row["altered_values"] == 0
     assert row["final_loss"] == row["golden_loss"] and row["final_accuracy"] == row["golden_accuracy"]
     assert row["accuracy_loss_pct"] == 0 and row["epochs_to_recover"] == 1 and not row["diverged"]
+    # Right after the (empty) alteration, before resuming: golden's own validation at that epoch.
+    assert row["altered_accuracy"] == golden.loc[1, "accuracy"] and row["altered_loss"] == golden.loc[1, "loss"]
 
 
 def test_summary_of_cells_the_model_lacks(tmp_path):

@@ -22,7 +22,8 @@ from .provenance import columns, stamp
 # Heatmap column order: from the sign bit down to the mantissa.
 REGION_ORDER = ("sign", "exponent_msb", "exponent_other", "exponent", "mantissa", "any")
 GRID = ("model", "vendor", "epoch", "cls", "region", "flips", "seed")
-COLUMNS = GRID + ("status", "reason", "altered_values", "datasets_hit", "nonfinite_injected", "final_accuracy",
+COLUMNS = GRID + ("status", "reason", "altered_values", "datasets_hit", "nonfinite_injected", "altered_accuracy",
+                  "altered_loss", "final_accuracy",
                   "final_loss", "golden_accuracy", "golden_loss", "accuracy_loss_pct", "loss_change_pct", "diverged",
                   "epochs_to_recover", "resumed_epochs")
 
@@ -69,7 +70,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
 
 
 def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run_seed, threads, config_hash, log):
-    from .train import train_model
+    from .train import evaluate_checkpoint, train_model
 
     with tempfile.TemporaryDirectory(dir=log.parent, prefix=".cell") as tmp:
         altered = Path(tmp) / "altered.h5"
@@ -79,11 +80,14 @@ def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run
             # A class the model lacks, or fewer eligible values than flips: recorded, not fatal.
             write_json(log, {"injections": [], "skipped": str(err)})
             return {"status": "not_applicable", "reason": str(err)}
+        # The damage right after the flips, then what training makes of it.
+        now = evaluate_checkpoint(model, spec, data, altered, vendor=vendor, seed=run_seed, threads=threads)
         metrics = train_model(model, spec, data, Path(tmp) / "run", vendor=vendor, seed=run_seed, threads=threads,
                               config_hash=config_hash, record=False, progress=False, start=altered)
     injected = sum(1 for r in result.records if isinstance(r["new"], str))
     return {"status": "ok", "reason": "", "altered_values": result.flips, "datasets_hit": result.datasets,
-            "nonfinite_injected": injected, **compare(_val_curve(metrics), golden, epoch, tolerance)}
+            "nonfinite_injected": injected, "altered_accuracy": now["accuracy"], "altered_loss": now["loss"],
+            **compare(_val_curve(metrics), golden, epoch, tolerance)}
 
 
 def _val_curve(metrics: pd.DataFrame) -> pd.DataFrame:

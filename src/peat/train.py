@@ -187,3 +187,24 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
                             epochs=rec.get("epochs"), meta=meta, key=f"models.{name}.record.layers")
     run = Run.from_spec(spec, seed=seed, device=device, meta=meta)
     return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step, progress=progress, start=start)
+
+
+def evaluate_checkpoint(name: str, spec: dict, data_path: str | Path, path: str | Path, *, vendor: str = "cpu",
+                        seed: int = 0, threads: int = 1) -> dict:
+    """Validation loss and accuracy of the weights in checkpoint ``path``, without training.
+
+    The alteration study measures the damage right after the flips with this, before resuming.
+    """
+    from .data import load
+    from .device import for_vendor, seed_everything
+    from .models import build
+
+    device = for_vendor(vendor)
+    seed_everything(seed, threads)
+    data = load(data_path)
+    model = build(spec, data.attrs, seed)
+    state = checkpoint.load(path, model)
+    run = Run.from_spec(spec, seed=seed, device=device)
+    val_x, val_y = _subset(data.val, run.max_val_samples)
+    row = _evaluate(model.to(device), data.kind, val_x, val_y, run, int(state["step"]), int(state["epoch"]), 0.0)
+    return {"accuracy": row["accuracy"], "loss": row["loss"]}
