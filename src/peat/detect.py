@@ -10,27 +10,42 @@ against envelopes measured on those inputs, never against a fixed absolute toler
 - fp32 envelope ``tau32 = K32 * max|golden - fp64|`` (floored at one float32 ULP of the
   tensor's largest value): what reordering a float32 sum can do to this tensor.
 - reduced-precision envelope ``taurp = KRP * max_p max|golden_p - fp64|`` over p in fp16,
-  bf16, tf32, where ``golden_p`` is the golden op on operands rounded to p.
+  bf16, tf32, where ``golden_p`` is the golden op on operands rounded to p; measured per
+  aligned TILE x TILE tile of the matrix view (the max over the tile's elements, floored at
+  ``tau32``), since rounding errors follow the magnitudes around them.
 
-``S`` is the set of elements beyond ``tau32``, ``G`` those beyond ``taurp``. The classes are
+``S`` is the set of elements beyond ``tau32``, ``G`` those beyond the reduced-precision
+envelope of their tile. The footprint of precision p is where rounding to p moves the result
+beyond ``tau32`` on these inputs: ``|golden_p - golden|`` beyond ``tau32 / BAND`` where it may,
+beyond ``tau32 * BAND`` where it must (in between, a kernel rounding to p in another order
+falls on either side of ``tau32``). The classes are
 documented sufficient conditions on these sets, in the matrix view of ``peat.errors.matrix``;
 the first that holds wins (the priority order of ``CLASSES``):
 
 non_finite         candidate NaN/Inf where golden is finite.
 block_structured   >= COVER of S lies in at most MAX_TILES connected tiles (both sides >= 2,
                    >= 4 elements, bounding box filled >= FILL; in a vector a run of >= 4)
-                   covering <= BLOCK_AREA of the tensor; or G
-                   covers the tensor without any other structure (one tile: the whole output).
+                   covering <= BLOCK_AREA of the tensor; or G covers the tensor without any
+                   other structure (one tile: the whole output).
 periodic_lane      >= COVER of S lies in columns (or rows) filled >= FILL, and those columns
                    are one lane or a whole progression of stride >= 2 (>= COVER of its lanes).
-bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER of it differs from golden in 1 or 2 bits above
-                   the bits fp32 noise may touch.
+bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
+                   of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch.
 random_zero        S is sparse and >= COVER of it is exactly 0 where golden is not.
 random_value       S is sparse (any other few scattered wrong values).
-reduced_precision  S is dense and unstructured but G is empty: every error is within the
-                   measured fp16/bf16/tf32 rounding envelope.
+reduced_precision  S is unstructured or a precision's footprint, and G is empty: every error
+                   is within the fp16/bf16/tf32 rounding envelope measured in its tile.
 none               S is empty: within float32 reordering noise.
-When S is dense and G is not empty, the rules are applied to G instead of S.
+
+When S matches the footprint of a precision (>= COVER of S lies where it may, S holds >=
+COVER of where it must), S has the
+layout rounding to that precision gives these inputs, so its shape is no evidence of a fault:
+rounding to bf16 leaves the fp32 envelope only where the values are large (one block of a
+weight gradient, outlier channels), a tile or lane rule would fire on a correct kernel. The
+shape rules then apply to G, as they do when S is dense and unstructured (bit_flip then
+counts the bits above those the tile's reduced-precision envelope reaches). A fault that
+errs in a block or lane of such a footprint still differs from it: it leaves the rest of
+the footprint exact.
 """
 
 from __future__ import annotations
@@ -62,6 +77,8 @@ class Rules:
     cover: float = 0.9          # a shape explains S when it holds this fraction of S
     block_area: float = 0.5     # tiles covering more than this of the tensor are not "confined"
     max_tiles: int = 8          # more tiles than this is a dense random pattern, not a tile fault
+    tile: int = 16              # edge of the tiles the reduced-precision envelope is measured in
+    band: float = 2.0           # a rounding error within this factor of tau32 may fall either side of it
     accept_reduced_precision: bool = True
 
 
@@ -87,12 +104,19 @@ def classify(f: dict, rules: Rules = Rules()) -> tuple[str, float]:
         return "non_finite", 1.0
     if f["n32"] == 0:
         return "none", float(np.clip(1.0 - f["err_over_tau32"], 0.0, 1.0))
-    found = shape_class(f, "s_", rules)
-    if found:
-        return found
+    if not rounding_footprint(f):
+        found = shape_class(f, "s_", rules)
+        if found:
+            return found
     if f["ngross"] == 0:
         return "reduced_precision", float(np.clip(1.0 - f["err_over_taurp"], 0.0, 1.0))
     return shape_class(f, "g_", rules) or ("block_structured", float(f["g_n"] / f["numel"]))
+
+
+def rounding_footprint(f: dict) -> str:
+    """The reference precision whose footprint S matches ("" if none, or not measured)."""
+    found = f.get("s_rounding")
+    return found if isinstance(found, str) else ""
 
 
 def passes(error_model: str, rules: Rules = Rules()) -> bool:
