@@ -32,26 +32,35 @@ import torch
 
 from . import detect, errors, evidence, kernels, provenance, scores
 from .io import PeatError, atomic_path, open_h5, write_json
-from .profiler import read_layer
+from .profiler import read_layer, recorded_steps
 
 REFERENCES = ("fp16", "bf16", "tf32")
 ROW_BINS = 256  # the per-row error profile is summed into at most this many bins
 
 
 class Timer:
-    """Wall time per category; ``kernel`` is time inside kernel calls only."""
+    """Wall time per category; ``kernel`` is time inside kernel calls only.
+
+    Categories are exclusive: time in a nested category (the kernel calls made while
+    propagating, say) counts there and not in the enclosing one.
+    """
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.start = time.perf_counter()
+        self._nested: list[float] = []  # per open category: seconds spent in categories inside it
 
     @contextmanager
     def __call__(self, category: str):
         t0 = time.perf_counter()
+        self._nested.append(0.0)
         try:
             yield
         finally:
-            self.seconds[category] += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.seconds[category] += spent - self._nested.pop()
+            if self._nested:
+                self._nested[-1] += spent
 
     def record(self) -> dict:
         wall = time.perf_counter() - self.start
@@ -128,13 +137,17 @@ def case_seed(seed: int, *parts) -> int:
 
 # -- one computation on one sample ------------------------------------------------------------
 def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Tensor, env: dict,
-              rules: detect.Rules, noise: dict | None = None, golden_bits: torch.Tensor | None = None) -> dict:
-    """Scores, detector evidence and baselines of one candidate tensor."""
-    err = scores.abs_error(candidate, golden)
-    row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err, golden_bits=golden_bits)
+              rules: detect.Rules, noise: dict | None = None, gold: scores.Golden | None = None) -> dict:
+    """Scores, detector evidence and baselines of one candidate tensor. ``noise`` (the summary of
+    |golden - reference|) and ``gold`` (``scores.Golden.of(golden)``) are shared by every
+    candidate of the same golden tensor."""
+    gold = scores.Golden.of(golden) if gold is None else gold
+    err = scores.abs_error(candidate, golden, gold)
+    row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err, gold=gold)
     row["row_mass"] = _bins(row["row_mass"], ROW_BINS)
     row |= env | evidence.evidence(candidate, golden, env, rules, diff=err, nonfinite=row["nonfinite"])
-    row["allclose"] = evidence.allclose(candidate, golden)
+    # Bitwise equal to a golden without NaN: allclose holds, without another pass.
+    row["allclose"] = (row["frac_diff"] == 0 and gold.finite) or evidence.allclose(candidate, golden)
     row["error_model"], row["confidence"] = detect.classify(row, rules)
     return row
 
@@ -174,9 +187,10 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     layers = target_layers(plan.context, info["ops"], op, plan.layers, key)
     rows, outcomes = [], []
     for layer in layers:
-        with timer("io"):
-            attrs, samples = read_layer(plan.context, layer)
-        samples = [_to(s, plan.device) for s in subsample(samples, plan.max_samples)]
+        with timer("io"):  # only the steps replayed are read
+            attrs, samples = read_layer(plan.context, layer,
+                                        subsample(recorded_steps(plan.context, layer), plan.max_samples))
+        samples = [_to(s, plan.device) for s in samples]
         for computation in plan.computations:
             usable = [s for s in samples if kernels.TARGET[computation] in s]
             if not usable:
@@ -235,8 +249,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                              "case": case, "status": "crash", "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
             env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules)
-            noise = scores.summary(scores.abs_error(ref["golden"], ref["fp64"]))
-            golden_bits = scores.ordered_bits(ref["golden"])
+            gold = scores.Golden.of(ref["golden"])
+            noise = scores.summary(scores.abs_error(ref["fp64"], ref["golden"], gold))
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
                     "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
                     "golden_vs_recorded": float((ref["golden"].double() - sample[target].cpu().double()).abs().max())}
@@ -247,10 +261,10 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                                  "error": f"returned {tuple(cand.shape)}, expected {tuple(ref['golden'].shape)}"})
                     continue
                 rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise,
-                                                              golden_bits)})
+                                                              gold)})
         if plan.propagate is not None and computation == "forward":
             with timer("propagate"):
-                rows += plan.propagate.rows(layer, sample, variants, base, plan.rules)
+                rows += plan.propagate.rows(layer, sample, variants, base, plan.rules, timer)
     return rows
 
 

@@ -1,15 +1,19 @@
 """PEAT's Profiler: record the training context of chosen layers during golden training.
 
 At sampled steps it stores, per target layer, the input activation ``A``, weight ``W``,
-bias ``B``, output gradient ``dO`` and the golden outputs ``O``, ``dA``, ``dW``, ``dB``
-(batch norm also its running statistics before the step). Every step it also stores cheap
-summaries (mean, std, min, max, absmax, non-finite count) of every layer's output
-activation, weight and weight gradient. Everything goes to one self-describing HDF5 file:
+bias ``B`` and output gradient ``dO`` (batch norm also its running statistics before the
+step). The golden outputs ``O``, ``dA``, ``dW``, ``dB`` follow from those with the golden op:
+they are stored only with ``derived=True`` (``record.derived``), otherwise ``read_layer``
+recomputes them (see "Context file" in docs/design.md for when that differs). Every step it
+also stores cheap summaries (mean, std, min, max, absmax, non-finite count, see
+``peat.tensor_stats``) of every layer's output activation, weight and weight gradient.
+Everything goes to one self-describing HDF5 file:
 
     /layers/<module name>/            attrs: op, module_type, hyper-parameters
-    /layers/<module name>/<step>/     A, W, B, O, dO, dA, dW, dB [, running_mean, running_var]
+    /layers/<module name>/<step>/     A, W, B, dO [, O, dA, dW, dB] [, running_mean, running_var];
+                                      attrs step, epoch, training, input_grad
     /summaries                        table: step, epoch, layer, tensor, mean, std, ...
-    root attrs                        model, vendor, torch_version, config_hash, dtype, ...
+    root attrs                        model, vendor, torch_version, config_hash, dtype, derived, ...
 
 Linear-like layers that compute ``x @ W + b`` with a transposed weight (transformers'
 GPT-2 ``Conv1D``) are stored in ``nn.Linear`` convention with attribute ``transposed``.
@@ -28,11 +32,20 @@ import torch
 from torch import nn
 
 from .io import PeatError, atomic_path, open_h5, write_json
+from .tensor_stats import stats
 
 SUMMARY_STATS = ("mean", "std", "min", "max", "absmax", "nonfinite")
 SUMMARY_DTYPE = np.dtype([("step", "i8"), ("epoch", "i4"), ("layer", "S128"), ("tensor", "S8")]
                          + [(s, "f8") for s in SUMMARY_STATS])
-COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True)
+COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True)  # the summaries table
+DERIVED = ("O", "dA", "dW", "dB")  # what the golden op computes from A, W, B and dO
+# Recorded tensors: float32 with random low mantissa bits does not compress (gzip level 1 with
+# shuffle saves about 12% at ~30 ms per MB, longer than a training step takes for the whole
+# layer). Where many elements repeat one value (ReLU zeros and their gradients, image
+# background) lzf shrinks them 2-5x at ~7 ms per MB, so only those are compressed.
+REPEATED_SHARE = 1 / 8
+MIN_COMPRESSED_ELEMENTS = 4096
+MAX_CHUNK_BYTES = 1 << 30  # one chunk per tensor (read whole anyway) up to this size
 
 
 def op_of(module: nn.Module) -> str | None:
@@ -81,28 +94,27 @@ def _as_linear(module: nn.Module, tensor: torch.Tensor | None) -> torch.Tensor |
     return tensor
 
 
-def _stats(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().float()
-    # sum and a norm are an order of magnitude faster than torch.std_mean on CPU.
-    mean = t.sum() / t.numel()
-    std = torch.linalg.vector_norm(t - mean) / max(t.numel() - 1, 1) ** 0.5
-    lo, hi = torch.aminmax(t)
-    absmax = torch.maximum(lo.abs(), hi.abs())
-    # One cheap reduction in the common case: the sum of finite tensors is finite.
-    bad = (~torch.isfinite(t)).sum().float() if not torch.isfinite(mean) else torch.zeros(())
-    return torch.stack([mean, std, lo, hi, absmax, bad])
+def _filters(t: torch.Tensor) -> dict:
+    """HDF5 storage options of one recorded tensor (see REPEATED_SHARE)."""
+    if t.numel() < MIN_COMPRESSED_ELEMENTS:
+        return {}
+    flat = t.reshape(-1)
+    repeated = max(int(torch.count_nonzero(flat == 0)), int(torch.count_nonzero(flat == flat.min())))
+    if repeated < t.numel() * REPEATED_SHARE:
+        return {}
+    return dict(compression="lzf", chunks=tuple(t.shape) if 4 * t.numel() <= MAX_CHUNK_BYTES else True)
 
 
 class Profiler:
     """Attach to a model, then call ``begin_step``/``end_step`` around each training step."""
 
     def __init__(self, path: str | Path, layers: list[str], *, every: int = 1, epochs: list[int] | None = None,
-                 meta: dict | None = None, key: str = "record.layers"):
+                 meta: dict | None = None, key: str = "record.layers", derived: bool = False):
         self.path = Path(path)
         # Kept beside the training state so that a killed run resumes the same file.
         self.partial = self.path.parent / ".partial" / self.path.name
         self.patterns, self.every, self.epochs = layers, every, epochs
-        self.meta, self.key = meta or {}, key
+        self.meta, self.key, self.derived = meta or {}, key, derived
 
     # -- lifecycle ----------------------------------------------------------------------
     def attach(self, model: nn.Module, first_step: int = 0) -> None:
@@ -112,8 +124,11 @@ class Profiler:
         self.first_step, self.last_step = first_step, first_step - 1
         self.naive_bytes_per_step = 0
         self._rows: list[tuple] = []
-        self._pending: dict[str, torch.Tensor] = {}
+        # (layer, tensor) -> six statistics: a numpy row, or a tensor still on the device
+        self._pending: dict[tuple[str, str], np.ndarray | torch.Tensor] = {}
+        self._names = {name: name.encode() for name in self.all_layers}
         self._captured: dict[str, dict] = {}
+        self._input_grad: dict[str, bool] = {}  # whether the recorded layer's input needed a gradient
         self.recording = False
         self._hooks = [m.register_forward_hook(self._forward_hook(n)) for n, m in self.all_layers.items()]
         self._open(resuming=first_step > 0)
@@ -130,7 +145,7 @@ class Profiler:
         self.file = open_h5(self.partial, "w")
         self.file.attrs.update(self.meta)
         self.file.attrs.update(torch_version=str(torch.__version__), dtype="float32", every=self.every,
-                               record_epochs=list(self.epochs or []),
+                               record_epochs=list(self.epochs or []), derived=self.derived,
                                layers=np.array(list(self.targets), dtype=h5py.string_dtype()))
         for name, module in self.targets.items():
             group = self.file.create_group(f"layers/{name}")
@@ -157,20 +172,17 @@ class Profiler:
         if self.recording:
             for name, module in self.targets.items():
                 self._captured[name] = self._before(module)
-                self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name)))
+                if self.derived:  # dA is only stored then
+                    self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name)))
 
     def end_step(self) -> None:
         for name, module in self.all_layers.items():
             weight = getattr(module, "weight", None)
             if weight is not None:
-                self._pending[f"{name}\0W"] = _stats(weight)
+                self._pending[name, "W"] = stats(weight)
                 if weight.grad is not None:
-                    self._pending[f"{name}\0dW"] = _stats(weight.grad)
-        stats = torch.stack(list(self._pending.values())).cpu().numpy() if self._pending else np.zeros((0, 6))
-        for key, row in zip(self._pending, stats):
-            layer, tensor = key.split("\0")
-            self._rows.append((self.step, self.epoch, layer.encode(), tensor.encode(), *row))
-        self._pending.clear()
+                    self._pending[name, "dW"] = stats(weight.grad)
+        self._collect_summaries()
         if self.recording:
             for handle in self._input_hooks:
                 handle.remove()
@@ -179,6 +191,16 @@ class Profiler:
         if self.naive_bytes_per_step == 0:
             self.naive_bytes_per_step = self._naive_bytes
         self.last_step = self.step
+
+    def _collect_summaries(self) -> None:
+        """Turn this step's statistics into summary rows (device tensors moved in one transfer)."""
+        on_device = [key for key, row in self._pending.items() if torch.is_tensor(row)]
+        if on_device:
+            moved = torch.stack([self._pending[key] for key in on_device]).cpu().numpy()
+            self._pending.update(zip(on_device, moved))
+        self._rows += [(self.step, self.epoch, self._names[layer], tensor.encode(), *row)
+                       for (layer, tensor), row in self._pending.items()]
+        self._pending.clear()
 
     def flush(self) -> None:
         if self._rows:
@@ -216,7 +238,7 @@ class Profiler:
         write_json(self.path.with_name("storage.json"), {
             "context_bytes": context, "naive_bytes_per_step": self.naive_bytes_per_step, "steps": steps,
             "naive_bytes": naive, "ratio": context / naive if naive else None,
-            "recorded_layers": list(self.targets), "every": self.every,
+            "recorded_layers": list(self.targets), "every": self.every, "derived": self.derived,
         })
 
     # -- hooks --------------------------------------------------------------------------
@@ -225,14 +247,18 @@ class Profiler:
             if not self.model.training:
                 return
             out = output if torch.is_tensor(output) else output[0]
-            self._pending[f"{name}\0act"] = _stats(out)
+            self._pending[name, "act"] = stats(out)
             if self.naive_bytes_per_step == 0:
                 w = getattr(module, "weight", None)
                 self._sizes = getattr(self, "_sizes", {})
                 self._sizes[name] = 4 * (inputs[0].numel() + out.numel() + (w.numel() if w is not None else 0))
             if self.recording and name in self.targets:
                 cap = self._captured[name]
-                cap["A"], cap["O"] = inputs[0].detach().clone(), out.detach().clone()
+                # Clones: later in-place code (ResNet's `out += identity`) may change these.
+                cap["A"] = inputs[0].detach().clone()
+                self._input_grad[name] = bool(inputs[0].requires_grad)
+                if self.derived:
+                    cap["O"] = out.detach().clone()
                 # A hook registered before an in-place change of `out` still sees the
                 # gradient of the value this layer produced.
                 out.register_hook(self._store(name, "dO"))
@@ -271,31 +297,86 @@ class Profiler:
         return cap
 
     def _write(self, name: str, module: nn.Module, cap: dict) -> None:
-        if module.weight is not None and module.weight.grad is not None:
+        if self.derived and module.weight is not None and module.weight.grad is not None:
             cap["dW"] = _as_linear(module, module.weight.grad)
-        if getattr(module, "bias", None) is not None and module.bias.grad is not None:
+        if self.derived and getattr(module, "bias", None) is not None and module.bias.grad is not None:
             cap["dB"] = module.bias.grad
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
-        group.attrs.update(step=self.step, epoch=self.epoch, training=module.training)
+        group.attrs.update(step=self.step, epoch=self.epoch, training=module.training,
+                           input_grad=self._input_grad.pop(name, False))
         for key, tensor in cap.items():
             if tensor is not None:
-                group.create_dataset(key, data=tensor.detach().float().cpu().numpy(), **COMPRESSION)
+                tensor = tensor.detach().float().cpu()
+                # .numpy() of a contiguous float32 CPU tensor is a view, no copy
+                group.create_dataset(key, data=tensor.numpy(), **_filters(tensor))
 
 
-def read_layer(path: str | Path, layer: str) -> tuple[dict, list[dict]]:
-    """Layer attributes and its recorded samples (dicts of tensors plus step/epoch), in step order."""
+def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True) -> tuple[dict, list[dict]]:
+    """Layer attributes and its recorded samples (dicts of tensors plus step/epoch), in step order;
+    only those of ``steps`` when given. With ``derive``, golden outputs the file does not hold
+    (recorded with ``derived=False``) are computed from the recorded inputs (``derive_outputs``)."""
     with open_h5(path) as f:
-        if f"layers/{layer}" not in f:
-            have = ", ".join(f.get("layers", {}))
-            raise PeatError(f"{path}: no recorded layer {layer!r}; recorded: {have or 'none'}")
-        group = f[f"layers/{layer}"]
+        group = _layer_group(f, path, layer)
         attrs = {k: _plain(v) for k, v in group.attrs.items()}
         samples = []
-        for key in sorted(group):
+        keys = sorted(group) if steps is None else sorted(f"{int(s):07d}" for s in steps)
+        for key in keys:
             sample = {k: torch.from_numpy(v[()]) for k, v in group[key].items()}
             sample.update({k: _plain(v) for k, v in group[key].attrs.items()})
+            if derive and "O" not in sample:
+                sample.update(derive_outputs(sample, attrs))
             samples.append(sample)
     return attrs, samples
+
+
+def derive_outputs(sample: dict, attrs: dict) -> dict:
+    """The golden O, dA, dW, dB of one sample, from its A, W, B and dO (and running statistics).
+
+    They are what the golden kernels (``peat.kernels.golden``) compute in float32 on the CPU:
+    bit-identical to what training produced for most layers, but PyTorch's autograd may round
+    some gradients differently (docs/design.md, "Context file"). dA only where the layer's
+    input needed a gradient; dW and dB where the layer has that parameter.
+    """
+    from . import kernels
+
+    op = attrs["op"]
+    golden = kernels.golden(op)
+
+    def run(computation):
+        args, kwargs = kernels.arguments(op, computation, sample, attrs)
+        # clones: the batch-norm forward updates the running statistics in place
+        kwargs = {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        return golden.computation(computation)(*args, **kwargs)
+
+    out = {"O": run("forward")}
+    if sample.get("input_grad"):
+        out["dA"] = run("input_grad")
+    if sample.get("W") is not None:
+        out["dW"] = run("weight_grad")
+    if sample.get("B") is not None:
+        out["dB"] = _bias_grad(op, sample["dO"], attrs)
+    return out
+
+
+def _bias_grad(op: str, grad_out: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """The bias gradient: ``grad_out`` summed over every dimension but the bias's own."""
+    if op in ("conv2d", "batch_norm"):  # channels are dimension 1
+        return grad_out.sum([d for d in range(grad_out.dim()) if d != 1])
+    kept = len(attrs["normalized_shape"]) if op == "layer_norm" else 1
+    return grad_out.reshape(-1, *grad_out.shape[grad_out.dim() - kept:]).sum(0)
+
+
+def recorded_steps(path: str | Path, layer: str) -> list[int]:
+    """The steps at which ``layer`` was recorded, in order (nothing else is read)."""
+    with open_h5(path) as f:
+        return sorted(int(key) for key in _layer_group(f, path, layer))
+
+
+def _layer_group(f, path, layer: str):
+    if f"layers/{layer}" not in f:
+        have = ", ".join(f.get("layers", {}))
+        raise PeatError(f"{path}: no recorded layer {layer!r}; recorded: {have or 'none'}")
+    return f[f"layers/{layer}"]
 
 
 def _plain(value):

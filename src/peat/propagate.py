@@ -21,19 +21,22 @@ input and the input recorded at that step (0 when the rebuilt state is exact).
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, errors, kernels
+from . import checkpoint, errors, kernels, scores
 from .evidence import envelopes
 from .io import open_h5
 from .models import build, loss_and_metrics
-from .profiler import match_layers, read_layer
+from .profiler import match_layers, read_layer, recorded_steps
 from .train import Run, _subset, epoch_batches
 
 REFERENCES = ("fp16", "bf16", "tf32")
+KEEP_MODELS = 4  # rebuilt networks kept (float32 and float64 pair per step): steps recur across layers
 
 
 @dataclass
@@ -46,7 +49,7 @@ class Propagator:
     seed: int = 0
     samples: int | None = 2          # propagated steps per layer (evenly spaced); None = all replayed
     device: torch.device = torch.device("cpu")
-    _state: dict = field(default_factory=dict, repr=False)
+    _models: OrderedDict = field(default_factory=OrderedDict, repr=False)  # step -> (model, float64 copy)
 
     def __post_init__(self):
         from .data import load
@@ -59,15 +62,28 @@ class Propagator:
         self.batch_size = run.batch_size
         self.per_epoch = len(epoch_batches(len(self.x), self.batch_size, self.seed, 0))
         self.saved = sorted((int(_attrs(p)["step"]), p) for p in Path(self.checkpoints).glob("epoch*.h5"))
-        self.recorded = {}
+        self.steps: dict[str, list[int]] = {}
         self.chosen: dict[str, set] = {}
 
     # -- the rebuilt network ------------------------------------------------------------------
-    def _samples(self, layer: str) -> dict[int, dict]:
-        if layer not in self.recorded:
-            attrs, samples = read_layer(self.context, layer)
-            self.recorded[layer] = (attrs, {int(s["step"]): s for s in samples})
-        return self.recorded[layer][1]
+    def _steps(self, layer: str) -> list[int]:
+        if layer not in self.steps:
+            self.steps[layer] = recorded_steps(self.context, layer)
+        return self.steps[layer]
+
+    def models_at(self, step: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """``model_at(step)`` and its float64 copy, rebuilt once per step for every layer and case.
+
+        Forwards in training mode change only batch-norm running statistics, which no
+        training-mode output reads, so a rebuilt network serves any number of observations.
+        """
+        if step not in self._models:
+            model = self.model_at(step)
+            self._models[step] = (model, copy.deepcopy(model).double())
+            while len(self._models) > KEEP_MODELS:
+                self._models.popitem(last=False)
+        self._models.move_to_end(step)
+        return self._models[step]
 
     def model_at(self, step: int) -> torch.nn.Module:
         """The network as it was before ``step``: checkpoint weights, recorded layers exact."""
@@ -80,11 +96,11 @@ class Propagator:
             checkpoint.load(before[-1], model)
         modules = match_layers(model, self.order)
         for name, module in modules.items():
-            sample = self._samples(name).get(step)
-            if sample is None:
+            if step not in self._steps(name):
                 continue
+            attrs, (sample,) = read_layer(self.context, name, [step])
             with torch.no_grad():
-                w = sample["W"].t() if self.recorded[name][0].get("transposed") else sample["W"]
+                w = sample["W"].t() if attrs.get("transposed") else sample["W"]
                 module.weight.copy_(w)
                 if sample.get("B") is not None and getattr(module, "bias", None) is not None:
                     module.bias.copy_(sample["B"])
@@ -133,26 +149,30 @@ class Propagator:
         seen["loss"] = loss.detach().reshape(1)
         return seen
 
-    def rows(self, layer: str, sample: dict, variants: dict, base: dict, rules) -> list[dict]:
-        """Playback rows at the later observing points for the forward of ``layer`` at this sample."""
+    def rows(self, layer: str, sample: dict, variants: dict, base: dict, rules, timer=None) -> list[dict]:
+        """Playback rows at the later observing points for the forward of ``layer`` at this sample;
+        ``timer`` (a ``peat.playback.Timer``) accounts the kernel calls apart."""
         from .playback import score_row
 
-        steps = sorted(self._samples(layer))
         step = int(sample["step"])
-        if not self.wanted(layer, step, steps):
+        if not self.wanted(layer, step, self._steps(layer)):
             return []
-        attrs = self.recorded[layer][0]
+        attrs, _ = read_layer(self.context, layer, [])  # the layer's attributes alone
         nxt = self.order[self.order.index(layer) + 1] if self.order.index(layer) + 1 < len(self.order) else None
-        model = self.model_at(step)
+        model, model64 = self.models_at(step)
         x, y = self.batch(step, int(sample["epoch"]))
         gold = self.observe(model, layer, nxt, x, y)
-        ref64 = self.observe(copy.deepcopy(model).double(), layer, nxt, x if not x.is_floating_point() else x.double(), y)
+        ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y)
         recon = float((gold["A"].cpu() - sample["A"]).abs().max() / sample["A"].abs().max().clamp_min(1e-30))
+        timed = (lambda: timer("kernel")) if timer is not None else nullcontext
+
+        def call(kernel, live, a):
+            with timed():
+                return kernels.call(kernel, "forward", live | {"A": a}, attrs)
 
         def through(kernel):
             live = dict(sample)
-            return self.observe(model, layer, nxt, x, y,
-                                replace=lambda a: kernels.call(kernel, "forward", live | {"A": a}, attrs))
+            return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a))
 
         golden_kernel = kernels.golden(attrs["op"])
         rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in REFERENCES}
@@ -161,10 +181,12 @@ class Propagator:
         for point in (["next", "loss"] if nxt is not None else ["loss"]):
             g, r = gold[point].cpu(), ref64[point].cpu()
             env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules)
+            gold_point = scores.Golden.of(g)
+            noise = scores.summary(scores.abs_error(r, g, gold_point))
             fop, tensor = (f"next:{nxt}", "O") if point == "next" else ("loss", "loss")
             for case, seen in runs.items():
                 out.append({**base, "fop": fop, "tensor": tensor, "case": case, "recon_error": recon,
-                            **score_row(seen[point].cpu().float(), g, r, env, rules)})
+                            **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)})
         return out
 
 

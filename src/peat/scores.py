@@ -11,6 +11,7 @@ where golden is finite. Everything works on plain tensors; nothing here knows ab
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,22 +25,52 @@ TINY = 1e-30
 MAP_SIZE = 32       # edge of the downsampled spatial error map kept per tensor
 
 
-def abs_error(candidate: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
-    """|candidate - golden| in float64, with non-finite differences kept as inf."""
-    err = (candidate.double() - golden.double()).abs()
-    return torch.nan_to_num(err, nan=math.inf)
+@dataclass(frozen=True)
+class Golden:
+    """What every candidate's scores need from one golden tensor, worked out once per tensor
+    (one golden serves the kernel, every error model and every reference)."""
+
+    double: torch.Tensor   # golden in float64
+    bits: np.ndarray       # float32 bit patterns, flat int32
+    ordered: np.ndarray    # ``ordered_bits`` of them, flat int64
+    finite: bool           # every element finite
+
+    @classmethod
+    def of(cls, golden: torch.Tensor) -> "Golden":
+        g = golden.float().contiguous()
+        bits = g.view(torch.int32).reshape(-1).numpy()
+        return cls(golden.double(), bits, _ordered(bits).astype(np.int64), bool(torch.isfinite(g).all()))
+
+
+def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None = None) -> torch.Tensor:
+    """|candidate - golden| in float64, with NaN differences as inf (an infinite one becomes the
+    largest float64, ``torch.nan_to_num``'s default)."""
+    err = torch.sub(candidate.double(), golden.double() if gold is None else gold.double)
+    return torch.nan_to_num_(err.abs_(), nan=math.inf)
 
 
 def summary(err: torch.Tensor) -> dict:
-    """PEAT's four scores of an absolute-error tensor: max, mean, top-10 % mean, variance."""
+    """PEAT's four scores of an absolute-error tensor (``err`` >= 0): max, mean, top-10 % mean,
+    variance."""
     flat = err.reshape(-1).double().numpy()
     finite = flat[np.isfinite(flat)] if not np.isfinite(flat).all() else flat
     if finite.size == 0:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
-    top = np.partition(finite, finite.size - k)[finite.size - k:]  # O(n), unlike a sort
-    return {"max": float(top.max()), "mean": float(finite.mean()), "top10": float(top.mean()),
-            "var": float(finite.var())}
+    top = _top(finite, k)
+    return {"max": float(top.max()) if top.size else 0.0, "mean": float(finite.mean()),
+            "top10": float(top.sum() / k), "var": float(finite.var())}
+
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` largest of ``values`` (>= 0), less the zeros among them: exact errors are
+    usually most of a tensor, and selecting among the nonzero ones alone is much faster."""
+    nonzero = np.count_nonzero(values)
+    if nonzero < values.size:
+        values = values[values != 0]
+    if nonzero <= k:
+        return values
+    return np.partition(values, nonzero - k)[nonzero - k:]  # O(n), unlike a sort
 
 
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,8 +97,13 @@ def xor_bits(candidate: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
 def bit_histogram(candidate: torch.Tensor, golden: torch.Tensor, xor: torch.Tensor | None = None) -> np.ndarray:
     """Count of elements whose bit ``b`` (0 = mantissa LSB, 31 = sign) differs, for b in 0..31."""
     xor = xor_bits(candidate, golden) if xor is None else xor
+    return _bit_counts(xor.reshape(-1).numpy())
+
+
+def _bit_counts(xor: np.ndarray) -> np.ndarray:
+    """``bit_histogram`` of int32 XOR patterns."""
     # Four byte histograms (one pass each) instead of 32 bit passes.
-    as_bytes = xor.reshape(-1).numpy().astype("<i4", copy=False).view(np.uint8).reshape(-1, 4)
+    as_bytes = xor.astype("<i4", copy=False).view(np.uint8).reshape(-1, 4)
     return np.concatenate([np.bincount(as_bytes[:, k], minlength=256) @ _BYTE_BITS for k in range(4)])
 
 
@@ -105,8 +141,10 @@ def tile_concentration(err2d: np.ndarray, tile: int = TILE) -> float:
     if total <= 0 or not math.isfinite(total):
         return 0.0
     rows, cols = (math.ceil(s / tile) * tile for s in err2d.shape)
-    padded = np.zeros((rows, cols))
-    padded[:err2d.shape[0], :err2d.shape[1]] = err2d
+    padded = err2d
+    if (rows, cols) != err2d.shape:  # zeros added to the last partial tiles change no sum
+        padded = np.zeros((rows, cols))
+        padded[:err2d.shape[0], :err2d.shape[1]] = err2d
     tiles = padded.reshape(rows // tile, tile, cols // tile, tile).sum(axis=(1, 3))
     return float(tiles.max()) / total
 
@@ -116,14 +154,19 @@ def downsample(m: np.ndarray, size: int = MAP_SIZE) -> np.ndarray:
     for axis in (0, 1):
         if m.shape[axis] > size:
             edges = np.linspace(0, m.shape[axis], size + 1).round().astype(int)[:-1]
-            m = np.add.reduceat(m, edges, axis=axis)
+            if axis == 0:  # the same sums along a contiguous transposed copy, faster than down columns
+                m = np.add.reduceat(torch.from_numpy(m).t().contiguous().numpy(), edges, axis=1).T
+            else:
+                m = np.add.reduceat(m, edges, axis=1)
     return m
 
 
 def spatial(err: torch.Tensor) -> dict:
     """Error mass per row and per column of the matrix view, periodicity, tile concentration and a
     downsampled error map (``map``, flattened, shape in ``map_rows`` x ``map_cols``)."""
-    m = np.nan_to_num(matrix(err).double().numpy(), nan=0.0, posinf=0.0)
+    m = matrix(err).double().numpy()
+    if not np.isfinite(m).all():
+        m = np.nan_to_num(m, nan=0.0, posinf=0.0)
     rows, cols = m.sum(1), m.sum(0)
     small = downsample(m)
     col_period, col_frac = periodicity(cols)
@@ -133,28 +176,58 @@ def spatial(err: torch.Tensor) -> dict:
             "map": small.reshape(-1), "map_rows": small.shape[0], "map_cols": small.shape[1]}
 
 
+def bit_scores(candidate: torch.Tensor, gold: Golden) -> dict:
+    """ULP distance (median, max), fraction of differing elements, non-finite count and bit
+    histogram, from one XOR of the bit patterns. Elements whose bits agree contribute zeros
+    only, so the rest works on the differing elements alone unless they are most of the tensor."""
+    bits = candidate.float().contiguous().view(torch.int32).reshape(-1).numpy()
+    xor = bits ^ gold.bits
+    n = xor.size
+    where = np.flatnonzero(xor)
+    if where.size > n // 2:
+        cand, golden, ordered = bits, gold.bits, gold.ordered
+    else:
+        cand, golden, ordered, xor = bits[where], gold.bits[where], gold.ordered[where], xor[where]
+    ulp = np.subtract(_ordered(cand), ordered, dtype=np.int64)
+    ulp = np.abs(ulp, out=ulp)
+    below = n - ulp.size  # agreeing elements left out: all at ULP distance 0, the smallest
+    exponent = np.int32(0x7F800000)
+    nonfinite = (cand & exponent) == exponent
+    if not gold.finite:
+        nonfinite &= (golden & exponent) != exponent
+    return {"ulp_median": float(_order_statistic(ulp, n // 2 - below)), "ulp_max": float(ulp.max()) if ulp.size else 0.0,
+            "frac_diff": where.size / n if n else math.nan, "nonfinite": int(np.count_nonzero(nonfinite)),
+            "bits": _bit_counts(xor)}
+
+
+def _ordered(bits: np.ndarray) -> np.ndarray:
+    """``ordered_bits`` of int32 float32 patterns, still int32 (they fit; their differences
+    need int64): a negative pattern -2^31 + L maps to -L, branch-free (sign = -1 there)."""
+    sign = bits >> 31
+    return (bits ^ (sign & 0x7FFFFFFF)) - sign
+
+
+def _order_statistic(values: np.ndarray, i: int):
+    """The ``i``-th smallest of ``values`` (>= 0); 0 when ``i`` < 0 (an omitted zero)."""
+    if i < 0 or values.size - np.count_nonzero(values) > i:
+        return 0
+    return np.partition(values, i)[i]
+
+
 def tensor_scores(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Tensor,
-                  noise: dict | None = None, err: torch.Tensor | None = None,
-                  golden_bits: torch.Tensor | None = None) -> dict:
+                  noise: dict | None = None, err: torch.Tensor | None = None, gold: Golden | None = None) -> dict:
     """All scores of one candidate tensor; ``reference`` is the float64 result on the same inputs.
 
     ``rel_*`` divide by the same score of |golden - reference|: 1 means "as far from golden as
     float32 rounding itself", PEAT's yardstick. ``noise`` (that summary), ``err``
-    (|candidate - golden|) and ``golden_bits`` (``ordered_bits(golden)``) may be passed in
-    when already computed: one golden serves many candidates.
+    (|candidate - golden|) and ``gold`` (``Golden.of(golden)``) may be passed in when already
+    computed: one golden serves many candidates.
     """
-    err = abs_error(candidate, golden) if err is None else err
-    noise = summary(abs_error(golden, reference)) if noise is None else noise
+    gold = Golden.of(golden) if gold is None else gold
+    err = abs_error(candidate, golden, gold) if err is None else err
+    noise = summary(abs_error(reference, golden, gold)) if noise is None else noise
     abs_scores = summary(err)
-    ulp = ulp_distance(candidate, golden, golden_bits).reshape(-1).numpy()
-    xor = xor_bits(candidate, golden)
     out = {f"err_{k}": v for k, v in abs_scores.items()}
     out |= {f"noise_{k}": v for k, v in noise.items()}
     out |= {f"rel_{k}": abs_scores[k] / max(noise[k], TINY) for k in abs_scores}
-    out |= {
-        "ulp_median": float(np.partition(ulp, ulp.size // 2)[ulp.size // 2]), "ulp_max": float(ulp.max()),
-        "frac_diff": float((xor != 0).double().mean()),
-        "nonfinite": int((~torch.isfinite(candidate) & torch.isfinite(golden)).sum()),
-        "bits": bit_histogram(candidate, golden, xor),
-    }
-    return out | spatial(err)
+    return out | bit_scores(candidate, gold) | spatial(err)
