@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import time
 from pathlib import Path
 
@@ -110,9 +112,24 @@ def test_call_leaves_recorded_running_stats_alone(context):
     assert torch.equal(samples[0]["running_mean"], before)
 
 
-def test_golden_routing_is_bit_identical_to_pytorch():
+def cumulative_bn(model):
+    model.bn.momentum = None
+
+
+def stateless_bn(model):
+    model.bn = nn.BatchNorm2d(8, track_running_stats=False)
+
+
+def frozen_bn(model):
+    model.eval()  # batch norm normalises with its running statistics (and the deep copy stays in eval)
+
+
+@pytest.mark.parametrize("variant", [None, cumulative_bn, stateless_bn, frozen_bn])
+def test_golden_routing_is_bit_identical_to_pytorch(variant):
     torch.manual_seed(0)
     plain = Tiny()
+    if variant is not None:
+        variant(plain)
     routed = copy.deepcopy(plain)
     names = sum((kernels.route(routed, kernels.golden(op)) for op in kernels.OPS), [])
     assert sorted(names) == ["bn", "conv1", "conv2", "fc", "ln", "proj"]
@@ -120,6 +137,55 @@ def test_golden_routing_is_bit_identical_to_pytorch():
     train_steps(routed)
     for (name, a), b in zip(plain.state_dict().items(), routed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("custom", [("forward",), ("input_grad",), ("weight_grad",), kernels.COMPUTATIONS])
+def test_golden_functions_called_as_a_kernel_are_bit_identical_too(custom):
+    """The same golden functions declared as the kernel's own: each goes through the kernel path
+    (for the norms, a backward without the forward's saved statistics)."""
+    torch.manual_seed(0)
+    plain = Tiny()
+    routed = copy.deepcopy(plain)
+    for op in kernels.OPS:
+        kernels.route(routed, dataclasses.replace(kernels.golden(op), custom=custom))
+    train_steps(plain)
+    train_steps(routed)
+    for (name, a), b in zip(plain.state_dict().items(), routed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+HEAVY_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",
+             "native_layer_norm", "native_layer_norm_backward", "mm", "addmm"}
+
+
+def heavy_ops(model) -> collections.Counter:
+    """The compute-bound aten ops one training step runs (what golden routing must not add to)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            if name in HEAVY_OPS:
+                seen[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        train_steps(model, steps=1)
+    return seen
+
+
+def test_golden_routing_runs_the_same_ops_as_pytorch():
+    """One fused backward per layer, and the norms' statistics computed once (in the forward)."""
+    torch.manual_seed(0)
+    plain = Tiny()
+    routed = copy.deepcopy(plain)
+    for op in kernels.OPS:
+        kernels.route(routed, kernels.golden(op))
+    expected = heavy_ops(plain)
+    assert expected["native_batch_norm"] == 1 and expected["convolution_backward"] == 2
+    assert heavy_ops(routed) == expected
 
 
 # -- shipped alternatives ---------------------------------------------------------------------

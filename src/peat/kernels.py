@@ -93,11 +93,14 @@ def _bn_forward(x, weight, bias, *, running_mean, running_var, training, momentu
     return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
-def _bn_backward(grad_out, x, weight, running_mean, running_var, training, eps, mask):
+def _bn_backward(grad_out, x, weight, running_mean, running_var, training, eps, mask, stats=()):
     training = bool(training or running_mean is None)
-    # The statistics autograd would have saved, so golden routing is bit-identical to PyTorch.
-    mean, invstd = torch.ops.aten.native_batch_norm(x, None, None, None, None, True, 0.0, eps)[1:] \
-        if training else (None, None)
+    # The statistics autograd saves (``stats`` when the golden forward kept them, else recomputed),
+    # so golden routing is bit-identical to PyTorch.
+    if not stats:
+        stats = torch.ops.aten.native_batch_norm(x, None, None, None, None, True, 0.0, eps)[1:] \
+            if training else (None, None)
+    mean, invstd = stats
     if weight is None:
         weight = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
     return torch.ops.aten.native_batch_norm_backward(
@@ -116,8 +119,8 @@ def _ln_forward(x, weight, bias, *, normalized_shape, eps):
     return F.layer_norm(x, list(normalized_shape), weight, bias, eps)
 
 
-def _ln_backward(grad_out, x, weight, normalized_shape, eps, mask):
-    mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), None, None, eps)[1:]
+def _ln_backward(grad_out, x, weight, normalized_shape, eps, mask, stats=()):
+    mean, rstd = stats or torch.ops.aten.native_layer_norm(x, list(normalized_shape), None, None, eps)[1:]
     if weight is None:
         weight = torch.ones(list(normalized_shape), dtype=x.dtype, device=x.device)
     return torch.ops.aten.native_layer_norm_backward(grad_out, x, list(normalized_shape), mean, rstd, weight,
@@ -267,7 +270,7 @@ def _norm_hp(op: str, sample: dict, attrs: dict, computation: str) -> dict:
     hp = {"running_mean": sample.get("running_mean"), "running_var": sample.get("running_var"),
           "training": bool(sample.get("training", True)), "eps": float(attrs["eps"])}
     if computation == "forward":
-        momentum = float(attrs.get("momentum", 0.1))
+        momentum = float(sample.get("momentum", attrs.get("momentum", 0.1)))  # a routed call's own momentum
         hp["momentum"] = None if momentum < 0 else momentum
     return hp
 
@@ -457,36 +460,82 @@ def _checked(value, expect, seconds) -> Outcome:
 
 
 # -- routing layers through a kernel during training ------------------------------------------
+@dataclass(frozen=True)
+class _Plan:
+    """How one routed layer runs, decided once at route time, so that a call does little besides the ops."""
+
+    kernel: Kernel
+    attrs: dict  # the layer's hyper-parameters as the Profiler records them (for the kernel's own functions)
+    hp: dict  # the same, parsed once for the golden ops
+    golden_forward: bool  # the kernel keeps PyTorch's forward
+    own: frozenset  # the gradients the kernel computes itself; the rest come from one fused golden call
+
+
+def _plan(kernel: Kernel, attrs: dict) -> _Plan:
+    hp = {"conv2d": lambda: _conv_hp(attrs), "linear": dict,
+          "batch_norm": lambda: {"eps": float(attrs["eps"])},
+          "layer_norm": lambda: {"normalized_shape": list(attrs["normalized_shape"]), "eps": float(attrs["eps"])},
+          }[kernel.op]()
+    return _Plan(kernel, attrs, hp, golden_forward="forward" not in kernel.custom,
+                 own=frozenset(kernel.custom) & {"input_grad", "weight_grad"})
+
+
 class _Routed(torch.autograd.Function):
     """One routed layer call: forward, input and weight gradients by the kernel, bias grad golden."""
 
     @staticmethod
-    def forward(ctx, kernel, attrs, state, x, weight, bias):
-        ctx.kernel, ctx.attrs, ctx.state = kernel, attrs, state
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
-        sample = {"A": x, "W": weight, "B": bias, **state}
-        args, kwargs = arguments(kernel.op, "forward", sample, attrs)
-        return _checked_result(kernel, "forward", kernel.forward(*args, **kwargs), output_shape(kernel.op, x, weight, attrs),
-                               x.dtype)
+    def forward(ctx, plan, state, x, weight, bias):
+        ctx.plan, ctx.state = plan, state
+        if plan.golden_forward:
+            out, stats = _golden_forward(plan.kernel.op, plan.hp, state, x, weight, bias)
+        else:
+            out, stats = _kernel_forward(plan, state, x, weight, bias), ()
+        ctx.save_for_backward(x, weight, *stats)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        kernel, (x, weight) = ctx.kernel, ctx.saved_tensors
-        sample = {"A": x, "W": weight, "dO": grad_out.contiguous(), **ctx.state}
-        needed = {"input_grad": ctx.needs_input_grad[3], "weight_grad": ctx.needs_input_grad[4]}
-        own = {c for c, need in needed.items() if need and c in kernel.custom}
+        plan, (x, weight, *stats) = ctx.plan, ctx.saved_tensors
+        need = dict(zip(("input_grad", "weight_grad", "bias_grad"), ctx.needs_input_grad[2:]))
         # What the kernel leaves to golden comes from one fused call, as in PyTorch's own backward.
-        mask = [needed["input_grad"] and "input_grad" not in own, needed["weight_grad"] and "weight_grad" not in own,
-                ctx.has_bias and ctx.needs_input_grad[5]]
-        dx, dw, db = _golden_grads(kernel.op, sample, ctx.attrs, mask) if any(mask) else (None, None, None)
-        grads = {"input_grad": dx, "weight_grad": dw}
-        for computation in own:
-            args, kwargs = arguments(kernel.op, computation, sample, ctx.attrs)
-            like = x if computation == "input_grad" else weight
-            grads[computation] = _checked_result(kernel, computation, kernel.computation(computation)(*args, **kwargs),
-                                                 like.shape, like.dtype)
-        return None, None, None, grads["input_grad"], grads["weight_grad"], db
+        mask = [need[c] and c not in plan.own for c in need]
+        grads = list(_golden_grads(plan, ctx.state, grad_out, x, weight, stats, mask)) if any(mask) else [None] * 3
+        for slot, computation in enumerate(("input_grad", "weight_grad")):
+            if need[computation] and computation in plan.own:
+                grads[slot] = _kernel_grad(plan, ctx.state, computation, grad_out, x, weight)
+        return None, None, *grads
+
+
+def _golden_forward(op: str, hp: dict, state: dict, x, weight, bias) -> tuple[torch.Tensor, tuple]:
+    """(output, what autograd would save for the backward): the aten calls ``F.*`` makes on CPU, so the
+    output is bit-identical and the norms' backward reuses the forward's mean and inverse std."""
+    if op == "conv2d":
+        return F.conv2d(x, weight, bias, hp["stride"], hp["padding"], hp["dilation"], hp["groups"]), ()
+    if op == "linear":
+        return F.linear(x, weight, bias), ()
+    if op == "batch_norm":
+        if state["training"]:
+            F._verify_batch_size(x.size())  # F.batch_norm's error for one value per channel
+        out, *stats = torch.ops.aten.native_batch_norm(x, weight, bias, state["running_mean"], state["running_var"],
+                                                       state["training"], state["momentum"], hp["eps"])
+        return out, stats
+    out, *stats = torch.ops.aten.native_layer_norm(x, hp["normalized_shape"], weight, bias, hp["eps"])
+    return out, stats
+
+
+def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
+    kernel = plan.kernel
+    args, kwargs = arguments(kernel.op, "forward", {"A": x, "W": weight, "B": bias, **state}, plan.attrs)
+    return _checked_result(kernel, "forward", kernel.forward(*args, **kwargs),
+                           output_shape(kernel.op, x, weight, plan.attrs), x.dtype)
+
+
+def _kernel_grad(plan: _Plan, state: dict, computation: str, grad_out, x, weight) -> torch.Tensor:
+    kernel = plan.kernel
+    sample = {"A": x, "W": weight, "dO": grad_out.contiguous(), **state}
+    args, kwargs = arguments(kernel.op, computation, sample, plan.attrs)
+    like = x if computation == "input_grad" else weight
+    return _checked_result(kernel, computation, kernel.computation(computation)(*args, **kwargs), like.shape, like.dtype)
 
 
 class ShapeMismatch(PeatError):
@@ -512,46 +561,44 @@ def _checked_result(kernel: Kernel, computation: str, value, shape, dtype) -> to
     return value
 
 
-def _golden_grads(op: str, sample: dict, attrs: dict, mask: list[bool]) -> tuple:
-    """Golden (input, weight, bias) gradients where ``mask`` says, computed as PyTorch's backward does."""
-    dO, x, w = sample["dO"], sample["A"], sample["W"]
+def _golden_grads(plan: _Plan, state: dict, dO, x, w, stats, mask: list[bool]) -> tuple:
+    """Golden (input, weight, bias) gradients where ``mask`` says, computed as PyTorch's backward does
+    (``stats``: what the golden forward saved, empty when the kernel's own forward ran)."""
+    op, hp = plan.kernel.op, plan.hp
     if op == "linear":
         golden = GOLDEN["linear"]
         return (golden["input_grad"](dO, w) if mask[0] else None, golden["weight_grad"](dO, x) if mask[1] else None,
                 dO.reshape(-1, dO.shape[-1]).sum(0) if mask[2] else None)
     if op == "conv2d":
-        hp = _conv_hp(attrs)
         return torch.ops.aten.convolution_backward(
             dO, x, w, [w.shape[0]] if mask[2] else None, hp["stride"], hp["padding"], hp["dilation"], False, [0, 0],
             hp["groups"], mask)
     if op == "batch_norm":
-        return _bn_backward(dO, x, w, sample["running_mean"], sample["running_var"], sample["training"],
-                            float(attrs["eps"]), mask)
-    return _ln_backward(dO, x, w, tuple(attrs["normalized_shape"]), float(attrs["eps"]), mask)
+        return _bn_backward(dO, x, w, state["running_mean"], state["running_var"], state["training"], hp["eps"], mask,
+                            stats)
+    return _ln_backward(dO, x, w, hp["normalized_shape"], hp["eps"], mask, stats)
 
 
 def _routed_forward(module, kernel: Kernel, active: Callable[[], bool] | None):
     from .profiler import hyper_params
 
     original = module.forward
-    attrs = hyper_params(module)
-    transposed = bool(attrs.get("transposed"))
+    plan = _plan(kernel, hyper_params(module))
+    transposed = bool(plan.attrs.get("transposed"))
+    batch_norm = kernel.op == "batch_norm"
 
     def forward(x, *rest, **kw):
         if active is not None and not active():
             return original(x, *rest, **kw)
         weight = module.weight.t() if transposed else module.weight
-        state, call_attrs = {}, attrs
-        if kernel.op == "batch_norm":
-            state, call_attrs = _bn_state(module, attrs)
-        return _Routed.apply(kernel, call_attrs, state, x, weight, module.bias)
+        return _Routed.apply(plan, _bn_state(module) if batch_norm else {}, x, weight, module.bias)
 
     forward.routed = kernel
     return forward
 
 
-def _bn_state(module, attrs: dict) -> tuple[dict, dict]:
-    """Running statistics and momentum exactly as ``nn.BatchNorm`` would use them this call."""
+def _bn_state(module) -> dict:
+    """Running statistics, training flag and momentum exactly as ``nn.BatchNorm`` would use them this call."""
     training = module.training or module.running_mean is None
     momentum = 0.0 if module.momentum is None else module.momentum
     if module.training and module.track_running_stats and module.num_batches_tracked is not None:
@@ -559,9 +606,8 @@ def _bn_state(module, attrs: dict) -> tuple[dict, dict]:
         if module.momentum is None:
             momentum = 1.0 / float(module.num_batches_tracked)
     use_running = not module.training or module.track_running_stats
-    state = {"running_mean": module.running_mean if use_running else None,
-             "running_var": module.running_var if use_running else None, "training": training}
-    return state, attrs | {"momentum": momentum}
+    return {"running_mean": module.running_mean if use_running else None,
+            "running_var": module.running_var if use_running else None, "training": training, "momentum": momentum}
 
 
 def select(model: torch.nn.Module, op: str, layers: list[str] | None = None, key: str = "kernels.layers") -> list[str]:
