@@ -19,7 +19,8 @@ from conftest import REPO, TEST_CONFIG, snakemake
 from peat import checkpoint, data, models
 from peat.device import for_vendor
 from peat.io import PeatError
-from peat.profiler import read_layer
+from peat import tensor_stats
+from peat.profiler import DERIVED, Profiler, read_layer
 from peat.train import train_model
 
 CONFIG = yaml.safe_load(TEST_CONFIG.read_text())
@@ -141,6 +142,12 @@ def test_context_holds_the_promised_tensors(golden_twice):
         summaries = f["summaries"][()]
         assert set(summaries["step"]) == set(range(8))
         assert np.all(summaries["nonfinite"] == 0)
+        # record.derived is off: the golden outputs are not stored, read_layer derives them
+        assert not f.attrs["derived"] and set(f["layers/bn1/0000002"]) == {"A", "W", "B", "dO", "running_mean",
+                                                                           "running_var"}
+        assert not f["layers/conv1/0000002"].attrs["input_grad"] and f["layers/fc/0000002"].attrs["input_grad"]
+        # ReLU zeros in bn1's output gradient make it worth compressing; a weight never is
+        assert f["layers/bn1/0000002/dO"].compression == "lzf" and f["layers/conv1/0000002/W"].compression is None
     attrs, samples = read_layer(path, "conv1")
     s = samples[1]
     assert s["step"] == 2 and s["epoch"] == 1
@@ -154,6 +161,91 @@ def test_context_holds_the_promised_tensors(golden_twice):
     assert torch.equal(fc[0]["dA"], fc[0]["dO"] @ fc[0]["W"])
     _, bn = read_layer(path, "bn1")
     assert {"running_mean", "running_var", "dA", "dB"} <= set(bn[0])
+    assert torch.equal(bn[0]["dB"], bn[0]["dO"].sum((0, 2, 3)))
+
+
+def tiny_training(tmp_path: Path, record: bool, derived: bool = False) -> dict:
+    """Three SGD steps of a conv/bn/linear/ln network, recorded every step; the final weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 24),
+                                torch.nn.LayerNorm(24), torch.nn.ReLU(), torch.nn.Linear(24, 5))
+    prof = Profiler(tmp_path / "context.h5", ["*"], every=1, meta={"vendor": "cpu"}, derived=derived) if record else None
+    if prof:
+        prof.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        if prof:
+            prof.begin_step(step, 1)
+        opt.zero_grad(set_to_none=True)
+        x, y = torch.randn(16, 3, 6, 6, generator=g), torch.randint(0, 5, (16,), generator=g)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if prof:
+            prof.end_step()
+        opt.step()
+    if prof:
+        prof.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_recording_leaves_training_bit_identical_and_derived_outputs_match_the_stored_ones(tmp_path):
+    plain = tiny_training(tmp_path / "plain", record=False)
+    (tmp_path / "lean").mkdir()
+    (tmp_path / "full").mkdir()
+    lean, full = tiny_training(tmp_path / "lean", True), tiny_training(tmp_path / "full", True, derived=True)
+    for weights in (lean, full):
+        assert weights.keys() == plain.keys() and all(torch.equal(weights[k], plain[k]) for k in plain)
+    lean_ctx, full_ctx = tmp_path / "lean" / "context.h5", tmp_path / "full" / "context.h5"
+    stored = h5_datasets(full_ctx)
+    assert set(h5_datasets(lean_ctx)) == {k for k in stored if k.rpartition("/")[2] not in DERIVED}
+    with h5py.File(full_ctx) as f:
+        layers = list(f["layers"])
+    assert layers == ["0", "1", "3", "5", "6", "8"]
+    for layer in layers:
+        attrs, derived = read_layer(lean_ctx, layer)
+        _, recorded = read_layer(full_ctx, layer)
+        for d, r in zip(derived, recorded):
+            assert set(d) == set(r)
+            assert torch.equal(d["O"], r["O"]), layer  # forward outputs: bit for bit
+            for key in DERIVED[1:]:  # autograd may sum in another order than the golden kernel
+                if key in r:
+                    torch.testing.assert_close(d[key], r[key], rtol=1e-5, atol=1e-7)
+    # Summaries are the same whether or not the golden outputs are stored.
+    assert stored["summaries"].tobytes() == h5_datasets(lean_ctx)["summaries"].tobytes()
+    assert read_layer(lean_ctx, "0", derive=False)[1][0].keys().isdisjoint(DERIVED)
+
+
+SPECIAL = {
+    "randn": torch.randn(10_007),
+    "offset": torch.randn(5000) * 1e-3 + 100.0,  # |mean| >> std
+    "relu": torch.relu(torch.randn(64, 8, 5, 5)),
+    "one": torch.tensor([2.5]),
+    "nan": torch.tensor([1.0, float("nan"), 3.0]),
+    "inf": torch.tensor([1.0, float("-inf"), float("inf")]),
+    "strided": torch.randn(40, 30).t(),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECIAL))
+def test_one_pass_summary_statistics_agree_with_torch(name):
+    t = SPECIAL[name]
+    got, want = np.asarray(tensor_stats.stats(t), dtype=np.float64), tensor_stats.stats_torch(t).double().numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+    d = t.double()
+    if torch.isfinite(d).all() and d.numel() > 1:
+        # float lanes summed within blocks: about 1e-6 of the spread, like torch's float32 sum
+        np.testing.assert_allclose(got[:2], [d.mean().item(), d.std().item()], rtol=1e-6, atol=1e-6 * d.std().item())
+    assert got[5] == (~torch.isfinite(t)).sum().item()
+
+
+def test_summary_statistics_fall_back_to_torch_without_a_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(tensor_stats, "_LIB", [])
+    assert not tensor_stats.compiled()
+    row = tensor_stats.stats(SPECIAL["randn"])
+    assert torch.is_tensor(row) and torch.equal(row, tensor_stats.stats_torch(SPECIAL["randn"]))
 
 
 def test_storage_accounting(golden_twice):
