@@ -472,12 +472,18 @@ class _Plan:
 
 
 def _plan(kernel: Kernel, attrs: dict) -> _Plan:
-    hp = {"conv2d": lambda: _conv_hp(attrs), "linear": dict,
-          "batch_norm": lambda: {"eps": float(attrs["eps"])},
-          "layer_norm": lambda: {"normalized_shape": list(attrs["normalized_shape"]), "eps": float(attrs["eps"])},
-          }[kernel.op]()
-    return _Plan(kernel, attrs, hp, golden_forward="forward" not in kernel.custom,
+    return _Plan(kernel, attrs, _golden_hp(kernel.op, attrs), golden_forward="forward" not in kernel.custom,
                  own=frozenset(kernel.custom) & {"input_grad", "weight_grad"})
+
+
+def _golden_hp(op: str, attrs: dict) -> dict:
+    if op == "conv2d":
+        return _conv_hp(attrs)
+    if op == "batch_norm":
+        return {"eps": float(attrs["eps"])}
+    if op == "layer_norm":
+        return {"normalized_shape": list(attrs["normalized_shape"]), "eps": float(attrs["eps"])}
+    return {}
 
 
 class _Routed(torch.autograd.Function):
