@@ -18,6 +18,7 @@ recall per method), ``summary.json`` (binary detection rate, false-alarm rate, c
 targets and whether they are met) and ``confusion.png``.
 
     python benchmarks/detector.py [--context PATH ...] [--seeds 5] [--steps 2] [--out DIR] [--smoke]
+    python benchmarks/detector.py --combine DIR1 --combine DIR2 --out DIR   # runs side by side, one report
     snakemake detector_benchmark --cores 2
 """
 # No `from __future__` import: Snakemake's `script:` prepends its own code to this file.
@@ -25,6 +26,7 @@ targets and whether they are met) and ``confusion.png``.
 import argparse
 import fnmatch
 import glob
+import json
 import sys
 import time
 from pathlib import Path
@@ -202,16 +204,37 @@ def figure(confusion: pd.DataFrame, path: Path) -> None:
 def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: bool = False,
         rules: detect.Rules = detect.Rules(), layers: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
-    out = Path(out)
     start = time.perf_counter()
     if not contexts:
         raise PeatError("no context files given (--context) and none under results/golden/*/*/context.h5")
     frame = build_cases(contexts, seeds=seeds, steps=steps, specs=SMOKE_SPECS if smoke else SPECS,
                         alternatives={k: v[:1] for k, v in ALTERNATIVES.items()} if smoke else ALTERNATIVES,
                         rules=rules, layers_per_op=1 if smoke else None, layers=layers)
+    return report(frame, out, contexts=[str(c) for c in contexts], seeds=seeds, steps=steps, smoke=smoke,
+                  layers=layers, specs=list(SMOKE_SPECS if smoke else SPECS), wall_s=time.perf_counter() - start)
+
+
+def combine(parts, out: str | Path) -> dict:
+    """One report from the cases of several runs (say one per context, run side by side)."""
+    frames, metas = [], []
+    for part in map(Path, parts):
+        frames.append(pd.read_csv(part / "cases.csv", keep_default_na=False))
+        metas.append(json.loads((part / "summary.json").read_text()))
+    frame = pd.concat(frames, ignore_index=True)
+    frame["correct_kernel"] = frame["correct_kernel"].astype(str).eq("True")
+    same = {k: sorted({json.dumps(m[k]) for m in metas}) for k in ("seeds", "steps", "specs")}
+    return report(frame, out, contexts=[c for m in metas for c in m["contexts"]],
+                  **{k: json.loads(v[0]) if len(v) == 1 else [json.loads(x) for x in v] for k, v in same.items()},
+                  smoke=any(m["smoke"] for m in metas),
+                  layers=[{"contexts": m["contexts"], "layers": m["layers"]} for m in metas],
+                  wall_s=sum(m["wall_s"] for m in metas), parts=[str(p) for p in parts])
+
+
+def report(frame: pd.DataFrame, out: str | Path, **meta) -> dict:
+    """Metrics of the cases in ``frame``, written under ``out`` (``meta`` goes into summary.json)."""
+    out = Path(out)
     confusion, per_class, summary = metrics(frame)
-    summary |= {"cases": int(len(frame)), "contexts": [str(c) for c in contexts], "seeds": seeds, "steps": steps,
-                "smoke": smoke, "layers": layers, "specs": list(SMOKE_SPECS if smoke else SPECS), "wall_s": time.perf_counter() - start,
+    summary |= {"cases": int(len(frame)), **meta,
                 "label_corrections": frame.loc[frame["truth"] != frame["case"].map(_spec_truth), "case"]
                 .value_counts().to_dict()}
     write_csv(out / "cases.csv", frame)
@@ -236,10 +259,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="reports/benchmarks/detector")
     parser.add_argument("--smoke", action="store_true", help="a few specs, one layer per op (for the tests)")
     parser.add_argument("--layer", action="append", default=None, help="only recorded layers matching this glob")
+    parser.add_argument("--combine", action="append", default=None, metavar="DIR",
+                        help="report the cases of earlier runs' --out DIRs together (repeatable; runs nothing)")
     args = parser.parse_args(argv)
     contexts = args.context or sorted(glob.glob("results/golden/*/*/context.h5"))
     try:
-        summary = run(contexts, args.out, seeds=args.seeds, steps=args.steps, smoke=args.smoke, layers=args.layer)
+        summary = combine(args.combine, args.out) if args.combine else \
+            run(contexts, args.out, seeds=args.seeds, steps=args.steps, smoke=args.smoke, layers=args.layer)
     except PeatError as err:
         print(f"detector benchmark: error: {err}", file=sys.stderr)
         return 2
