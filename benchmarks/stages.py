@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from harness import CPU_NOTE, Goal, Result, paired, paired_details, ratios
-from training import MODEL, case, dataset, default_config, record_spec
+from training import MODEL, Case, case, dataset, default_config, record_spec
 
 from peat import candidate, errors, kernels, playback
-from peat.profiler import read_layer
+from peat.profiler import recorded_steps
 
 # The paper's pseudo-errors, used when the default config lists none.
 PAPER_ERRORS = ["fp16", "rv:3", "rz:1"]
@@ -27,22 +28,41 @@ def campaign_kernel(config: dict) -> tuple[str, dict]:
     return "golden", {"op": OP, "impl": "golden"}
 
 
+def configured_case(settings) -> Case:
+    """``MODEL`` trained as the default config defines it (every epoch and sample, its
+    checkpoints and validation): the golden run whose context the workflow replays, and what
+    one runtime-FI training costs. --quick cuts it to the 2-step case to keep the smoke run short."""
+    if settings.quick:
+        return case(settings)
+    config = default_config()
+    spec = dict(config["models"][MODEL])
+    if settings.record_layers:
+        spec["record"] = dict(spec["record"], layers=list(settings.record_layers))
+    return Case(MODEL, spec, dataset(settings, config, MODEL), settings.workdir / "train")
+
+
+def training_text(c: Case, steps: int, quick: bool) -> str:
+    cut = "truncated to one epoch (--quick)" if quick else "as the default config defines it"
+    return (f"{MODEL} {cut}: {c.spec['epochs']} epochs, {steps} steps of batch {c.spec['batch_size']}, "
+            f"validation and checkpoints {c.spec.get('checkpoint_epochs', [])} included")
+
+
 def playback_runs(settings) -> dict:
     """Campaigns interleaved with runtime-FI trainings; shared by both playback benchmarks."""
     if "playback" in settings.cache:
         return settings.cache["playback"]
     config = default_config()
-    c = case(settings)
+    c = configured_case(settings)
     golden_dir = c.train("golden", record=True)
     context = golden_dir / "context.h5"
     name, kspec = campaign_kernel(config)
     specs = list(config.get("errors") or PAPER_ERRORS)
     layers = candidate.target_layers(kspec, context)
-    sidecars = []
+    sidecars, steps = [], []
 
     def campaign():
         # Exactly the workflow's playback job (peat.playback.run_job), with the default config's
-        # playback, detect and error settings.
+        # playback, detect and error settings, on the context of the configured golden training.
         out = settings.workdir / "playback"
         propagate = {"spec": c.spec, "data": c.data, "checkpoints": golden_dir / "checkpoints", "init": None,
                      "seed": config["seed"]}
@@ -52,18 +72,21 @@ def playback_runs(settings) -> dict:
         sidecars.append(json.loads((out / "record.json").read_text()))
 
     def runtime_fi():
-        # One runtime-FI case: the same training with the first error model injected into the
-        # forward computation of the first of those layers, for the whole run.
+        # One runtime-FI case: the configured training with the first error model injected into
+        # the forward computation of the first of those layers, for the whole run.
         faulty = errors.faulty(candidate.build(name, kspec), specs[0], "forward", seed=0)
-        c.train("rfi", record=False, prepare_model=lambda m: kernels.route(m, faulty, [layers[0]]))
+        out = c.train("rfi", record=False, prepare_model=lambda m: kernels.route(m, faulty, [layers[0]]))
+        steps.append(int((pd.read_csv(out / "metrics.csv")["split"] == "train").sum()))
 
     campaign_s, training_s = paired(campaign, runtime_fi, settings.repeats)
     sidecars = sidecars[-settings.repeats:]  # drop the warm-up
+    recorded = len(recorded_steps(context, layers[0]))
     runs = {"campaign": campaign_s, "rfi_training": training_s, "cases": len(specs) * len(layers),
-            "errors": specs, "layers": layers, "kernel": name, "max_samples_per_layer":
-            config["playback"].get("max_samples_per_layer"), "propagate": config["playback"].get("propagate"),
-            "samples_per_layer": len(read_layer(context, layers[0])[1]),
-            "training_steps": c.spec["max_train_samples"] // c.spec["batch_size"], "record": record_spec(settings, c),
+            "errors": specs, "layers": layers, "kernel": name, "playback_settings": config["playback"],
+            "recorded_steps_per_layer": recorded,
+            "replayed_steps_per_layer": min(recorded, config["playback"].get("max_samples_per_layer") or recorded),
+            "training": training_text(c, steps[-1], settings.quick), "training_steps": steps[-1],
+            "epochs": c.spec["epochs"], "record": record_spec(settings, c),
             "timings": [s["timings"] for s in sidecars]}
     settings.cache["playback"] = runs
     return runs
@@ -73,21 +96,28 @@ def playback_vs_retraining(settings) -> Result:
     r = playback_runs(settings)
     replaced = [t * r["cases"] for t in r["rfi_training"].cpu]
     return Result("playback_vs_retraining",
-                  f"one playback campaign as the workflow runs it (peat.playback.run_job: kernel {r['kernel']}, "
-                  f"{len(r['layers'])} recorded {OP} layers of {MODEL}, errors {', '.join(r['errors'])}, "
-                  f"{r['samples_per_layer']} recorded steps per layer; context recording {r['record']}) / the "
-                  f"runtime-FI trainings it replaces: one {r['training_steps']}-step training with the fault routed in, measured, x {r['cases']} error-model x layer cases; {CPU_NOTE}",
+                  f"one playback campaign as the workflow's playback job runs it (peat.playback.run_job: kernel "
+                  f"{r['kernel']}, {len(r['layers'])} recorded {OP} layers of {MODEL}, the default config's errors "
+                  f"{', '.join(r['errors'])} and playback settings {r['playback_settings']}: "
+                  f"{r['replayed_steps_per_layer']} of {r['recorded_steps_per_layer']} recorded steps per layer; "
+                  f"context of the golden training of {r['training']}, recording {r['record']}) / the runtime-FI "
+                  f"trainings it replaces: one training of {r['training']}, with the first error model routed into "
+                  f"the forward of the first layer, measured in every repeat next to the campaign, x {r['cases']} "
+                  f"error-model x layer cases; {CPU_NOTE}",
                   Goal("<=", 0.01, "<= 0.01"), samples=ratios(r["campaign"].cpu, replaced),
                   details=paired_details(r["campaign"], r["rfi_training"], ("campaign", "rfi_training"), r["cases"])
-                  | {k: r[k] for k in ("kernel", "cases", "errors", "layers", "samples_per_layer",
-                                       "max_samples_per_layer", "propagate", "training_steps")})
+                  | {k: r[k] for k in ("kernel", "cases", "errors", "layers", "playback_settings",
+                                       "recorded_steps_per_layer", "replayed_steps_per_layer", "training",
+                                       "training_steps", "epochs")})
 
 
 def playback_efficiency(settings) -> Result:
     r = playback_runs(settings)
     return Result("playback_efficiency",
                   "time inside kernel calls (kernel under test, faulty variants, golden, fp64 and reduced-precision "
-                  "references) / wall time of the playback campaign (reading the context, scoring included)",
+                  "references, at the kernel's output and on the propagated input of the later observing points) / "
+                  "wall time of the playback campaign (reading the context, scoring, rebuilding the network and its "
+                  f"forwards for the later observing points included); the campaign of playback_vs_retraining",
                   Goal(">=", 0.5, ">= 0.5"), samples=[t["kernel_s"] / t["wall_s"] for t in r["timings"]],
                   details={"timings": r["timings"]})
 

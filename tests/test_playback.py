@@ -4,6 +4,7 @@ contexts: a tiny model trained a few steps under the real Profiler, and the test
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import subprocess
 import sys
@@ -240,3 +241,79 @@ def test_propagation_to_next_layer_and_loss(golden_run):
     assert (down.loc[down["case"] == "kernel", "err_max"] == 0).all()  # golden through golden: no error
     fp16 = down[(down["case"] == "ref:fp16") & (down["fop"] == "loss")]
     assert (fp16["err_max"] < lane[lane["fop"] == "loss"]["err_max"].to_numpy()).all()
+
+
+# -- speed machinery: exact by construction ------------------------------------------------------------
+def test_timer_categories_are_exclusive(monkeypatch):
+    clock = iter([0.0, 1.0, 3.0, 7.0, 8.0, 20.0])  # start, outer in, inner in, inner out, outer out, record
+    monkeypatch.setattr(playback.time, "perf_counter", lambda: next(clock))
+    timer = playback.Timer()
+    with timer("propagate"):
+        with timer("kernel"):
+            pass
+    t = timer.record()
+    assert (t["kernel_s"], t["propagate_s"], t["wall_s"]) == (4.0, 3.0, 20.0)
+
+
+def test_bit_scores_match_their_elementwise_definitions():
+    from peat import scores
+
+    golden = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(0))
+    golden[0, 0, 0, 0] = 0.0
+    dense = golden + 1e-6 * torch.randn(golden.shape, generator=torch.Generator().manual_seed(1))
+    sparse = golden.clone()
+    sparse.view(-1)[[0, 5, 9]] = torch.tensor([-0.0, math.inf, 7.0])
+    for cand in (golden.clone(), dense, sparse, -golden):
+        got = scores.bit_scores(cand, scores.Golden.of(golden))
+        ulp = scores.ulp_distance(cand, golden).reshape(-1).sort().values
+        xor = scores.xor_bits(cand, golden)
+        assert got["ulp_median"] == float(ulp[ulp.numel() // 2]) and got["ulp_max"] == float(ulp.max())
+        assert got["frac_diff"] == float((xor != 0).double().mean())
+        assert got["nonfinite"] == int((~torch.isfinite(cand) & torch.isfinite(golden)).sum())
+        assert (got["bits"] == scores.bit_histogram(cand, golden)).all()
+
+
+class _Block(nn.Module):
+    """A residual block with one in-place ReLU called twice, as in ResNet's BasicBlock."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.relu = nn.Linear(8, 8), nn.Linear(8, 8), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.b(self.relu(self.a(x)))
+        out += x
+        return self.relu(out)
+
+
+def test_prefix_replay_equals_the_whole_forward():
+    from peat.propagate import Prefix
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Block(), nn.Linear(8, 4))
+    x = torch.randn(5, 8)
+    prefix = Prefix(model, "1.b")
+    with prefix.recording():
+        golden = model(x)
+    assert prefix.valid and {n: set(v) for n, v in prefix.outputs.items()} == {"0": {0}, "1.a": {0}, "1.relu": {0}}
+    hook = model[1].b.register_forward_hook(lambda m, i, o: o * 3)  # a wrong kernel at L
+    whole = model(x)
+    with prefix.replaying():
+        replayed = model(x)
+    hook.remove()
+    assert torch.equal(replayed, whole) and not torch.equal(whole, golden)
+    assert "forward" not in model[1].relu.__dict__  # the modules are restored
+
+
+def test_prefix_refuses_to_replay_a_skipped_random_draw():
+    from peat.propagate import Prefix, PrefixMismatch
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4)).train()
+    x = torch.randn(5, 8)
+    prefix = Prefix(model, "2")
+    torch.manual_seed(0)
+    with prefix.recording():
+        model(x)
+    torch.manual_seed(0)
+    with pytest.raises(PrefixMismatch), prefix.replaying():
+        model(x)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,11 +121,23 @@ class Propagator:
             self.chosen[layer] = set(keep)
         return step in self.chosen[layer]
 
-    def observe(self, model, layer: str, nxt: str | None, x, y, replace=None) -> dict[str, torch.Tensor]:
+    def observe(self, model, layer: str, nxt: str | None, x, y, replace=None, prefix=None) -> dict[str, torch.Tensor]:
         """Forward one batch; return L's input, the next recorded layer's output and the loss.
 
         ``replace(input)`` computes L's output instead of the module (a candidate kernel).
+        ``prefix`` (a ``Prefix``) records what comes before L in this forward, or, once
+        recorded, replays it instead of computing it again (falling back to the whole forward
+        when the replay would not be exact).
         """
+        if prefix is not None and prefix.recorded and prefix.valid:
+            try:
+                with prefix.replaying():
+                    return self.observe(model, layer, nxt, x, y, replace)
+            except PrefixMismatch:
+                prefix.valid = False
+        if prefix is not None and not prefix.recorded:
+            with prefix.recording():
+                return self.observe(model, layer, nxt, x, y, replace)
         seen, modules = {}, dict(model.named_modules())
 
         def at_layer(module, inputs, output):
@@ -161,7 +173,8 @@ class Propagator:
         nxt = self.order[self.order.index(layer) + 1] if self.order.index(layer) + 1 < len(self.order) else None
         model, model64 = self.models_at(step)
         x, y = self.batch(step, int(sample["epoch"]))
-        gold = self.observe(model, layer, nxt, x, y)
+        prefix = Prefix(model, layer)
+        gold = self.observe(model, layer, nxt, x, y, prefix=prefix)
         ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y)
         recon = float((gold["A"].cpu() - sample["A"]).abs().max() / sample["A"].abs().max().clamp_min(1e-30))
         timed = (lambda: timer("kernel")) if timer is not None else nullcontext
@@ -172,7 +185,7 @@ class Propagator:
 
         def through(kernel):
             live = dict(sample)
-            return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a))
+            return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a), prefix=prefix)
 
         golden_kernel = kernels.golden(attrs["op"])
         rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in REFERENCES}
@@ -188,6 +201,113 @@ class Propagator:
                 out.append({**base, "fop": fop, "tensor": tensor, "case": case, "recon_error": recon,
                             **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)})
         return out
+
+
+class PrefixMismatch(Exception):
+    """A replayed prefix would not give L the golden forward's input or random state."""
+
+
+class Prefix:
+    """The part of a forward that comes before layer L, recorded once and replayed.
+
+    The candidates' forwards differ from golden only from L on, so every module call that
+    finishes before L starts returns what it returned in the golden forward. Recording keeps
+    the outputs of the outermost such calls (tensor outputs only; their own sub-calls then
+    never run). Replaying returns copies of them (later in-place ops must not touch the
+    record) and checks, as L starts, that the random state and L's input are bitwise the
+    golden ones: a skipped module that drew random numbers (dropout) would shift later draws,
+    and then the caller runs the whole forward instead.
+    """
+
+    def __init__(self, model: torch.nn.Module, layer: str):
+        self.modules = {n: m for n, m in model.named_modules() if n}
+        self.layer = layer
+        self.outputs: dict[str, dict[int, torch.Tensor]] = {}  # module -> call index on replay -> output
+        self.rng = self.input = None
+        self.recorded, self.valid = False, True
+
+    @contextmanager
+    def recording(self):
+        # Per open call: every call started inside it, and the kept calls inside it.
+        started, frames, counts = [], [{"calls": [], "kept": []}], {}
+
+        def pre(name):
+            def hook(module, inputs):
+                if started:
+                    return
+                if name == self.layer:
+                    started.append(True)
+                    self.rng, self.input = _rng_state(inputs[0]), inputs[0].detach().clone()
+                    return
+                counts[name] = counts.get(name, 0) + 1
+                frames.append({"calls": [], "kept": []})
+            return hook
+
+        def post(name):
+            def hook(module, inputs, output):
+                if started or name == self.layer:
+                    return
+                inner, parent = frames.pop(), frames[-1]
+                if torch.is_tensor(output):  # kept: the calls inside it never run on replay
+                    for sub in inner["calls"]:
+                        counts[sub] -= 1
+                    parent["kept"].append((name, counts[name] - 1, output.detach().clone()))
+                else:
+                    parent["calls"] += inner["calls"]
+                    parent["kept"] += inner["kept"]
+                parent["calls"].append(name)
+            return hook
+
+        hooks = [h for n, m in self.modules.items()
+                 for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+        self.recorded, self.valid = True, bool(started)  # L never ran: nothing to replay
+        for frame in frames if started else []:  # L's callers are still open: kept calls lie in each
+            for name, index, output in frame["kept"]:
+                self.outputs.setdefault(name, {})[index] = output
+
+    @contextmanager
+    def replaying(self):
+        patched = {name: self.modules[name].__dict__.get("forward") for name in self.outputs}
+
+        def forward(name, original):
+            calls = [0]
+
+            def replay(*args, **kwargs):
+                calls[0] += 1
+                kept = self.outputs[name].get(calls[0] - 1)
+                return original(*args, **kwargs) if kept is None else kept.clone()
+            return replay
+
+        def check(module, inputs):
+            if not (_same_rng(_rng_state(inputs[0]), self.rng) and torch.equal(inputs[0], self.input)):
+                raise PrefixMismatch(self.layer)
+
+        for name in self.outputs:
+            self.modules[name].forward = forward(name, self.modules[name].forward)
+        hook = self.modules[self.layer].register_forward_pre_hook(check)
+        try:
+            yield
+        finally:
+            hook.remove()
+            for name, own in patched.items():
+                if own is None:
+                    del self.modules[name].forward
+                else:
+                    self.modules[name].forward = own
+
+
+def _rng_state(like: torch.Tensor) -> tuple:
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(like.device) if like.is_cuda else None)
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
 
 
 def _attrs(path) -> dict:
