@@ -26,7 +26,7 @@ class Envelopes(dict):
     (may) and beyond ``tau32 * BAND`` (must)."""
 
     local: torch.Tensor | None = None
-    footprints: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    footprints: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}  # may, must and their sizes
 
 
 def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
@@ -53,8 +53,12 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
         worst = torch.stack([torch.nan_to_num(d, nan=0.0, posinf=0.0) for d in diffs.values()]).amax(0)
         env.local = torch.clamp(rules.krp * tile_max(worst, rules.tile), min=tau32)
         moved = {p: abs_error(t, golden) for p, t in rounded.items()}
-        env.footprints = {p: (d > tau32 / rules.band, d > tau32 * rules.band) for p, d in moved.items()}
+        env.footprints = {p: _footprint(d > tau32 / rules.band, d > tau32 * rules.band) for p, d in moved.items()}
     return env
+
+
+def _footprint(may: torch.Tensor, must: torch.Tensor) -> tuple:
+    return may, must, int(may.sum()), int(must.sum())
 
 
 def tile_max(t: torch.Tensor, tile: int) -> torch.Tensor:
@@ -67,14 +71,15 @@ def tile_max(t: torch.Tensor, tile: int) -> torch.Tensor:
     return unmatrix(full, t)
 
 
-def rounding_footprint(over32: torch.Tensor, env: dict, cover: float) -> str:
+def rounding_footprint(over32: torch.Tensor, n: int, env: dict, cover: float) -> str:
     """The reference precision whose footprint S matches, or "": >= ``cover`` of S lies where
     rounding to it may leave the fp32 envelope, and S holds >= ``cover`` of where it must
     (the band between is where another rounding order falls either side). Then S's layout is
     the one rounding to that precision gives these inputs, not a fault's."""
-    n = int(over32.sum())
-    for p, (may, must) in getattr(env, "footprints", {}).items():
-        if (over32 & may).sum() >= cover * n and (over32 & must).sum() >= cover * must.sum():
+    for p, (may, must, n_may, n_must) in getattr(env, "footprints", {}).items():
+        if n_may < cover * n or n < cover * n_must:  # the sizes alone rule it out
+            continue
+        if (over32 & may).sum() >= cover * n and (over32 & must).sum() >= cover * n_must:
             return p
     return ""
 
@@ -109,7 +114,7 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
            "err_over_taurp": _finite_max(diff / bound) if torch.is_tensor(bound) else top / bound}
     over32, gross = diff > env["tau32"], diff > bound
     out["n32"], out["ngross"] = int(over32.sum()), int(gross.sum())
-    out["s_rounding"] = rounding_footprint(over32, env, rules.cover) if out["n32"] else ""
+    out["s_rounding"] = rounding_footprint(over32, out["n32"], env, rules.cover) if out["n32"] else ""
     s = shape(over32, candidate, golden, env["tau32"], rules, layout=not out["s_rounding"])
     out |= {f"s_{k}": v for k, v in s.items()}
     needs_gross = out["ngross"] > 0 and out["n32"] > 0 and (out["s_rounding"] or shape_class(out, "s_", rules) is None)
