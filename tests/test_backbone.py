@@ -216,6 +216,37 @@ def test_recording_leaves_training_bit_identical_and_derived_outputs_match_the_s
     assert read_layer(lean_ctx, "0", derive=False)[1][0].keys().isdisjoint(DERIVED)
 
 
+class GatedMLP(torch.nn.Module):
+    """Two layers fed the same tensor (llama's gate_proj and up_proj), a third fed their product."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = torch.nn.Linear(6, 8), torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+def test_layers_fed_the_same_input_share_one_stored_copy(tmp_path):
+    torch.manual_seed(0)
+    model = GatedMLP()
+    prof = Profiler(tmp_path / "context.h5", ["*"], every=1, meta={"vendor": "cpu"})
+    prof.attach(model)
+    for step in range(2):
+        prof.begin_step(step, 1)
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(5, 6)).square().sum().backward()
+        prof.end_step()
+    prof.close()
+    with h5py.File(tmp_path / "context.h5") as f:
+        for step in ("0000000", "0000001"):
+            assert f[f"layers/gate/{step}/A"] == f[f"layers/up/{step}/A"]  # one dataset, two names
+            assert f[f"layers/gate/{step}/A"] != f[f"layers/down/{step}/A"]
+            assert f[f"layers/gate/{step}/dO"] != f[f"layers/up/{step}/dO"]
+    up, gate = read_layer(tmp_path / "context.h5", "up")[1], read_layer(tmp_path / "context.h5", "gate")[1]
+    assert torch.equal(up[1]["A"], gate[1]["A"]) and not torch.equal(up[0]["A"], up[1]["A"])
+
+
 SPECIAL = {
     "randn": torch.randn(10_007),
     "offset": torch.randn(5000) * 1e-3 + 100.0,  # |mean| >> std
