@@ -75,11 +75,17 @@ def record_spec(settings, c: Case) -> str:
     return f"{len(rec['layers'])} layers every {rec.get('every', 10)} steps ({which})"
 
 
+def derived_note(c: Case) -> str:
+    """Whether the recorded trainings also store the golden outputs (record.derived)."""
+    stored = c.spec["record"].get("derived", False)
+    return ", golden outputs O/dA/dW/dB " + ("stored" if stored else "not stored (derived on read)")
+
+
 def profiler_overhead(settings) -> Result:
     c = case(settings)
     result = Result("profiler_overhead",
                     f"{MODEL} golden training ({c.spec['max_train_samples'] // c.spec['batch_size']} steps), "
-                    f"Profiler recording {record_spec(settings, c)} "
+                    f"Profiler recording {record_spec(settings, c)}{derived_note(c)} "
                     f"(+ summaries of every layer every step) / the same training without recording; {CPU_NOTE}",
                     Goal("<=", 1.10, "<= 1.10"))
     with_rec, without = paired(lambda: c.train("recorded", record=True), lambda: c.train("plain", record=False),
@@ -103,7 +109,8 @@ def context_storage(settings) -> Result:
             c.train("recorded", record=True)
             settings.storage_files.append(c.workdir / "recorded" / "storage.json")
         c = case(settings)
-        source = f"{MODEL} truncated to {c.spec['max_train_samples']} samples, recording {record_spec(settings, c)}"
+        source = (f"{MODEL} truncated to {c.spec['max_train_samples']} samples, "
+                  f"recording {record_spec(settings, c)}{derived_note(c)}")
         files = {MODEL: settings.storage_files[-1]}
     rows = {k: json.loads(f.read_text()) for k, f in files.items()}
     return Result("context_storage",
