@@ -163,9 +163,7 @@ class Propagator:
 
     def rows(self, layer: str, sample: dict, variants: dict, base: dict, rules, timer=None) -> list[dict]:
         """Playback rows at the later observing points for the forward of ``layer`` at this sample;
-        ``timer`` (a ``peat.playback.Timer``) accounts the kernel calls apart."""
-        from .playback import score_row
-
+        ``timer`` (a ``peat.playback.Timer``) accounts the kernel calls and the scoring apart."""
         step = int(sample["step"])
         if not self.wanted(layer, step, self._steps(layer)):
             return []
@@ -177,10 +175,10 @@ class Propagator:
         gold = self.observe(model, layer, nxt, x, y, prefix=prefix)
         ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y)
         recon = float((gold["A"].cpu() - sample["A"]).abs().max() / sample["A"].abs().max().clamp_min(1e-30))
-        timed = (lambda: timer("kernel")) if timer is not None else nullcontext
+        timed = (lambda category: timer(category)) if timer is not None else (lambda category: nullcontext())
 
         def call(kernel, live, a):
-            with timed():
+            with timed("kernel"):
                 return kernels.call(kernel, "forward", live | {"A": a}, attrs)
 
         def through(kernel):
@@ -192,15 +190,23 @@ class Propagator:
         runs = {**{f"ref:{p}": r for p, r in rounded.items()}, **{case: through(k) for case, k in variants.items()}}
         out = []
         for point in (["next", "loss"] if nxt is not None else ["loss"]):
-            g, r = gold[point].cpu(), ref64[point].cpu()
-            env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules)
-            gold_point = scores.Golden.of(g)
-            noise = scores.summary(scores.abs_error(r, g, gold_point))
-            fop, tensor = (f"next:{nxt}", "O") if point == "next" else ("loss", "loss")
-            for case, seen in runs.items():
-                out.append({**base, "fop": fop, "tensor": tensor, "case": case, "recon_error": recon,
-                            **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)})
+            with timed("score"):
+                out += self._score(point, nxt, gold, ref64, rounded, runs, rules, base | {"recon_error": recon})
         return out
+
+    @staticmethod
+    def _score(point: str, nxt, gold: dict, ref64: dict, rounded: dict, runs: dict, rules, base: dict) -> list[dict]:
+        """Rows of every run at one later observing point (``next`` or ``loss``)."""
+        from .playback import score_row
+
+        g, r = gold[point].cpu(), ref64[point].cpu()
+        env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules)
+        gold_point = scores.Golden.of(g)
+        noise = scores.summary(scores.abs_error(r, g, gold_point))
+        fop, tensor = (f"next:{nxt}", "O") if point == "next" else ("loss", "loss")
+        return [{**base, "fop": fop, "tensor": tensor, "case": case,
+                 **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)}
+                for case, seen in runs.items()]
 
 
 class PrefixMismatch(Exception):
