@@ -27,16 +27,89 @@ SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 # --- pure logic ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_checksum_catches_every_single_bit_flip(dtype):
-    t = torch.randn(1001, generator=torch.Generator().manual_seed(0)).to(dtype)
+@pytest.mark.parametrize("n, offset", [(1001, 0), (1000, 0), (1000, 1)])  # element-wide words; 64-bit words; unaligned view
+def test_checksum_catches_every_single_bit_flip(dtype, n, offset):
+    store = torch.randn(n + offset, generator=torch.Generator().manual_seed(0)).to(dtype)
+    t = store[offset:]
     base = sdc.checksum([t])
     bits = 8 * t.element_size()
-    as_int = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
     for bit in range(bits):
-        flipped = as_int.clone()
-        flipped[bit * 7 % 1001] ^= (1 << bit) if bit < bits - 1 else -(1 << bit)
-        assert not torch.equal(sdc.checksum([flipped.view(dtype)]), base), f"bit {bit} missed"
+        for where in (0, bit * 7 % n, n - 1):
+            flipped = store.clone()
+            as_int = flipped.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+            as_int[offset + where] ^= (1 << bit) if bit < bits - 1 else -(1 << bit)
+            assert not torch.equal(sdc.checksum([flipped[offset:]]), base), f"bit {bit} of element {where} missed"
     assert torch.equal(sdc.checksum([t.clone()]), base)
+
+
+@pytest.mark.parametrize("mark, no", [(sdc._mark_nonfinite_host, False),  # CPU: a Python bool
+                                       (sdc._mark_nonfinite_on_device, torch.tensor(False))])  # GPU path, run on CPU
+def test_local_nonfinite_gradient_is_marked_at_its_first_element(mark, no):
+    finite = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    assert not mark(finite.clone(), no)
+    overflow = torch.full((3, 3), 3e38)  # finite values whose float32 sum overflows: not flagged
+    assert not mark(overflow, no) and torch.equal(overflow, torch.full((3, 3), 3e38))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = finite.clone()
+        g[3, 2] = bad
+        assert mark(g, no)
+        expected = finite.clone()
+        expected[3, 2], expected[0, 0] = bad, float("nan")
+        torch.testing.assert_close(g, expected, rtol=0, atol=0, equal_nan=True)
+    assert mark(finite.clone(), True if no is False else torch.tensor(True))  # the step's flag stays set
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo group in this process (DDP and the guard's hooks without torchrun)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _guarded_step(after_check=None):
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    guard = sdc.Guard(DistributedDataParallel(model), policy="log")
+    if after_check is not None:  # runs after the guard's own check, before the all-reduce
+        model[0].weight.register_post_accumulate_grad_hook(after_check)
+    guard.begin_step(0)
+    model.zero_grad(set_to_none=True)
+    guard.ddp(torch.randn(5, 4)).sum().backward()
+    return guard, guard.check_gradients()
+
+
+def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_rank, monkeypatch):
+    gathers = []
+    monkeypatch.setattr(sdc.Guard, "_all_gather", lambda self, t, what: gathers.append(what) or [t])
+    guard, ok = _guarded_step()
+    assert ok and guard.alarms == [] and gathers == []  # healthy step: no extra collective
+    def overflow(param):  # after the local check: as if the all-reduce's sum overflowed there
+        param.grad.view(-1)[0] = float("inf")
+
+    guard, ok = _guarded_step(overflow)
+    # Only the reduced gradient is non-finite: the flags are exchanged, no rank is to blame.
+    assert not ok and gathers == ["gradient flags"]
+    (alarm,) = guard.alarms
+    assert alarm.check == "nonfinite" and alarm.localized is False and alarm.detail["flags"] == [0]
+
+
+def test_guard_names_the_rank_with_a_nonfinite_gradient(one_rank):
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    model[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf")))
+    guard = sdc.Guard(DistributedDataParallel(model), policy="log")
+    guard.begin_step(3)
+    guard.ddp(torch.randn(5, 4)).sum().backward()
+    assert guard.check_gradients() is False
+    (alarm,) = guard.alarms
+    assert (alarm.step, alarm.check, alarm.suspect_ranks, alarm.localized) == (3, "nonfinite", [0], True)
 
 
 def test_majority_outliers():

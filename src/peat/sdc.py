@@ -8,7 +8,7 @@ fingerprints), each naming the suspect rank(s) and their hosts::
                       save=lambda path: torch.save(model.state_dict(), path))
     for step, batches in enumerate(loader):           # batches[r]: rank r's micro-batch
         guard.begin_step(step)
-        loss_fn(ddp, batches[rank]).backward()           # the comm hook checks local gradients
+        loss_fn(ddp, batches[rank]).backward()           # gradient hooks check local gradients
         if guard.check_gradients(replay=lambda r: loss_fn(guard.module, batches[r])):
             optimizer.step()                             # skipped on non-finite gradients
         guard.check_weights()                            # compared during the next step
@@ -21,6 +21,7 @@ all ranks exit with ``EXIT_SDC`` together and no rank is left waiting in a colle
 
 from __future__ import annotations
 
+import cmath
 import json
 import os
 import socket
@@ -33,7 +34,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from .io import PeatError
 
@@ -72,19 +72,33 @@ class Event:
 # --- fingerprints -------------------------------------------------------------------------------
 
 def checksum(tensors) -> torch.Tensor:
-    """Exact integer checksum per tensor: wrap-around sum of its bits read as integers.
+    """Exact integer checksum per tensor: wrap-around sum of its bytes read as integer words.
 
-    Any single bit flip changes the sum by +-2^k, never 0 modulo 2^(8*itemsize), so it is always
-    caught; one read pass, as cheap as a float sum.
+    The words are 64-bit wherever the tensor's bytes allow it (half the additions of 32-bit
+    words), else as wide as one element. Any single bit flip changes one word by +-2^k, k below
+    the word width, which is never 0 modulo 2^width: always caught. One read pass, as cheap as a
+    float sum.
     """
     sums = []
     for t in tensors:
-        flat = t.detach().reshape(-1)
-        as_int = _INT_OF_SIZE[flat.element_size()]
-        sums.append(flat.view(as_int).sum(dtype=as_int).to(torch.int64))
+        words = _words(t.detach().reshape(-1))
+        sums.append(words.sum(dtype=words.dtype))
     if not sums:
         return torch.zeros(0, dtype=torch.int64)
+    if any(s.dtype != torch.int64 for s in sums):
+        sums = [s.to(torch.int64) for s in sums]
     return torch.stack(sums)
+
+
+def _words(flat: torch.Tensor) -> torch.Tensor:
+    # The word width depends on the element count only, never on the memory layout, so that
+    # replicas with equal values always have equal checksums.
+    size = flat.element_size()
+    if size == 8 or (flat.numel() * size) % 8:
+        return flat.view(_INT_OF_SIZE[size])
+    if (flat.storage_offset() * size) % 8:
+        flat = flat.clone()  # an unaligned view (rare): 64-bit words need aligned memory
+    return flat.view(torch.int64)
 
 
 def norms(tensors) -> torch.Tensor:
@@ -178,6 +192,8 @@ class Guard:
         self.audit_every, self.fingerprint_every, self.tolerance = audit_every, fingerprint_every, audit_tolerance
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if not self.params:
+            raise PeatError("sdc.Guard: the model has no trainable parameters")
         self.device = self.params[0].device  # nccl gathers need device tensors
         self._index = {id(p): i for i, p in enumerate(self.params)}
         hosts: list = [None] * self.world
@@ -187,61 +203,72 @@ class Guard:
         self.timers: dict[str, list[float]] = {c: [] for c in CHECKS}
         self.step = -1
         self._weights = None  # (step, pending gather) of the last weight checksums
-        ddp.register_comm_hook(None, self._hook)
+        # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
+        # bucket for the all-reduce: DDP keeps its fused C++ path (no Python comm hook, and the
+        # comm hook stays free for the user).
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
 
     # - per step -
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self._sums: list[torch.Tensor] = []
-        self._reported: dict[int, torch.Tensor] = {}
-        self._flags = None
+        self._reported: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # This rank's non-finite flag: a bool on CPU, a device tensor elsewhere (no host sync in backward).
+        self._bad = False if self.device.type == "cpu" else torch.zeros((), dtype=torch.bool, device=self.device)
         self._hook_time = 0.0
         self._auditing = self.audit_every > 0 and step % self.audit_every == 0
         # Replays must see the random state the peer's forward saw (dropout masks).
-        self._rng = _rng_state()
+        self._rng = _rng_state() if self._auditing else None
 
-    def _hook(self, state, bucket):
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        """This rank's own gradient of ``param``, before it is shared: fingerprint it for the audit,
+        then check it. A non-finite one also gets NaN at its first element (it is garbage already
+        and the step will be skipped), so that after the all-reduce every rank finds out from that
+        one element of the reduced gradient, without exchanging flags on healthy steps.
+        """
         t0 = time.perf_counter()
-        buf = bucket.buffer()
-        total = buf.sum()  # NaN/Inf anywhere makes the sum non-finite
-        if buf.device.type == "cpu" and not torch.isfinite(total):
-            # Only a finite overflow (|sum| > 3e38) can get here without a NaN/Inf: recheck exactly.
-            total = torch.tensor(float("nan") if not torch.isfinite(buf).all() else 0.0)
-        self._sums.append(total)
+        grad = param.grad.detach()
         if self._auditing:
-            grads = bucket.gradients()
-            for p, g, c in zip(bucket.parameters(), grads, _fingerprint_parts(grads)):
-                self._reported[self._index[id(p)]] = c
-        if bucket.is_last():  # exchange the flags while the last bucket is being all-reduced
-            self._flags = self._start_gather(self._local_flags(), "gradient flags")
+            self._reported[self._index[id(param)]] = (checksum([grad])[0], norms([grad])[0])
+        if grad.numel():
+            self._bad = _mark_nonfinite(grad, self._bad)
         self._hook_time += time.perf_counter() - t0
-        return allreduce_hook(state, bucket)
-
-    def _local_flags(self) -> torch.Tensor:
-        sums = torch.stack([s.to(self.device) for s in self._sums]) if self._sums else torch.zeros(1)
-        local = [(~torch.isfinite(sums)).any().to(torch.int64).reshape(1).to(self.device)]  # no host sync
-        if self._auditing:
-            local.append(self._reported_fingerprint())
-        return torch.cat(local)
 
     def check_gradients(self, replay: Callable[[int], torch.Tensor] | None = None) -> bool:
-        """After backward, before ``optimizer.step()``: read the exchanged non-finite flags (and run
-        the ring audit when due). Returns False when the step must be skipped (non-finite gradients).
+        """After backward, before ``optimizer.step()``: find out whether any rank had non-finite
+        gradients (and which), and run the ring audit when due. Returns False when the step must be
+        skipped (non-finite gradients).
         """
         self._resolve_weights()
         t0 = time.perf_counter()
-        pending = self._flags or self._start_gather(self._local_flags(), "gradient flags")
-        self._flags = None
-        gathered = self._finish_gather(pending)
-        flags = [int(g[0]) for g in gathered]
+        # The reduced gradients are the same bits on every rank: all ranks take the same branch.
+        healthy = not self._reduced_marked()
+        if not healthy:
+            self._localize_nonfinite()
         self.timers["nonfinite"].append(self._hook_time + time.perf_counter() - t0)
-        if any(flags):
-            self._alarm("nonfinite", [r for r, f in enumerate(flags) if f], True, {"flags": flags})
+        if healthy and self._auditing and replay is not None:
+            self._audit(replay, self._all_gather(self._reported_fingerprint(), "audit fingerprints"))
+        return healthy
+
+    def _reduced_marked(self) -> bool:
+        """Whether the first element of any all-reduced gradient is non-finite (NaN marks a rank's
+        non-finite local gradient; ``_on_gradient``)."""
+        firsts = [g[(0,) * g.dim()] for g in (p.grad for p in self.params) if g is not None and g.numel()]
+        if not firsts:
             return False
-        if self._auditing and replay is not None:
-            self._audit(replay, [g[1:] for g in gathered])
-        return True
+        if len({f.dtype for f in firsts}) > 1:
+            firsts = [f.double() for f in firsts]  # every float type fits: no spurious overflow
+        return not bool(torch.isfinite(torch.stack(firsts)).all())
+
+    def _localize_nonfinite(self) -> None:
+        local = torch.as_tensor(self._bad, device=self.device).to(torch.int64).reshape(1)
+        flags = [int(f) for f in self._all_gather(local, "gradient flags")]
+        suspects = [r for r, f in enumerate(flags) if f]
+        if suspects:
+            self._alarm("nonfinite", suspects, True, {"flags": flags})
+        else:  # finite local gradients whose sum overflowed in the all-reduce: no rank to blame
+            self._alarm("nonfinite", list(range(self.world)), False,
+                        {"flags": flags, "note": "only the all-reduced gradient is non-finite (overflow in the sum)"})
 
     def check_weights(self) -> None:
         """After ``optimizer.step()``: start the exchange of exact weight checksums. It completes,
@@ -278,9 +305,9 @@ class Guard:
     # - ring audit -
 
     def _reported_fingerprint(self) -> torch.Tensor:
-        zeros = torch.zeros((), dtype=torch.int64, device=self.device)
+        zeros = torch.zeros((), dtype=torch.int64)
         parts = [self._reported.get(i, (zeros, zeros)) for i in range(len(self.params))]
-        return torch.cat([torch.stack([c for c, _ in parts]), torch.stack([n for _, n in parts])])
+        return torch.cat([torch.stack([c for c, _ in parts]), torch.stack([n for _, n in parts])]).to(self.device)
 
     def _audit(self, replay, reported: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
@@ -391,9 +418,30 @@ def collective_failure(rank: int, what: str, err: BaseException) -> str:
     return f"rank {rank}: collective '{what}' failed: a peer rank died or hung past the timeout ({first[:200]})"
 
 
-def _fingerprint_parts(grads) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    sums, squares = checksum(grads), norms(grads)
-    return list(zip(sums, squares))
+def _mark_nonfinite(grad: torch.Tensor, bad):
+    """Check one local gradient; a non-finite one gets NaN at its first element. Returns the flag
+    ``bad`` or'ed with this gradient's verdict."""
+    if grad.device.type == "cpu":
+        return _mark_nonfinite_host(grad, bad)
+    return _mark_nonfinite_on_device(grad, bad)
+
+
+def _mark_nonfinite_host(grad: torch.Tensor, bad: bool) -> bool:
+    if cmath.isfinite(grad.sum().item()) or bool(torch.isfinite(grad).all()):
+        return bad  # (a non-finite sum of finite values is an overflow: rechecked exactly)
+    grad[(0,) * grad.dim()].fill_(float("nan"))
+    return True
+
+
+def _mark_nonfinite_on_device(grad: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    # No host sync inside backward: the verdict stays a device tensor.
+    first = grad[(0,) * grad.dim()]
+    if grad.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        here = ~torch.isfinite(grad.sum(dtype=torch.float64))  # finite values cannot overflow float64
+    else:
+        here = ~torch.isfinite(grad).all()
+    first.copy_(torch.where(here, torch.full_like(first, float("nan")), first))
+    return bad | here
 
 
 def _rng_state():

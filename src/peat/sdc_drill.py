@@ -355,8 +355,10 @@ class Fault:
 def benchmark(spec: dict, data, cfg: dict, seed: int, device: torch.device, steps: int | None = None) -> dict:
     """Interleave plain DDP steps (built-in all-reduce) with guarded ones on a twin model, same batches.
 
-    ``ratio`` = median guarded step (non-finite check + weight fingerprint) / median plain step;
-    ``audit_relative`` = one audit (replay of a peer's micro-batch) / median plain step.
+    ``ratio`` = median guarded step (non-finite check + weight fingerprint) / median plain step, in
+    wall time; ``cpu_ratio`` the same in this rank's CPU time (all its threads: less sensitive to
+    other jobs on a shared machine); ``nonfinite_s``/``fingerprint_s``: median time inside each
+    check; ``audit_relative`` = one audit (replay of a peer's micro-batch) / median plain step.
     """
     steps = steps or cfg["bench_steps"]
     gbs = cfg["batch_size"] or spec["batch_size"]
@@ -370,18 +372,21 @@ def benchmark(spec: dict, data, cfg: dict, seed: int, device: torch.device, step
         else:
             _drill_step(guarded, guard, None, step)
     guard.finish()
-    p, g = statistics.median(t_plain), statistics.median(t_guarded)
-    audit = guard.costs()["audit"]
+    (p, p_cpu), (g, g_cpu) = ([statistics.median(t[i] for t in ts) for i in (0, 1)] for ts in (t_plain, t_guarded))
+    costs = guard.costs()
     return {"steps": steps, "plain_step_s": p, "guarded_step_s": g, "ratio": g / p,
-            "audit_s": audit, "audit_relative": audit / p, "device": str(device)}
+            "plain_step_cpu_s": p_cpu, "guarded_step_cpu_s": g_cpu, "cpu_ratio": g_cpu / p_cpu,
+            "nonfinite_s": costs["nonfinite"], "fingerprint_s": costs["fingerprint"],
+            "audit_s": costs["audit"], "audit_relative": costs["audit"] / p, "device": str(device)}
 
 
-def _timed(fn, device) -> float:
-    t0 = time.perf_counter()
+def _timed(fn, device) -> tuple[float, float]:
+    """Wall and CPU seconds of one call."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _plain_step(trainer: Trainer, step: int) -> None:
