@@ -162,6 +162,7 @@ def test_rfi_records_kernel_output_errors_only_while_active(workflow_run):
     assert (calls.loc[calls["computation"] != "forward", "max"] == 0).all()
     frame = pd.read_csv(out / "compare.csv")
     assert frame["loss_diff"].abs().iloc[0] > 0
+    assert not list(out.glob("checkpoints/*.h5"))  # nothing reads them
 
 
 @pytest.mark.xdist_group("workflow")

@@ -203,6 +203,8 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
               "layers_requested": layers}
     train_kw = dict(vendor=vendor, seed=seed, threads=threads, init=init, config_hash=config_hash,
                     record=schedule is None)
+    if schedule is not None:  # RFI's results are its calls and curves: no rule reads epoch checkpoints
+        spec = dict(spec, checkpoint_epochs=[])
     _preload(spec)
     outcome = kernels.run_isolated(_routed_training, model, spec, kernel_name, kspec, layers, data_path, out_dir,
                                    train_kw, schedule, timeout=kspec.get("train_timeout", 3600))
