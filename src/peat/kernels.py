@@ -302,7 +302,7 @@ def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torc
     Floating inputs are cast to ``dtype``: golden with float64 gives the rounding reference.
     """
     func = kernel.computation(computation)
-    if computation == "input_grad" and "dA" not in sample:
+    if not applies(computation, sample):
         raise PeatError(f"{kernel.name}: sample at step {sample.get('step')} has no input gradient (first layer)")
     args, kwargs = arguments(kernel.op, computation, sample, attrs)
     args = [_cast(a, dtype) for a in args]
@@ -310,9 +310,21 @@ def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torc
     return func(*args, **kwargs)
 
 
-def expected(computation: str, sample: dict) -> torch.Tensor:
-    """The golden result recorded for ``computation`` in this sample."""
-    return sample[TARGET[computation]]
+def applies(computation: str, sample: dict) -> bool:
+    """Whether a recorded sample has what ``computation`` needs: input_grad a layer whose input
+    needed a gradient (not the first layer), weight_grad a weight."""
+    if computation == "input_grad":
+        return "dA" in sample or bool(sample.get("input_grad"))
+    if computation == "weight_grad":
+        return "dW" in sample or sample.get("W") is not None
+    return True
+
+
+def expected(computation: str, sample: dict, attrs: dict | None = None) -> torch.Tensor:
+    """The golden result of ``computation`` on this sample: the recorded one, else golden's
+    (computed from the recorded inputs; needs the layer's ``attrs``)."""
+    target = TARGET[computation]
+    return sample[target] if target in sample else call(golden(attrs["op"]), computation, sample, attrs)
 
 
 # -- running a kernel in a child process -------------------------------------------------------

@@ -98,7 +98,7 @@ class Propagator:
         for name, module in modules.items():
             if step not in self._steps(name):
                 continue
-            attrs, (sample,) = read_layer(self.context, name, [step])
+            attrs, (sample,) = read_layer(self.context, name, [step], derive=False)  # weights only
             with torch.no_grad():
                 w = sample["W"].t() if attrs.get("transposed") else sample["W"]
                 module.weight.copy_(w)
