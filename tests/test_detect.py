@@ -217,7 +217,7 @@ def test_bf16_gemm_on_gpt2_attention_weight_gradient_is_reduced_precision(gpt2_c
     env = evidence.envelopes(golden, kernels.call(gold, "weight_grad", sample, attrs, torch.float64), rounded)
     candidate = kernels.call(bf16, "weight_grad", sample, attrs)
     must = env.footprints["bf16"][1]  # rows: q, k, v outputs (64 each), columns: inputs
-    assert must[128:].float().mean() > 0.8 and must[:128].float().mean() < 0.05  # the v block only
+    assert must[128:].mean() > 0.8 and must[:128].mean() < 0.05  # the v block only
     # Without the footprints and the tile-wise envelope (a plain dict), S's block is taken as a fault's:
     assert classify(candidate, golden, dict(env)) == "block_structured"
     f = evidence.evidence(candidate, golden, env)

@@ -1,18 +1,16 @@
 """Tensor evidence for the Detector's rules (``peat.detect``): measured envelopes, the sets of
-wrong elements and their shapes in the matrix view of ``peat.errors.matrix``."""
+wrong elements and their shapes, all in the matrix view of ``peat.scores.as_matrix``."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-import pandas as pd
 import torch
 from scipy import ndimage
 
 from .detect import Rules, shape_class
-from .errors import matrix, unmatrix
-from .scores import abs_error, popcount
+from .scores import Golden, abs_error, as_matrix
 
 PRECISIONS = ("fp16", "bf16", "tf32")
 EPS32 = 2.0 ** -23
@@ -23,14 +21,14 @@ class Envelopes(dict):
     attributes that are not written, needed only while the candidates of that output are scored:
     ``local``, the per-element reduced-precision envelope, and ``footprints``, for each of
     fp16/bf16/tf32 the elements where rounding to it moves the result beyond ``tau32 / BAND``
-    (may) and beyond ``tau32 * BAND`` (must)."""
+    (may) and beyond ``tau32 * BAND`` (must). Both are in the matrix view."""
 
-    local: torch.Tensor | None = None
-    footprints: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}  # may, must and their sizes
+    local: np.ndarray | None = None
+    footprints: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}  # may, must and their sizes
 
 
 def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
-              rules: Rules = Rules()) -> Envelopes:
+              rules: Rules = Rules(), gold: Golden | None = None) -> Envelopes:
     """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs.
 
     ``taurp`` is the worst over the tensor; ``local`` holds, for every element, KRP times the
@@ -38,40 +36,50 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     ``tau32``): rounding errors scale with the magnitudes around them (outlier channels, a
     gradient block much larger than its neighbours). ``footprints`` are the S sets the
     references themselves have: where, on these inputs, a correct reduced-precision result
-    leaves the fp32 envelope.
+    leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be passed in when known.
     """
-    ref = reference.double()
-    absmax = float(torch.nan_to_num(golden.double().abs(), posinf=0.0).max()) if golden.numel() else 0.0
-    noise32 = _finite_max((golden.double() - ref).abs())
-    diffs = {p: (t.double() - ref).abs() for p, t in rounded.items()}
+    gold = Golden.of(golden) if gold is None else gold
+    ref = as_matrix(reference)
+    absmax = max(abs(gold.lo), abs(gold.hi)) if math.isfinite(gold.lo) else 0.0
+    noise32 = _finite_max(_distance(gold.matrix, ref))
+    diffs = {p: _distance(as_matrix(t), ref) for p, t in rounded.items()}
     rp = {p: _finite_max(d) for p, d in diffs.items()}
     tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
     taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
-    if diffs and golden.numel():
-        worst = torch.stack([torch.nan_to_num(d, nan=0.0, posinf=0.0) for d in diffs.values()]).amax(0)
-        env.local = torch.clamp(rules.krp * tile_max(worst, rules.tile), min=tau32)
-        moved = {p: abs_error(t, golden) for p, t in rounded.items()}
+    if diffs and gold.matrix.size:
+        worst = np.maximum.reduce([np.nan_to_num(d, nan=0.0, posinf=0.0) for d in diffs.values()])
+        env.local = np.maximum(rules.krp * tile_max(worst, rules.tile), tau32)
+        moved = {p: abs_error(t, golden, gold) for p, t in rounded.items()}
         env.footprints = {p: _footprint(d > tau32 / rules.band, d > tau32 * rules.band) for p, d in moved.items()}
     return env
 
 
-def _footprint(may: torch.Tensor, must: torch.Tensor) -> tuple:
-    return may, must, int(may.sum()), int(must.sum())
+def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, which _finite_max and the envelopes skip
+        d = np.subtract(a, b, dtype=np.float64)
+    return np.abs(d, out=d)
 
 
-def tile_max(t: torch.Tensor, tile: int) -> torch.Tensor:
-    """Each element replaced by the largest value of its aligned ``tile`` x ``tile`` tile of the
-    matrix view (``peat.errors.matrix``), in the shape of ``t``."""
-    m = matrix(t)
+def _footprint(may: np.ndarray, must: np.ndarray) -> tuple:
+    return may, must, int(np.count_nonzero(may)), int(np.count_nonzero(must))
+
+
+def tile_max(m: np.ndarray, tile: int) -> np.ndarray:
+    """Each element of a matrix (>= 0) replaced by the largest value of its aligned ``tile`` x
+    ``tile`` tile."""
     rows, cols = m.shape
-    pooled = torch.nn.functional.max_pool2d(m[None, None], tile, ceil_mode=True)[0, 0]
-    full = pooled.repeat_interleave(tile, 0)[:rows].repeat_interleave(tile, 1)[:, :cols]
-    return unmatrix(full, t)
+    padded = m
+    if rows % tile or cols % tile:  # zeros in the last partial tiles change no maximum of values >= 0
+        padded = np.zeros((-(-rows // tile) * tile, -(-cols // tile) * tile), dtype=m.dtype)
+        padded[:rows, :cols] = m
+    r, c = padded.shape
+    tiles = padded.reshape(r // tile, tile, c).max(1).reshape(r // tile, c // tile, tile).max(2)
+    return np.repeat(np.repeat(tiles, tile, 0)[:rows], tile, 1)[:, :cols]
 
 
-def rounding_footprint(over32: torch.Tensor, n: int, env: dict, cover: float) -> str:
+def rounding_footprint(over32: np.ndarray, n: int, env: dict, cover: float) -> str:
     """The reference precision whose footprint S matches, or "": >= ``cover`` of S lies where
     rounding to it may leave the fp32 envelope, and S holds >= ``cover`` of where it must
     (the band between is where another rounding order falls either side). Then S's layout is
@@ -79,127 +87,124 @@ def rounding_footprint(over32: torch.Tensor, n: int, env: dict, cover: float) ->
     for p, (may, must, n_may, n_must) in getattr(env, "footprints", {}).items():
         if n_may < cover * n or n < cover * n_must:  # the sizes alone rule it out
             continue
-        if (over32 & may).sum() >= cover * n and (over32 & must).sum() >= cover * n_must:
+        if np.count_nonzero(over32 & may) >= cover * n and np.count_nonzero(over32 & must) >= cover * n_must:
             return p
     return ""
 
 
-def _finite_max(t: torch.Tensor) -> float:
-    if t.numel() == 0:
+def _finite_max(t: np.ndarray) -> float:
+    if t.size == 0:
         return 0.0
     top = float(t.max())
     if math.isfinite(top):  # the common case, without a masked copy
         return top
-    t = t[torch.isfinite(t)]
-    return float(t.max()) if t.numel() else 0.0
+    t = t[np.isfinite(t)]
+    return float(t.max()) if t.size else 0.0
 
 
 def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules = Rules(),
-             diff: torch.Tensor | None = None, nonfinite: int | None = None) -> dict:
+             diff: np.ndarray | None = None, nonfinite: int | None = None, gold: Golden | None = None) -> dict:
     """Scalar features the rules use, for one candidate tensor against golden.
 
-    ``diff`` (|candidate - golden|, ``peat.scores.abs_error``) and ``nonfinite`` (the count of
-    non-finite values where golden is finite) may be passed in when already computed. With
-    ``env`` from ``envelopes``, G is measured against its per-tile envelope and S is compared
-    with the references' footprints; with a plain dict (a table row), against ``taurp`` and
-    no footprint. The layout of S and of G is only worked out when the rules can need it.
+    ``diff`` (``peat.scores.abs_error(candidate, golden)``), ``nonfinite`` (the count of
+    non-finite values where golden is finite) and ``gold`` (``Golden.of(golden)``) may be
+    passed in when already computed. With ``env`` from ``envelopes``, G is measured against
+    its per-tile envelope and S is compared with the references' footprints; with a plain dict
+    (a table row), against ``taurp`` and no footprint. The layout of S and of G is only worked
+    out when the rules can need it.
     """
-    diff = abs_error(candidate, golden) if diff is None else diff
+    gold = Golden.of(golden) if gold is None else gold
+    diff = abs_error(candidate, golden, gold) if diff is None else diff
     if nonfinite is None:
-        nonfinite = int((~torch.isfinite(candidate) & torch.isfinite(golden)).sum())
+        nonfinite = int(np.count_nonzero(~np.isfinite(as_matrix(candidate)) & np.isfinite(gold.matrix)))
     bound = getattr(env, "local", None)
     bound = env["taurp"] if bound is None else bound
     top = _finite_max(diff)
-    out = {"numel": candidate.numel(), "nonfinite": nonfinite, "err_over_tau32": top / env["tau32"],
-           "err_over_taurp": _finite_max(diff / bound) if torch.is_tensor(bound) else top / bound}
+    out = {"numel": int(diff.size), "nonfinite": nonfinite, "err_over_tau32": top / env["tau32"],
+           "err_over_taurp": _finite_max(diff / bound) if isinstance(bound, np.ndarray) else top / bound}
     over32, gross = diff > env["tau32"], diff > bound
-    out["n32"], out["ngross"] = int(over32.sum()), int(gross.sum())
+    out["n32"], out["ngross"] = int(np.count_nonzero(over32)), int(np.count_nonzero(gross))
     out["s_rounding"] = rounding_footprint(over32, out["n32"], env, rules.cover) if out["n32"] else ""
-    s = shape(over32, candidate, golden, env["tau32"], rules, layout=not out["s_rounding"])
+    s = shape(over32, candidate, gold, env["tau32"], rules, layout=not out["s_rounding"])
     out |= {f"s_{k}": v for k, v in s.items()}
     needs_gross = out["ngross"] > 0 and out["n32"] > 0 and (out["s_rounding"] or shape_class(out, "s_", rules) is None)
-    g = shape(gross, candidate, golden, bound[gross] if torch.is_tensor(bound) else bound, rules, layout=needs_gross)
+    g = shape(gross, candidate, gold, bound, rules, layout=needs_gross)
     out |= {f"g_{k}": v for k, v in g.items()}
     return out
 
 
-def shape(mask: torch.Tensor, candidate: torch.Tensor, golden: torch.Tensor, noise, rules: Rules,
-          layout: bool = True) -> dict:
-    """How the wrong elements ``mask`` are laid out and what they look like; ``noise`` is the
-    envelope they are beyond (a number, or one per element of the mask). Without ``layout``,
-    only their count."""
-    n = int(mask.sum())
-    few = max(rules.sparse_min, rules.sparse * mask.numel())
-    out = {"n": n, "sparse": 0 < n <= few and n < mask.numel() / 2, "block_cover": 0.0, "block_area": 0.0,
+def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules: Rules, layout: bool = True) -> dict:
+    """How the wrong elements ``mask`` (matrix view) are laid out and what they look like;
+    ``noise`` is the envelope they are beyond (a number, or an array like the mask). Without
+    ``layout``, only their count."""
+    n = int(np.count_nonzero(mask))
+    few = max(rules.sparse_min, rules.sparse * mask.size)
+    out = {"n": n, "sparse": 0 < n <= few and n < mask.size / 2, "block_cover": 0.0, "block_area": 0.0,
            "block_tiles": 0, "lane_cover": 0.0, "lane_stride": 0, "lane_axis": "", "zero_frac": 0.0,
            "bit_frac": 0.0, "inrange_frac": 0.0}
-    if n == 0 or mask.numel() == 0 or not layout:
+    if n == 0 or mask.size == 0 or not layout:
         return out
-    m = matrix(mask).numpy()
-    if n * rules.cover <= rules.block_area * m.size:  # else no tiles within block_area can explain S
-        out |= _blocks(m, rules)
-    out |= _lanes(m, rules)
+    if n * rules.cover <= rules.block_area * mask.size:  # else no tiles within block_area can explain S
+        out |= _blocks(mask, rules)
+    out |= _lanes(mask, rules)
     if not out["sparse"]:
         return out
-    c, g = candidate[mask], golden[mask]
-    out["zero_frac"] = float(((c == 0) & (g != 0)).double().mean())
-    out["bit_frac"] = float(_few_bits(c, g, noise).double().mean())
-    fin = golden[torch.isfinite(golden)]
-    if fin.numel():
-        out["inrange_frac"] = float(((c >= fin.min()) & (c <= fin.max())).double().mean())
+    c, g = as_matrix(candidate)[mask].astype(np.float32, copy=False), gold.matrix[mask]
+    out["zero_frac"] = float(np.mean((c == 0) & (g != 0)))
+    out["bit_frac"] = float(np.mean(_few_bits(c, g, noise[mask] if isinstance(noise, np.ndarray) else noise)))
+    if math.isfinite(gold.lo):
+        out["inrange_frac"] = float(np.mean((c >= gold.lo) & (c <= gold.hi)))
     return out
 
 
 def _blocks(m: np.ndarray, rules: Rules) -> dict:
     labels, count = ndimage.label(m, structure=np.ones((3, 3)))
-    n = int(m.sum())
+    n = int(np.count_nonzero(m))
     # Tiles (>= 4 elements each) holding COVER of S leave at most this many components.
     if count > (1 - rules.cover) * n + rules.cover * n / 4:
         return {"block_cover": 0.0, "block_area": 0.0, "block_tiles": 0}
-    rows, cols = np.nonzero(labels)
-    comp = pd.DataFrame({"label": labels[rows, cols], "row": rows, "col": cols}).groupby("label")
-    box = comp.agg(r0=("row", "min"), r1=("row", "max"), c0=("col", "min"), c1=("col", "max"), size=("row", "size"))
-    height, width = box["r1"] - box["r0"] + 1, box["c1"] - box["c0"] + 1
+    size = np.bincount(labels.reshape(-1), minlength=count + 1)[1:]
+    boxes = ndimage.find_objects(labels)
+    height = np.array([rows.stop - rows.start for rows, _ in boxes])
+    width = np.array([cols.stop - cols.start for _, cols in boxes])
     flat = min(m.shape) == 1  # a vector: a tile is a run of >= 4 wrong elements
     wide = (height >= 2) & (width >= 2) if not flat else (height * width >= 4)
-    tiles = box[wide & (box["size"] >= 4) & (box["size"] >= rules.fill * height * width)]
-    area = float((height * width)[tiles.index].sum())
-    return {"block_cover": float(tiles["size"].sum() / len(rows)), "block_area": area / m.size,
-            "block_tiles": int(len(tiles))}
+    tiles = wide & (size >= 4) & (size >= rules.fill * height * width)
+    return {"block_cover": float(size[tiles].sum() / n), "block_area": float((height * width)[tiles].sum()) / m.size,
+            "block_tiles": int(np.count_nonzero(tiles))}
 
 
 def _lanes(m: np.ndarray, rules: Rules) -> dict:
     """Columns (or rows) filled >= FILL that form a whole arithmetic progression of stride >= 2
     (a single filled lane counts when the view has >= 2 rows; a vector needs >= 3 lanes)."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
-    for axis, view in (("col", m), ("row", m.T)):
-        rows, cols = view.shape
+    for axis, counts, rows in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
+                               ("row", np.count_nonzero(m, axis=1), m.shape[1])):
+        cols = len(counts)
         if cols < 2:
             continue
-        lanes = np.flatnonzero(view.sum(0) >= rules.fill * rows)
+        lanes = np.flatnonzero(counts >= rules.fill * rows)
         if len(lanes) == 0 or (rows < 2 and len(lanes) < 3):  # in a vector, 2 wrong elements are no period
             continue
         stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else cols
         expected = len(range(lanes[0] % stride, cols, stride)) if stride < cols else 1
         if stride < 2 or len(lanes) < rules.cover * expected:
             continue
-        cover = float(view[:, lanes].sum() / view.sum())
+        cover = float(counts[lanes].sum() / counts.sum())
         if cover > best["lane_cover"]:
             best = {"lane_cover": cover, "lane_stride": stride, "lane_axis": axis}
     return best
 
 
-def _few_bits(c: torch.Tensor, g: torch.Tensor, noise) -> torch.Tensor:
-    """Elements that differ from golden in 1 or 2 bits above those the ``noise`` envelope can
-    reach (a number, or one per element)."""
-    xor = (c.float().view(torch.int32) ^ g.float().view(torch.int32)).long() & 0xFFFFFFFF
-    _, exponent = torch.frexp(g.float())
-    ulp = torch.ldexp(torch.ones_like(g, dtype=torch.float64), exponent.long() - 24)
-    low = torch.clamp(torch.floor(torch.log2(noise / ulp)), 0, 23).long()
-    high = xor & ~(torch.bitwise_left_shift(torch.ones_like(low), low) - 1)
-    bits = popcount(high)
+def _few_bits(c: np.ndarray, g: np.ndarray, noise) -> np.ndarray:
+    """Elements (float32 arrays) that differ from golden in 1 or 2 bits above those the
+    ``noise`` envelope can reach (a number, or one per element)."""
+    xor = (c.view(np.int32) ^ g.view(np.int32)).astype(np.int64) & 0xFFFFFFFF
+    _, exponent = np.frexp(g)
+    ulp = np.ldexp(1.0, exponent.astype(np.int64) - 24)
+    low = np.clip(np.floor(np.log2(noise / ulp)), 0, 23).astype(np.int64)
+    bits = np.bitwise_count(xor & ~((np.int64(1) << low) - 1))
     return (bits >= 1) & (bits <= 2)
-
 
 
 def allclose(candidate: torch.Tensor, golden: torch.Tensor) -> bool:

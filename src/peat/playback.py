@@ -145,11 +145,22 @@ def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Te
     err = scores.abs_error(candidate, golden, gold)
     row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err, gold=gold)
     row["row_mass"] = _bins(row["row_mass"], ROW_BINS)
-    row |= env | evidence.evidence(candidate, golden, env, rules, diff=err, nonfinite=row["nonfinite"])
-    # Bitwise equal to a golden without NaN: allclose holds, without another pass.
-    row["allclose"] = (row["frac_diff"] == 0 and gold.finite) or evidence.allclose(candidate, golden)
+    row |= env | evidence.evidence(candidate, golden, env, rules, diff=err, nonfinite=row["nonfinite"], gold=gold)
+    row["allclose"] = _allclose(row, candidate, golden, gold)
     row["error_model"], row["confidence"] = detect.classify(row, rules)
     return row
+
+
+def _allclose(row: dict, candidate: torch.Tensor, golden: torch.Tensor, gold: scores.Golden) -> bool:
+    """``evidence.allclose``, settled from the scores where they decide it: bitwise equal to a
+    golden without NaN holds; a non-finite value where golden is finite, or an error more than
+    twice the loosest tolerance (atol + rtol * max |golden|; twice covers float32 rounding of
+    both sides), fails."""
+    if row["frac_diff"] == 0 and gold.finite:
+        return True
+    if row["nonfinite"] > 0 or (gold.finite and row["err_max"] > 2 * (1e-8 + 1e-5 * max(-gold.lo, gold.hi))):
+        return False
+    return evidence.allclose(candidate, golden)
 
 
 def _bins(values: np.ndarray, limit: int) -> np.ndarray:
@@ -254,8 +265,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                 rows.append({**plan.meta, "layer": layer, "step": int(sample["step"]), "computation": computation,
                              "case": case, "status": "crash", "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
-            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules)
             gold = scores.Golden.of(ref["golden"])
+            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules, gold)
             noise = scores.summary(scores.abs_error(ref["fp64"], ref["golden"], gold))
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
                     "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,

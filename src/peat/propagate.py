@@ -200,8 +200,8 @@ class Propagator:
         from .playback import score_row
 
         g, r = gold[point].cpu(), ref64[point].cpu()
-        env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules)
         gold_point = scores.Golden.of(g)
+        env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules, gold_point)
         noise = scores.summary(scores.abs_error(r, g, gold_point))
         fop, tensor = (f"next:{nxt}", "O") if point == "next" else ("loss", "loss")
         return [{**base, "fop": fop, "tensor": tensor, "case": case,

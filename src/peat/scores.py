@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import matrix
+from . import tensor_stats
 
 TOP_FRACTION = 0.10
 TILE = 16           # tile edge for the tile-concentration score
@@ -30,36 +30,61 @@ class Golden:
     """What every candidate's scores need from one golden tensor, worked out once per tensor
     (one golden serves the kernel, every error model and every reference)."""
 
-    double: torch.Tensor   # golden in float64
-    bits: np.ndarray       # float32 bit patterns, flat int32
-    ordered: np.ndarray    # ``ordered_bits`` of them, flat int64
+    matrix: np.ndarray     # float32, the matrix view (``as_matrix``)
+    bits: np.ndarray       # float32 bit patterns, flat int32, in the tensor's own order
     finite: bool           # every element finite
+    lo: float              # smallest and largest finite element (nan when none is finite)
+    hi: float
 
     @classmethod
     def of(cls, golden: torch.Tensor) -> "Golden":
-        g = golden.float().contiguous()
+        g = golden.detach().float().cpu().contiguous()
         bits = g.view(torch.int32).reshape(-1).numpy()
-        return cls(golden.double(), bits, _ordered(bits).astype(np.int64), bool(torch.isfinite(g).all()))
+        m = as_matrix(g)
+        finite = bool(np.isfinite(m.max(initial=0.0)) and np.isfinite(m.min(initial=0.0)))
+        values = m if finite else m[np.isfinite(m)]
+        lo, hi = (float(values.min()), float(values.max())) if values.size else (math.nan, math.nan)
+        return cls(m, bits, finite, lo, hi)
 
 
-def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None = None) -> torch.Tensor:
-    """|candidate - golden| in float64, with NaN differences as inf (an infinite one becomes the
-    largest float64, ``torch.nan_to_num``'s default)."""
-    err = torch.sub(candidate.double(), golden.double() if gold is None else gold.double)
-    return torch.nan_to_num_(err.abs_(), nan=math.inf)
+def as_matrix(t) -> np.ndarray:
+    """A tensor's matrix view (``peat.errors.matrix``: channels as columns for NCHW tensors,
+    else the last dimension) as a numpy array. Every score and Detector rule works in it."""
+    if torch.is_tensor(t):
+        t = t.detach().cpu().numpy()
+    if t.ndim == 4:
+        n, c, h, w = t.shape
+        return np.ascontiguousarray(t.reshape(n, c, h * w).transpose(0, 2, 1)).reshape(-1, c)
+    return t.reshape(-1, t.shape[-1] if t.ndim else 1)
 
 
-def summary(err: torch.Tensor) -> dict:
-    """PEAT's four scores of an absolute-error tensor (``err`` >= 0): max, mean, top-10 % mean,
-    variance."""
-    flat = err.reshape(-1).double().numpy()
-    finite = flat[np.isfinite(flat)] if not np.isfinite(flat).all() else flat
+def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None = None) -> np.ndarray:
+    """|candidate - golden| in float64 in the matrix view, with NaN differences as inf (an
+    infinite one becomes the largest float64, ``numpy.nan_to_num``'s default)."""
+    gold = Golden.of(golden) if gold is None else gold
+    c = as_matrix(candidate)
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN, made inf below
+        err = np.subtract(c, gold.matrix, dtype=np.float64)
+    np.abs(err, out=err)
+    if not np.isfinite(err.max(initial=0.0)):  # NaN or inf inside: one pass spared otherwise
+        np.nan_to_num(err, copy=False, nan=math.inf)
+    return err
+
+
+def summary(err) -> dict:
+    """PEAT's four scores of an absolute-error array (``err`` >= 0, NaN-free as ``abs_error``
+    gives it): max, mean, top-10 % mean, variance."""
+    flat = np.asarray(err, dtype=np.float64).reshape(-1)
+    finite = flat if np.isfinite(flat.max(initial=0.0)) else flat[np.isfinite(flat)]
     if finite.size == 0:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
     top = _top(finite, k)
-    return {"max": float(top.max()) if top.size else 0.0, "mean": float(finite.mean()),
-            "top10": float(top.sum() / k), "var": float(finite.var())}
+    mean = float(finite.mean())
+    spread = finite - mean
+    spread *= spread  # not np.dot: BLAS threads would spin on other cores
+    return {"max": float(top.max()) if top.size else 0.0, "mean": mean,
+            "top10": float(top.sum() / k), "var": float(spread.sum() / finite.size)}
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:
@@ -129,9 +154,10 @@ def periodicity(mass: np.ndarray, max_period: int = MAX_PERIOD) -> tuple[int, fl
         return 0, 0.0
     best = {}
     for k in range(2, min(max_period, len(mass) // 2) + 1):
-        padded = np.zeros(math.ceil(len(mass) / k) * k)
-        padded[:len(mass)] = mass
-        best[k] = float(padded.reshape(-1, k).sum(0).max()) / total
+        whole = len(mass) // k * k
+        classes = mass[:whole].reshape(-1, k).sum(0)
+        classes[:len(mass) - whole] += mass[whole:]
+        best[k] = float(classes.max()) / total
     if not best:
         return 0, 0.0
     top = max(best.values())
@@ -139,18 +165,23 @@ def periodicity(mass: np.ndarray, max_period: int = MAX_PERIOD) -> tuple[int, fl
     return period, best[period]
 
 
+def tile_sums(m: np.ndarray, tile: int = TILE) -> np.ndarray:
+    """Sums of ``m`` over its aligned ``tile`` x ``tile`` tiles (the last ones may be partial)."""
+    rows, cols = (math.ceil(s / tile) * tile for s in m.shape)
+    if (rows, cols) != m.shape:  # zeros added to the last partial tiles change no sum
+        padded = np.zeros((rows, cols), dtype=m.dtype)
+        padded[:m.shape[0], :m.shape[1]] = m
+        m = padded
+    # Rows of a tile first (contiguous), then columns: faster than one reduction over both axes.
+    return m.reshape(rows // tile, tile, cols).sum(1).reshape(rows // tile, cols // tile, tile).sum(2)
+
+
 def tile_concentration(err2d: np.ndarray, tile: int = TILE) -> float:
     """Largest fraction of the error mass inside one aligned ``tile`` x ``tile`` tile."""
     total = float(err2d.sum())
     if total <= 0 or not math.isfinite(total):
         return 0.0
-    rows, cols = (math.ceil(s / tile) * tile for s in err2d.shape)
-    padded = err2d
-    if (rows, cols) != err2d.shape:  # zeros added to the last partial tiles change no sum
-        padded = np.zeros((rows, cols))
-        padded[:err2d.shape[0], :err2d.shape[1]] = err2d
-    tiles = padded.reshape(rows // tile, tile, cols // tile, tile).sum(axis=(1, 3))
-    return float(tiles.max()) / total
+    return float(tile_sums(err2d, tile).max()) / total
 
 
 def downsample(m: np.ndarray, size: int = MAP_SIZE) -> np.ndarray:
@@ -158,18 +189,17 @@ def downsample(m: np.ndarray, size: int = MAP_SIZE) -> np.ndarray:
     for axis in (0, 1):
         if m.shape[axis] > size:
             edges = np.linspace(0, m.shape[axis], size + 1).round().astype(int)[:-1]
-            if axis == 0:  # the same sums along a contiguous transposed copy, faster than down columns
-                m = np.add.reduceat(torch.from_numpy(m).t().contiguous().numpy(), edges, axis=1).T
-            else:
-                m = np.add.reduceat(m, edges, axis=1)
+            m = np.add.reduceat(m, edges, axis=axis)
     return m
 
 
-def spatial(err: torch.Tensor) -> dict:
-    """Error mass per row and per column of the matrix view, periodicity, tile concentration and a
-    downsampled error map (``map``, flattened, shape in ``map_rows`` x ``map_cols``)."""
-    m = matrix(err).double().numpy()
-    if not np.isfinite(m).all():
+def spatial(m) -> dict:
+    """Error mass per row and per column of an error matrix (``abs_error``'s matrix view),
+    periodicity, tile concentration and a downsampled error map (``map``, flattened, shape in
+    ``map_rows`` x ``map_cols``). Non-finite errors carry no mass here."""
+    m = np.asarray(m, dtype=np.float64)
+    m = m.reshape(-1, m.shape[-1] if m.ndim else 1)
+    if not np.isfinite(m.max(initial=0.0)):
         m = np.nan_to_num(m, nan=0.0, posinf=0.0)
     rows, cols = m.sum(1), m.sum(0)
     small = downsample(m)
@@ -182,17 +212,34 @@ def spatial(err: torch.Tensor) -> dict:
 
 def bit_scores(candidate: torch.Tensor, gold: Golden) -> dict:
     """ULP distance (median, max), fraction of differing elements, non-finite count and bit
-    histogram, from one XOR of the bit patterns. Elements whose bits agree contribute zeros
-    only, so the rest works on the differing elements alone unless they are most of the tensor."""
-    bits = candidate.float().contiguous().view(torch.int32).reshape(-1).numpy()
+    histogram, from the float32 bit patterns (``peat.tensor_stats.bit_diff``'s one pass, or
+    numpy's)."""
+    bits = candidate.detach().float().cpu().contiguous().view(torch.int32).reshape(-1).numpy()
+    n = bits.size
+    found = tensor_stats.bit_diff(bits, gold.bits, gold.finite) if n else None
+    if found is None:
+        return _bit_scores_numpy(bits, gold)
+    counts, ulp = found
+    ndiff = int(counts[32])
+    median = 0  # when most elements agree
+    if n - ndiff <= n // 2:
+        ulp.partition(n // 2)
+        median = ulp[n // 2]
+    return {"ulp_median": float(median), "ulp_max": float(counts[34]), "frac_diff": ndiff / n,
+            "nonfinite": int(counts[33]), "bits": counts[:32].copy()}
+
+
+def _bit_scores_numpy(bits: np.ndarray, gold: Golden) -> dict:
+    """``bit_scores`` without the C loop. Elements whose bits agree contribute zeros only, so
+    the rest works on the differing elements alone unless they are most of the tensor."""
     xor = bits ^ gold.bits
     n = xor.size
     where = np.flatnonzero(xor)
     if where.size > n // 2:
-        cand, golden, ordered = bits, gold.bits, gold.ordered
+        cand, golden = bits, gold.bits
     else:
-        cand, golden, ordered, xor = bits[where], gold.bits[where], gold.ordered[where], xor[where]
-    ulp = np.subtract(_ordered(cand), ordered, dtype=np.int64)
+        cand, golden, xor = bits[where], gold.bits[where], xor[where]
+    ulp = np.subtract(_ordered(cand), _ordered(golden), dtype=np.int64)
     ulp = np.abs(ulp, out=ulp)
     below = n - ulp.size  # agreeing elements left out: all at ULP distance 0, the smallest
     exponent = np.int32(0x7F800000)
@@ -219,13 +266,13 @@ def _order_statistic(values: np.ndarray, i: int):
 
 
 def tensor_scores(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Tensor,
-                  noise: dict | None = None, err: torch.Tensor | None = None, gold: Golden | None = None) -> dict:
+                  noise: dict | None = None, err: np.ndarray | None = None, gold: Golden | None = None) -> dict:
     """All scores of one candidate tensor; ``reference`` is the float64 result on the same inputs.
 
     ``rel_*`` divide by the same score of |golden - reference|: 1 means "as far from golden as
     float32 rounding itself", PEAT's yardstick. ``noise`` (that summary), ``err``
-    (|candidate - golden|) and ``gold`` (``Golden.of(golden)``) may be passed in when already
-    computed: one golden serves many candidates.
+    (``abs_error(candidate, golden)``) and ``gold`` (``Golden.of(golden)``) may be passed in
+    when already computed: one golden serves many candidates.
     """
     gold = Golden.of(golden) if gold is None else gold
     err = abs_error(candidate, golden, gold) if err is None else err
