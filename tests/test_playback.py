@@ -255,15 +255,23 @@ def test_timer_categories_are_exclusive(monkeypatch):
     assert (t["kernel_s"], t["propagate_s"], t["wall_s"]) == (4.0, 3.0, 20.0)
 
 
-def test_bit_scores_match_their_elementwise_definitions():
-    from peat import scores
+@pytest.mark.parametrize("compiled", [True, False], ids=["c-loop", "numpy"])
+def test_bit_scores_match_their_elementwise_definitions(compiled, monkeypatch):
+    from peat import scores, tensor_stats
 
+    if not compiled:
+        monkeypatch.setattr(tensor_stats, "_LIB", [None])
     golden = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(0))
     golden[0, 0, 0, 0] = 0.0
     dense = golden + 1e-6 * torch.randn(golden.shape, generator=torch.Generator().manual_seed(1))
     sparse = golden.clone()
     sparse.view(-1)[[0, 5, 9]] = torch.tensor([-0.0, math.inf, 7.0])
-    for cand in (golden.clone(), dense, sparse, -golden):
+    nan_golden = golden.clone()
+    nan_golden.view(-1)[[3, 4]] = torch.tensor([math.nan, -math.inf])
+    extremes = torch.tensor([3.4e38, -3.4e38, 1e-45, -1e-45, 0.0, math.nan] * 192).reshape(golden.shape)
+    cases = [(c, golden) for c in (golden.clone(), dense, sparse, -golden, extremes)]
+    cases += [(nan_golden.clone(), nan_golden), (dense, nan_golden), (nan_golden, extremes)]
+    for cand, golden in cases:
         got = scores.bit_scores(cand, scores.Golden.of(golden))
         ulp = scores.ulp_distance(cand, golden).reshape(-1).sort().values
         xor = scores.xor_bits(cand, golden)
