@@ -313,6 +313,31 @@ def test_prefix_replay_equals_the_whole_forward():
     assert "forward" not in model[1].relu.__dict__  # the modules are restored
 
 
+def test_float64_reference_runs_from_the_layer_on_the_golden_input():
+    """The later observing points' fp64 reference: the golden float32 prefix, cast, then every
+    module from L on in float64."""
+    import copy
+
+    from peat.propagate import Prefix
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Block(), nn.Linear(8, 4))
+    model64 = copy.deepcopy(model).double()
+    x = torch.randn(5, 8)
+    prefix = Prefix(model, "1.b")
+    with prefix.recording():
+        model(x)
+    seen = {}
+    model64[1].b.register_forward_pre_hook(lambda m, i: seen.setdefault("input", i[0]))
+    with prefix.on(model64, torch.float64).replaying():
+        got = model64(x.double())
+    a = model[1].relu(model[1].a(model[0](x)))  # L's golden float32 input
+    block = model64[1].relu(model64[1].b(a.double()) + model[0](x).double())
+    assert seen["input"].dtype == torch.float64 and torch.equal(seen["input"], a.double())
+    assert torch.equal(got, model64[2](block))
+    assert not torch.equal(got, model64(x.double()))  # not the whole network in float64
+
+
 def test_prefix_refuses_to_replay_a_skipped_random_draw():
     from peat.propagate import Prefix, PrefixMismatch
 

@@ -11,9 +11,11 @@ step being replayed, honestly and cheaply:
 - the batch of that step is rebuilt from the dataset with the training loop's own
   deterministic batch order (``peat.train.epoch_batches``).
 
-Golden float32, float64 and reduced-precision runs of this rebuilt network and one run per
-candidate (the kernel, or a faulty kernel, computing layer L's forward on L's live input)
-differ only in layer L, so the downstream error is the kernel's alone. How faithful the
+Golden float32 and reduced-precision runs of this rebuilt network and one run per candidate
+(the kernel, or a faulty kernel, computing layer L's forward on L's live input) differ only in
+layer L, so the downstream error is the kernel's alone. The float64 reference runs from L on,
+on the same input of L (the golden prefix, replayed): as at the kernel's own output, the
+yardstick is float32's rounding noise from the injecting to the observing point. How faithful the
 rebuilt network is appears as ``recon_error``: the max relative difference between L's live
 input and the input recorded at that step (0 when the rebuilt state is exact).
 """
@@ -173,7 +175,8 @@ class Propagator:
         x, y = self.batch(step, int(sample["epoch"]))
         prefix = Prefix(model, layer)
         gold = self.observe(model, layer, nxt, x, y, prefix=prefix)
-        ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y)
+        ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
+                             prefix=prefix.on(model64, torch.float64))
         recon = float((gold["A"].cpu() - sample["A"]).abs().max() / sample["A"].abs().max().clamp_min(1e-30))
         timed = (lambda category: timer(category)) if timer is not None else (lambda category: nullcontext())
 
@@ -225,12 +228,25 @@ class Prefix:
     and then the caller runs the whole forward instead.
     """
 
-    def __init__(self, model: torch.nn.Module, layer: str):
+    def __init__(self, model: torch.nn.Module, layer: str, dtype: torch.dtype | None = None):
         self.modules = {n: m for n, m in model.named_modules() if n}
         self.layer = layer
+        self.dtype = dtype  # replayed floating outputs are cast to it (None: as recorded)
         self.outputs: dict[str, dict[int, torch.Tensor]] = {}  # module -> call index on replay -> output
         self.rng = self.input = None
         self.recorded, self.valid = False, True
+
+    def on(self, model: torch.nn.Module, dtype: torch.dtype) -> "Prefix":
+        """This recorded prefix, replayed in a copy of the model that computes in ``dtype``."""
+        twin = Prefix(model, self.layer, dtype)
+        twin.outputs, twin.rng, twin.input = self.outputs, self.rng, self.input
+        twin.recorded, twin.valid = self.recorded, self.valid
+        return twin
+
+    def _replayed(self, kept: torch.Tensor) -> torch.Tensor:
+        if self.dtype is not None and kept.is_floating_point():
+            return kept.to(self.dtype, copy=True)
+        return kept.clone()
 
     @contextmanager
     def recording(self):
@@ -286,11 +302,11 @@ class Prefix:
             def replay(*args, **kwargs):
                 calls[0] += 1
                 kept = self.outputs[name].get(calls[0] - 1)
-                return original(*args, **kwargs) if kept is None else kept.clone()
+                return original(*args, **kwargs) if kept is None else self._replayed(kept)
             return replay
 
         def check(module, inputs):
-            if not (_same_rng(_rng_state(inputs[0]), self.rng) and torch.equal(inputs[0], self.input)):
+            if not (_same_rng(_rng_state(inputs[0]), self.rng) and torch.equal(inputs[0], self._replayed(self.input))):
                 raise PrefixMismatch(self.layer)
 
         for name in self.outputs:

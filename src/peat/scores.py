@@ -176,9 +176,10 @@ def tile_sums(m: np.ndarray, tile: int = TILE) -> np.ndarray:
     return m.reshape(rows // tile, tile, cols).sum(1).reshape(rows // tile, cols // tile, tile).sum(2)
 
 
-def tile_concentration(err2d: np.ndarray, tile: int = TILE) -> float:
-    """Largest fraction of the error mass inside one aligned ``tile`` x ``tile`` tile."""
-    total = float(err2d.sum())
+def tile_concentration(err2d: np.ndarray, tile: int = TILE, total: float | None = None) -> float:
+    """Largest fraction of the error mass (``total``, when known) inside one aligned ``tile`` x
+    ``tile`` tile."""
+    total = float(err2d.sum()) if total is None else total
     if total <= 0 or not math.isfinite(total):
         return 0.0
     return float(tile_sums(err2d, tile).max()) / total
@@ -186,10 +187,11 @@ def tile_concentration(err2d: np.ndarray, tile: int = TILE) -> float:
 
 def downsample(m: np.ndarray, size: int = MAP_SIZE) -> np.ndarray:
     """``m`` summed into at most ``size`` x ``size`` blocks (an error map small enough to keep)."""
-    for axis in (0, 1):
-        if m.shape[axis] > size:
-            edges = np.linspace(0, m.shape[axis], size + 1).round().astype(int)[:-1]
-            m = np.add.reduceat(m, edges, axis=axis)
+    if m.shape[0] > size:  # a sum per block of whole rows: contiguous, unlike a reduction down columns
+        edges = np.linspace(0, m.shape[0], size + 1).round().astype(int)
+        m = np.stack([m[a:b].sum(0) for a, b in zip(edges[:-1], edges[1:])])
+    if m.shape[1] > size:
+        m = np.add.reduceat(m, np.linspace(0, m.shape[1], size + 1).round().astype(int)[:-1], axis=1)
     return m
 
 
@@ -206,7 +208,8 @@ def spatial(m) -> dict:
     col_period, col_frac = periodicity(cols)
     row_period, row_frac = periodicity(rows)
     return {"row_mass": rows, "col_mass": cols, "col_period": col_period, "col_period_frac": col_frac,
-            "row_period": row_period, "row_period_frac": row_frac, "tile_frac": tile_concentration(m),
+            "row_period": row_period, "row_period_frac": row_frac,
+            "tile_frac": tile_concentration(m, total=float(cols.sum())),
             "map": small.reshape(-1), "map_rows": small.shape[0], "map_cols": small.shape[1]}
 
 
