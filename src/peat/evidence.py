@@ -10,7 +10,7 @@ import torch
 from scipy import ndimage
 
 from .detect import Rules, shape_class
-from .scores import Golden, abs_error, as_matrix
+from .scores import QUIET, Golden, abs_error, as_matrix
 
 PRECISIONS = ("fp16", "bf16", "tf32")
 EPS32 = 2.0 ** -23
@@ -27,6 +27,7 @@ class Envelopes(dict):
     footprints: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}  # may, must and their sizes
 
 
+@QUIET
 def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
               rules: Rules = Rules(), gold: Golden | None = None) -> Envelopes:
     """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs.
@@ -57,8 +58,7 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    with np.errstate(invalid="ignore"):  # inf - inf: NaN, which _finite_max and the envelopes skip
-        d = np.subtract(a, b, dtype=np.float64)
+    d = np.subtract(a, b, dtype=np.float64)  # inf - inf: NaN, which _finite_max and the envelopes skip
     return np.abs(d, out=d)
 
 
@@ -102,6 +102,7 @@ def _finite_max(t: np.ndarray) -> float:
     return float(t.max()) if t.size else 0.0
 
 
+@QUIET
 def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules = Rules(),
              diff: np.ndarray | None = None, nonfinite: int | None = None, gold: Golden | None = None) -> dict:
     """Scalar features the rules use, for one candidate tensor against golden.

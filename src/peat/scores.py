@@ -71,6 +71,12 @@ def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None
     return err
 
 
+# Infinite differences are kept as the largest float64 (``abs_error``): sums and ratios over them
+# overflow to inf on purpose, as torch's did, without numpy's warnings.
+QUIET = np.errstate(over="ignore", invalid="ignore")
+
+
+@QUIET
 def summary(err) -> dict:
     """PEAT's four scores of an absolute-error array (``err`` >= 0, NaN-free as ``abs_error``
     gives it): max, mean, top-10 % mean, variance."""
@@ -195,6 +201,7 @@ def downsample(m: np.ndarray, size: int = MAP_SIZE) -> np.ndarray:
     return m
 
 
+@QUIET
 def spatial(m) -> dict:
     """Error mass per row and per column of an error matrix (``abs_error``'s matrix view),
     periodicity, tile concentration and a downsampled error map (``map``, flattened, shape in
