@@ -201,10 +201,11 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     record = {"model": model, "vendor": vendor, "kernel": kernel_name, "op": kspec["op"],
               "impl": kspec.get("impl", "golden"), "error": kspec.get("error"), "schedule": schedule,
               "layers_requested": layers}
+    # A rerun starts afresh (above) and no rule reads a candidate's or an RFI case's epoch
+    # checkpoints: their results are curves, calls and final weights. So neither is written.
     train_kw = dict(vendor=vendor, seed=seed, threads=threads, init=init, config_hash=config_hash,
-                    record=schedule is None)
-    if schedule is not None:  # RFI's results are its calls and curves: no rule reads epoch checkpoints
-        spec = dict(spec, checkpoint_epochs=[])
+                    record=schedule is None, resumable=False)
+    spec = dict(spec, checkpoint_epochs=[])
     _preload(spec)
     outcome = kernels.run_isolated(_routed_training, model, spec, kernel_name, kspec, layers, data_path, out_dir,
                                    train_kw, schedule, timeout=kspec.get("train_timeout", 3600))

@@ -60,13 +60,14 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.nda
 
 def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         profiler=None, before_step: Callable[[int, int], None] | None = None,
-        start: str | Path | None = None, progress: bool = True) -> pd.DataFrame:
+        start: str | Path | None = None, progress: bool = True, resumable: bool = True) -> pd.DataFrame:
     """Train ``model``; write ``metrics.csv``, ``final.h5`` and ``checkpoints/epochNNN.h5``.
 
     ``start`` is a checkpoint to resume from (weights, optimizer, step, epoch, history).
     While running, everything lives in ``out_dir/.partial/``: epoch checkpoints and
-    ``resume.h5`` (the last finished epoch), so that a killed job restarts from there. The
-    declared outputs appear only when training completes, so none of them is ever half written.
+    ``resume.h5`` (the last finished epoch, unless not ``resumable``), so that a killed job
+    restarts from there. The declared outputs appear only when training completes, so none of
+    them is ever half written.
     """
     out_dir = Path(out_dir)
     model.to(run.device)
@@ -108,7 +109,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         save = dict(step=step, epoch=epoch, meta=run.meta, history=history)
         if epoch in run.checkpoint_epochs:
             checkpoint.save(partial / f"epoch{epoch:03d}.h5", model, optimizer, **save)
-        if epoch < run.epochs:
+        if epoch < run.epochs and resumable:
             # Context snapshot first: if we die between the two, the older resume point
             # simply truncates the newer snapshot.
             if profiler is not None:
@@ -157,12 +158,13 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
                 seed: int = 0, threads: int = 1, init: str | Path | None = None, config_hash: str = "",
                 prepare_model: Callable[[torch.nn.Module], None] | None = None,
                 before_step: Callable[[int, int], None] | None = None, record: bool = True,
-                progress: bool = True, start: str | Path | None = None) -> pd.DataFrame:
+                progress: bool = True, start: str | Path | None = None, resumable: bool = True) -> pd.DataFrame:
     """Golden (or candidate) training of model ``name`` from its config ``spec``, with the Profiler.
 
     ``init`` fine-tunes from another run's checkpoint (a new head keeps its own init);
     ``prepare_model`` may patch the built model (candidate kernels) before training starts.
-    ``start`` resumes from a checkpoint (e.g. an altered one) to the end of the schedule.
+    ``start`` resumes from a checkpoint (e.g. an altered one) to the end of the schedule;
+    ``resumable`` False skips the per-epoch resume point (for runs that always start afresh).
     """
     from .data import load
     from .device import for_vendor, seed_everything
@@ -189,7 +191,8 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
                             epochs=rec.get("epochs"), meta=meta, key=f"models.{name}.record.layers",
                             derived=bool(rec.get("derived", False)) or vendor != "cpu")
     run = Run.from_spec(spec, seed=seed, device=device, meta=meta)
-    return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step, progress=progress, start=start)
+    return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step, progress=progress, start=start,
+               resumable=resumable)
 
 
 def evaluate_checkpoint(name: str, spec: dict, data_path: str | Path, path: str | Path, *, vendor: str = "cpu",
