@@ -186,11 +186,11 @@ def _int32(value: int) -> int:
 
 
 # -- structured errors ----------------------------------------------------------------------
-def matrix(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D copy of ``t``: channels as columns for NCHW tensors, else the last dimension."""
-    if t.dim() == 4:
-        return t.movedim(1, -1).reshape(-1, t.shape[1]).clone()
-    return t.reshape(-1, t.shape[-1] if t.dim() else 1).clone()
+def matrix(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """``t`` as a matrix: channels as columns for NCHW tensors, else the last dimension. A copy,
+    unless ``copy`` is False (then a view where the layout allows one)."""
+    m = t.movedim(1, -1).reshape(-1, t.shape[1]) if t.dim() == 4 else t.reshape(-1, t.shape[-1] if t.dim() else 1)
+    return m.clone() if copy else m
 
 
 def unmatrix(m: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

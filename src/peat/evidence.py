@@ -10,7 +10,7 @@ import torch
 from scipy import ndimage
 
 from .detect import Rules, shape_class
-from .scores import QUIET, Golden, abs_error, as_matrix
+from .scores import QUIET, Golden, abs_error, as_matrix, per_tile
 
 PRECISIONS = ("fp16", "bf16", "tf32")
 EPS32 = 2.0 ** -23
@@ -70,13 +70,7 @@ def tile_max(m: np.ndarray, tile: int) -> np.ndarray:
     """Each element of a matrix (>= 0) replaced by the largest value of its aligned ``tile`` x
     ``tile`` tile."""
     rows, cols = m.shape
-    padded = m
-    if rows % tile or cols % tile:  # zeros in the last partial tiles change no maximum of values >= 0
-        padded = np.zeros((-(-rows // tile) * tile, -(-cols // tile) * tile), dtype=m.dtype)
-        padded[:rows, :cols] = m
-    r, c = padded.shape
-    tiles = padded.reshape(r // tile, tile, c).max(1).reshape(r // tile, c // tile, tile).max(2)
-    return np.repeat(np.repeat(tiles, tile, 0)[:rows], tile, 1)[:, :cols]
+    return np.repeat(np.repeat(per_tile(m, tile, np.maximum), tile, 0)[:rows], tile, 1)[:, :cols]
 
 
 def rounding_footprint(over32: np.ndarray, n: int, env: dict, cover: float) -> str:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from . import tensor_stats
+from .errors import matrix
 
 TOP_FRACTION = 0.10
 TILE = 16           # tile edge for the tile-concentration score
@@ -50,12 +51,7 @@ class Golden:
 def as_matrix(t) -> np.ndarray:
     """A tensor's matrix view (``peat.errors.matrix``: channels as columns for NCHW tensors,
     else the last dimension) as a numpy array. Every score and Detector rule works in it."""
-    if torch.is_tensor(t):
-        t = t.detach().cpu().numpy()
-    if t.ndim == 4:
-        n, c, h, w = t.shape
-        return np.ascontiguousarray(t.reshape(n, c, h * w).transpose(0, 2, 1)).reshape(-1, c)
-    return t.reshape(-1, t.shape[-1] if t.ndim else 1)
+    return matrix(torch.as_tensor(t).detach().cpu(), copy=False).numpy()
 
 
 def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None = None) -> np.ndarray:
@@ -171,15 +167,17 @@ def periodicity(mass: np.ndarray, max_period: int = MAX_PERIOD) -> tuple[int, fl
     return period, best[period]
 
 
-def tile_sums(m: np.ndarray, tile: int = TILE) -> np.ndarray:
-    """Sums of ``m`` over its aligned ``tile`` x ``tile`` tiles (the last ones may be partial)."""
+def per_tile(m: np.ndarray, tile: int = TILE, reduce: np.ufunc = np.add) -> np.ndarray:
+    """``reduce`` (``np.add``, ``np.maximum``) of a matrix of values >= 0 over each of its
+    aligned ``tile`` x ``tile`` tiles (the last ones may be partial)."""
     rows, cols = (math.ceil(s / tile) * tile for s in m.shape)
-    if (rows, cols) != m.shape:  # zeros added to the last partial tiles change no sum
+    if (rows, cols) != m.shape:  # zeros in the last partial tiles change no sum or maximum of values >= 0
         padded = np.zeros((rows, cols), dtype=m.dtype)
         padded[:m.shape[0], :m.shape[1]] = m
         m = padded
     # Rows of a tile first (contiguous), then columns: faster than one reduction over both axes.
-    return m.reshape(rows // tile, tile, cols).sum(1).reshape(rows // tile, cols // tile, tile).sum(2)
+    bands = reduce.reduce(m.reshape(rows // tile, tile, cols), axis=1)
+    return reduce.reduce(bands.reshape(rows // tile, cols // tile, tile), axis=2)
 
 
 def tile_concentration(err2d: np.ndarray, tile: int = TILE, total: float | None = None) -> float:
@@ -188,7 +186,7 @@ def tile_concentration(err2d: np.ndarray, tile: int = TILE, total: float | None 
     total = float(err2d.sum()) if total is None else total
     if total <= 0 or not math.isfinite(total):
         return 0.0
-    return float(tile_sums(err2d, tile).max()) / total
+    return float(per_tile(err2d, tile).max()) / total
 
 
 def downsample(m: np.ndarray, size: int = MAP_SIZE) -> np.ndarray:
