@@ -350,3 +350,22 @@ def test_prefix_refuses_to_replay_a_skipped_random_draw():
     torch.manual_seed(0)
     with pytest.raises(PrefixMismatch), prefix.replaying():
         model(x)
+
+
+def test_allclose_settled_from_the_scores_equals_torch_allclose():
+    """playback decides torch.allclose from the scores where they settle it; it must agree."""
+    from peat import detect, evidence
+
+    g = torch.Generator().manual_seed(3)
+    golden = torch.randn(8, 16, 4, 4, generator=g)
+    ref = golden.double()
+    env = evidence.envelopes(golden, ref, {p: golden for p in evidence.PRECISIONS})
+    cases = [golden.clone(), golden * (1 + 1e-7), golden * (1 + 1e-5), golden + 1e-3, golden.neg()]
+    for spec in ("rv:3", "rz:1", "bit_flip:exponent", "nan:1", "lane:4"):
+        cases.append(errors.parse(spec).apply(golden.clone(), torch.Generator().manual_seed(0)))
+    with_inf = golden.clone()
+    with_inf.view(-1)[0] = math.inf
+    for gold, cand in [(golden, c) for c in cases] + [(with_inf, with_inf.clone()), (with_inf, golden)]:
+        env_g = env if gold is golden else evidence.envelopes(gold, gold.double(), {p: gold for p in evidence.PRECISIONS})
+        row = playback.score_row(cand, gold, gold.double(), env_g, detect.Rules())
+        assert row["allclose"] == evidence.allclose(cand, gold), (cand.flatten()[:3], row["err_max"])
