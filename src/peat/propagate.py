@@ -14,8 +14,9 @@ step being replayed, honestly and cheaply:
 Golden float32 and reduced-precision runs of this rebuilt network and one run per candidate
 (the kernel, or a faulty kernel, computing layer L's forward on L's live input) differ only in
 layer L, so the downstream error is the kernel's alone. The float64 reference runs from L on,
-on the same input of L (the golden prefix, replayed): as at the kernel's own output, the
-yardstick is float32's rounding noise from the injecting to the observing point. How faithful the
+on the same input of L (the golden prefix, replayed; the whole network in float64 where the
+replay check fails): as at the kernel's own output, the yardstick is float32's rounding noise
+from the injecting to the observing point. How faithful the
 rebuilt network is appears as ``recon_error``: the max relative difference between L's live
 input and the input recorded at that step (0 when the rebuilt state is exact).
 """
