@@ -132,7 +132,8 @@ def _library():
     if not _LIB:
         try:
             lib = ctypes.CDLL(str(_build()))
-            lib.peat_moments.argtypes, lib.peat_moments.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], None
+            lib.peat_moments.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            lib.peat_moments.restype = None
             lib.peat_bitdiff.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                          ctypes.c_void_p, ctypes.c_void_p]
             lib.peat_bitdiff.restype = None
