@@ -247,14 +247,15 @@ def test_layers_fed_the_same_input_share_one_stored_copy(tmp_path):
     assert torch.equal(up[1]["A"], gate[1]["A"]) and not torch.equal(up[0]["A"], up[1]["A"])
 
 
+_G = torch.Generator().manual_seed(0)
 SPECIAL = {
-    "randn": torch.randn(10_007),
-    "offset": torch.randn(5000) * 1e-3 + 100.0,  # |mean| >> std
-    "relu": torch.relu(torch.randn(64, 8, 5, 5)),
+    "randn": torch.randn(10_007, generator=_G),
+    "offset": torch.randn(5000, generator=_G) * 1e-3 + 100.0,  # |mean| >> std
+    "relu": torch.relu(torch.randn(64, 8, 5, 5, generator=_G)),
     "one": torch.tensor([2.5]),
     "nan": torch.tensor([1.0, float("nan"), 3.0]),
     "inf": torch.tensor([1.0, float("-inf"), float("inf")]),
-    "strided": torch.randn(40, 30).t(),
+    "strided": torch.randn(40, 30, generator=_G).t(),
 }
 
 
@@ -262,7 +263,8 @@ SPECIAL = {
 def test_one_pass_summary_statistics_agree_with_torch(name):
     t = SPECIAL[name]
     got, want = np.asarray(tensor_stats.stats(t), dtype=np.float64), tensor_stats.stats_torch(t).double().numpy()
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+    # torch's float32 norm is itself off by a few 1e-6 (the float64 check below holds the C loop to 1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
     d = t.double()
     if torch.isfinite(d).all() and d.numel() > 1:
         # float lanes summed within blocks: about 1e-6 of the spread, like torch's float32 sum
