@@ -83,16 +83,7 @@ def _guarded_step(after_check=None):
     return guard, guard.check_gradients()
 
 
-@pytest.fixture(params=["numpy", "torch"])
-def first_elements(request, monkeypatch):
-    """Host float gradients' first elements are read through numpy; the torch path (other dtypes,
-    GPUs) is forced here on the same CPU gradients."""
-    if request.param == "torch":
-        monkeypatch.setattr(sdc, "_numpy_readable", lambda t: False)
-    return request.param
-
-
-def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_rank, monkeypatch, first_elements):
+def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_rank, monkeypatch):
     gathers = []
     monkeypatch.setattr(sdc.Guard, "_all_gather", lambda self, t, what: gathers.append(what) or [t])
     guard, ok = _guarded_step()
@@ -107,7 +98,7 @@ def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_r
     assert alarm.check == "nonfinite" and alarm.localized is False and alarm.detail["flags"] == [0]
 
 
-def test_guard_names_the_rank_with_a_nonfinite_gradient(one_rank, first_elements):
+def test_guard_names_the_rank_with_a_nonfinite_gradient(one_rank):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)

@@ -41,7 +41,6 @@ EXIT_SDC = 75  # EX_TEMPFAIL: "try again later" - requeue the job on healthy nod
 POLICIES = ("raise", "log", "stop")
 CHECKS = ("nonfinite", "audit", "fingerprint")
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # dtypes whose first element numpy reads
 
 
 class SDCError(RuntimeError):
@@ -254,11 +253,7 @@ class Guard:
     def _reduced_marked(self) -> bool:
         """Whether the first element of any all-reduced gradient is non-finite (NaN marks a rank's
         non-finite local gradient; ``_on_gradient``)."""
-        grads = [g for g in (p.grad for p in self.params) if g is not None and g.numel()]
-        # numpy reads a host gradient's first element in a fraction of a torch indexing op's time.
-        if not all(cmath.isfinite(g.detach().numpy().item(0)) for g in grads if _numpy_readable(g)):
-            return True
-        firsts = [g[(0,) * g.dim()] for g in grads if not _numpy_readable(g)]
+        firsts = [g[(0,) * g.dim()] for g in (p.grad for p in self.params) if g is not None and g.numel()]
         if not firsts:
             return False
         if len({f.dtype for f in firsts}) > 1:
@@ -421,10 +416,6 @@ class Guard:
 def collective_failure(rank: int, what: str, err: BaseException) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return f"rank {rank}: collective '{what}' failed: a peer rank died or hung past the timeout ({first[:200]})"
-
-
-def _numpy_readable(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS
 
 
 def _mark_nonfinite(grad: torch.Tensor, bad):
