@@ -24,6 +24,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/snakemake --lint
 	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
+	$(VENV)/bin/ruff check src tests benchmarks workflow/scripts
 
 bench: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) benchmarks/run.py

@@ -117,7 +117,7 @@ def playback_efficiency(settings) -> Result:
                   "time inside kernel calls (kernel under test, faulty variants, golden, fp64 and reduced-precision "
                   "references, at the kernel's output and on the propagated input of the later observing points) / "
                   "wall time of the playback campaign (reading the context, scoring, rebuilding the network and its "
-                  f"forwards for the later observing points included); the campaign of playback_vs_retraining",
+                  "forwards for the later observing points included); the campaign of playback_vs_retraining",
                   Goal(">=", 0.5, ">= 0.5"), samples=[t["kernel_s"] / t["wall_s"] for t in r["timings"]],
                   # The concern in its own words: reading the context and scoring must not dominate.
                   details={"timings": r["timings"], "reading_and_scoring_over_kernel": [

@@ -366,14 +366,6 @@ def test_any_plan_agrees_with_h5diff(tmp_path_factory, count, seed, region, burs
     assert canon(A.diff(src, tmp / "o.h5", positions=True)["positions"]) == canon(rows)
 
 
-def test_benchmark_smoke(tmp_path):
-    rows = A.benchmark(sizes_mb=(1,), flips=(100, 1000), repeats=1, workdir=tmp_path)
-    assert [r["flips"] for r in rows] == [100, 1000]
-    assert all(r["flips_per_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
-    with pytest.raises(PeatError):
-        A.benchmark_entry(rows)
-
-
 # --- the study --------------------------------------------------------------------------------------
 
 

@@ -21,7 +21,6 @@ from peat.device import for_vendor
 from peat.io import PeatError
 from peat import tensor_stats
 from peat.profiler import DERIVED, Profiler, read_layer
-from peat.train import train_model
 
 CONFIG = yaml.safe_load(TEST_CONFIG.read_text())
 SPEC = CONFIG["models"]["resnet18"]

@@ -1,4 +1,5 @@
-"""The workflow follows the catalog's conventions: lint-clean, snakefmt-formatted, pinned envs."""
+"""The workflow follows the catalog's conventions: lint-clean, snakefmt-formatted, pinned envs; the Python
+code is pyflakes-clean."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def test_rule_files_are_snakefmt_formatted():
     proc = subprocess.run([str(BIN / "snakefmt"), "--check", "Snakefile", "workflow/rules"], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_python_code_is_pyflakes_clean():
+    proc = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", "src", "tests", "benchmarks", "workflow/scripts"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_job_environment_pins_match_requirements():

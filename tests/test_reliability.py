@@ -7,9 +7,7 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
-import pytest
 
 from conftest import BIN, REPO, TEST_CONFIG, snakemake
 from test_backbone import assert_bit_identical

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -801,68 +800,3 @@ def cli_h5diff(argv: list[str]) -> int:
     if args.json:
         write_json(args.json, result)
     return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmark (called by the benchmark report; not a timed test)
-
-
-def synthetic_checkpoint(path, size_mb: float, seed: int = 0) -> float:
-    """A model-like float32 checkpoint of about ``size_mb`` MB (1M-value weights, small biases)."""
-    rng = np.random.default_rng(seed)
-    remaining = int(size_mb * 2**20) // 4
-    with atomic_path(path) as tmp, open_h5(tmp, "w") as f:
-        i = 0
-        while remaining > 0:
-            n = min(remaining, 1 << 20)
-            f.create_dataset(f"model/layer{i}.weight", data=(rng.standard_normal(n, np.float32) * 0.05).reshape(-1, 256)
-                             if n % 256 == 0 else rng.standard_normal(n, np.float32))
-            f.create_dataset(f"model/layer{i}.bias", data=rng.standard_normal(256, np.float32) * 0.01)
-            remaining -= n
-            i += 1
-    return Path(path).stat().st_size / 2**20
-
-
-def benchmark(sizes_mb=(4, 40, 200), flips=(10**3, 10**4, 10**5, 10**6), repeats: int = 3,
-              workdir: str | os.PathLike | None = None, log: bool = False) -> list[dict]:
-    """Time ``alter`` per checkpoint size and flip count: median/min/max of ``repeats`` runs.
-
-    ``beyond_copy_s`` is the whole alteration (scan, draw, flips, close) minus the file copy;
-    ``flips_per_s`` = flips / beyond_copy_s; ``mb_per_s`` = checkpoint MB / total time including the copy.
-    """
-    rows = []
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        for size in sizes_mb:
-            src = Path(tmp) / f"ckpt{size}.h5"
-            actual = synthetic_checkpoint(src, size)
-            n_values = sum(e.size for e in scan(src))
-            for n in flips:
-                if n > n_values:
-                    continue
-                runs = []
-                for r in range(repeats + 1):  # the first run warms the page cache
-                    (Path(tmp) / "out.h5").unlink(missing_ok=True)  # replacing it would time an unlink
-                    res = alter(src, Path(tmp) / "out.h5", Plan(count=n, seed=r),
-                                log=Path(tmp) / "log.json" if log else None)
-                    runs.append(res.timings)
-                runs = runs[1:]
-                beyond = np.array([t["total"] - t["copy"] for t in runs])
-                total = np.array([t["total"] for t in runs])
-                rows.append({"size_mb": round(actual, 2), "flips": n, "repeats": repeats,
-                             "copy_s": float(np.median([t["copy"] for t in runs])),
-                             "beyond_copy_s": float(np.median(beyond)), "beyond_copy_min_s": float(beyond.min()),
-                             "beyond_copy_max_s": float(beyond.max()), "total_s": float(np.median(total)),
-                             "flips_per_s": float(n / np.median(beyond)), "mb_per_s": float(actual / np.median(total))})
-    return rows
-
-
-def benchmark_entry(rows: list[dict]) -> dict:
-    """The issue-8 benchmark record: 100,000 flips on the >= 40 MB checkpoint in under 1 s beyond the copy."""
-    pick = [r for r in rows if r["size_mb"] >= 40 and r["flips"] == 10**5]
-    if not pick:
-        raise PeatError("benchmark rows lack the 100,000 flips on >= 40 MB case")
-    r = min(pick, key=lambda r: r["size_mb"])
-    return {"name": "checkpoint_alteration",
-            "measured_as": f"seconds beyond the file copy for 100,000 flips on a {r['size_mb']:.0f} MB checkpoint",
-            "repeats": r["repeats"], "median": r["beyond_copy_s"], "min": r["beyond_copy_min_s"],
-            "max": r["beyond_copy_max_s"], "goal": "< 1 s", "met": r["beyond_copy_max_s"] < 1.0, "table": rows}
