@@ -11,8 +11,6 @@ import yaml
 
 from .io import PeatError
 
-VENDORS = ("cpu", "nvidia", "amd")
-
 
 def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"

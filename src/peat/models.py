@@ -7,7 +7,6 @@ from torch import nn
 
 IMAGE_ARCHS = ("resnet18", "resnet34", "resnet50", "mobilenet_v2", "efficientnet_b0")
 TEXT_ARCHS = ("llama", "gpt2", "bert")
-ARCHS = IMAGE_ARCHS + TEXT_ARCHS
 
 
 def build(spec: dict, data_attrs: dict, seed: int) -> nn.Module:
