@@ -98,6 +98,15 @@ def test_apply_never_changes_its_input(t):
     assert torch.equal(t, before)
 
 
+@pytest.mark.parametrize("spec, n", [("rv:3", 3), ("rz:2", 2), ("nan:1", 1), ("inf:2", 2), ("bit_flip:any:5", 5)])
+def test_element_errors_on_a_non_contiguous_output(t, spec, n):
+    """A kernel may return a transposed result (a weight gradient computed as (x^T g)^T)."""
+    transposed = t.t()
+    assert not transposed.is_contiguous()
+    out = errors.parse(spec).apply(transposed, gen())
+    assert out.shape == transposed.shape and int(changed(out, transposed).sum()) == n
+
+
 # -- bit flips -----------------------------------------------------------------------------
 def xor_masks(out, t):
     mask = changed(out, t)

@@ -129,7 +129,7 @@ def _choose(n: int, k: int, generator) -> torch.Tensor:
 
 
 def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
-    out = t.detach().clone()
+    out = _flat_copy(t)
     flat = out.view(-1)
     if model.kind == "rz":
         candidates = torch.nonzero(flat != 0).view(-1).cpu()
@@ -150,6 +150,11 @@ def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     return out
 
 
+def _flat_copy(t: torch.Tensor) -> torch.Tensor:
+    # Contiguous, so that positions index it flat: a plain clone keeps a kernel's transposed strides.
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
 def _finite_stats(t: torch.Tensor) -> tuple[float, float]:
     finite = t.detach().double()[torch.isfinite(t)]
     if finite.numel() == 0:
@@ -167,7 +172,7 @@ def _bit_range(model: ErrorModel) -> tuple[int, int]:
 def _bit_flip(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     if t.dtype != torch.float32:
         raise PeatError(f"error spec {model.spec!r}: bit flips act on float32 tensors, got {t.dtype}")
-    out = t.detach().clone()
+    out = _flat_copy(t)
     bits = out.view(-1).view(torch.int32)
     idx = _choose(bits.numel(), model.count, generator).to(bits.device)
     lo, hi = _bit_range(model)
