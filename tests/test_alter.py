@@ -315,6 +315,26 @@ def test_read_only_input_is_never_touched(mixed, tmp_path):
     assert sha(mixed) == before
 
 
+
+def test_data_stored_outside_the_file_is_never_altered(tmp_path):
+    # External raw storage and virtual datasets live in other files, shared by the input and its copy.
+    np.arange(100, dtype=np.float32).tofile(tmp_path / "ext.bin")
+    with h5py.File(tmp_path / "vsrc.h5", "w") as f:
+        f["d"] = np.arange(50, dtype=np.float32)
+    layout = h5py.VirtualLayout(shape=(50,), dtype="f4")
+    layout[:] = h5py.VirtualSource(tmp_path / "vsrc.h5", "d", shape=(50,))
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("ext", shape=(100,), dtype="f4", external=[(str(tmp_path / "ext.bin"), 0, 400)])
+        f.create_virtual_dataset("virtual", layout)
+        f["own"] = np.ones(10, np.float32)
+    before = [sha(p) for p in (src, tmp_path / "ext.bin", tmp_path / "vsrc.h5")]
+    rows = run_alter(src, tmp_path / "o.h5", fraction=1.0).records
+    assert {r["dataset"] for r in rows} == {"/own"}
+    assert [sha(p) for p in (src, tmp_path / "ext.bin", tmp_path / "vsrc.h5")] == before
+    with pytest.raises(PeatError, match="no numeric dataset matches"):
+        run_alter(src, tmp_path / "o.h5", select=["virtual"])
+
 # --- command line -----------------------------------------------------------------------------------
 
 

@@ -182,6 +182,7 @@ class Entry:
     layout: Layout
     cls: str
     offset: int | None  # file offset of a contiguous, unfiltered, allocated dataset (memory-mappable)
+    outside: bool = False  # data in other files (external storage, virtual): shared with every copy
 
     @property
     def size(self) -> int:
@@ -197,7 +198,7 @@ def scan(path: str | os.PathLike) -> list[Entry]:
                 layout = layout_of(obj)
                 if layout is not None and obj.shape is not None and obj.size > 0:
                     entries.append(Entry("/" + name, tuple(obj.shape), obj.dtype, layout,
-                                         location_class(name, obj.attrs), _offset(obj)))
+                                         location_class(name, obj.attrs), _offset(obj), _outside(obj)))
         try:
             f.visititems(visit)
         except (OSError, RuntimeError) as err:
@@ -210,6 +211,11 @@ def _offset(ds: h5py.Dataset) -> int | None:
     if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
         return None
     return ds.id.get_offset()  # None for unallocated data
+
+
+def _outside(ds: h5py.Dataset) -> bool:
+    plist = ds.id.get_create_plist()
+    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0
 
 
 class Storage:
@@ -573,7 +579,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     plan.check()
     out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
     t0 = time.perf_counter()
-    entries = scan(src)
+    # Writing data stored in other files through the copy would alter the input's data too.
+    entries = [e for e in scan(src) if not e.outside]
     if not entries:
         raise PeatError(f"{src}: no numeric datasets to alter")
     reader = Storage(src, "r")
