@@ -335,6 +335,19 @@ def test_data_stored_outside_the_file_is_never_altered(tmp_path):
     with pytest.raises(PeatError, match="no numeric dataset matches"):
         run_alter(src, tmp_path / "o.h5", select=["virtual"])
 
+
+@pytest.mark.parametrize("other", [np.zeros((10, 10), np.float16), np.zeros(100, np.float32)])
+def test_replay_on_a_file_of_another_dtype_or_rank_fails_with_one_line(tmp_path, other):
+    src, again = tmp_path / "a.h5", tmp_path / "b.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.arange(100, dtype=np.float32).reshape(10, 10)
+    with h5py.File(again, "w") as f:
+        f["w"] = other
+    log = tmp_path / "log.json"
+    run_alter(src, tmp_path / "o.h5", log=log, count=20, bits=(20, 31))
+    with pytest.raises(PeatError, match=r"log .* cannot be applied to /w"):
+        A.alter(again, tmp_path / "r.h5", A.Plan(), replay=log)
+
 # --- command line -----------------------------------------------------------------------------------
 
 

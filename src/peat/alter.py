@@ -633,6 +633,9 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
         if entry is None:
             close = difflib.get_close_matches(name, list(by_path), n=3, cutoff=0.3)
             raise PeatError(f"{source}: log {log} names {name!r}, absent here; closest: {', '.join(close) or 'none'}")
+        if any(len(r["index"]) != len(entry.shape) for r in group):
+            raise PeatError(f"{source}: log {log} cannot be applied to {name}: its indices do not have the "
+                            f"{len(entry.shape)} dimension(s) of shape {entry.shape}")
         index = np.array([r["index"] for r in group], np.int64).reshape(len(group), len(entry.shape))
         if entry.shape and ((index < 0) | (index >= np.array(entry.shape))).any():
             raise PeatError(f"{source}: log {log} has an index outside {name} of shape {entry.shape}")
@@ -641,6 +644,9 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
             edits.append(Edit(entry, positions, scale=scale))
             continue
         bits = [r["bit"] if isinstance(r["bit"], list) else [r["bit"]] for r in group]
+        if any(not 0 <= b < entry.layout.width for bs in bits for b in bs):
+            raise PeatError(f"{source}: log {log} cannot be applied to {name}: it flips bits beyond the "
+                            f"{entry.layout.width} bits of {entry.layout.name}")
         xor = np.array([sum(1 << (entry.layout.width - 1 - b) for b in bs) for bs in bits], np.uint64)
         edits.append(Edit(entry, positions, xor=xor))
         _warn_if_different(storage, entry, positions, group, source, log)
