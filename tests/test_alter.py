@@ -253,6 +253,17 @@ def test_scale_multiplies_exactly(mixed, tmp_path):
     assert not any(isinstance(r["new"], str) for r in tame)
 
 
+def test_scale_factor_is_not_rounded_to_the_dtype_first(tmp_path):
+    # 70000 overflows float16 but 0.001 x 70000 does not; 1e40 overflows float32 but 1e-30 x 1e40 does not.
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f["h"] = np.full(4, 0.001, np.float16)
+        f["s"] = np.full(4, 1e-30, np.float32)
+    for name, dtype, factor in (("h", np.float16, 70000.0), ("s", np.float32, 1e40)):
+        rows = run_alter(src, tmp_path / "o.h5", select=[name], count=4, scale=factor, nonfinite=False).records
+        assert [r["new"] for r in rows] == [float(dtype(r["old"] * factor)) for r in rows]
+
+
 def test_amounts(mixed, tmp_path):
     n = next(e.size for e in A.scan(mixed) if e.path == "/model/conv1.weight")
     rows = run_alter(mixed, tmp_path / "o.h5", fraction=0.25, select=["model/conv1.weight"]).records

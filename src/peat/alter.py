@@ -502,11 +502,13 @@ def apply(edits: list[Edit], storage: Storage) -> list[dict]:
 
 
 def _scaled(old: np.ndarray, entry: Entry, factor: float) -> np.ndarray:
-    vals = _values(old, entry.dtype, entry.layout)
+    # The product in float64, then rounded to the dtype: a factor cast to float16/float32 first
+    # overflows (70000 in float16) or rounds away (1.0001 in float16) before it multiplies anything.
     with np.errstate(over="ignore", invalid="ignore"):
+        wide = _values(old, entry.dtype, entry.layout).astype(np.float64) * factor
         if entry.layout.name == "bfloat16":
-            return (_bf16_round(vals * np.float32(factor)).view(np.uint32) >> np.uint32(16)).astype(old.dtype)
-        return (vals * vals.dtype.type(factor)).astype(entry.dtype).view(old.dtype)
+            return (_bf16_round(wide).view(np.uint32) >> np.uint32(16)).astype(old.dtype)
+        return wide.astype(entry.dtype).view(old.dtype)
 
 
 def _bit_list(xor: np.ndarray, width: int) -> list:
