@@ -150,6 +150,17 @@ def test_crashing_and_hanging_kernels_fail_with_their_outcome(context, tmp_path)
     assert "step two" in got["evidence"]["outcome"]["message"]
 
 
+def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(context, tmp_path):
+    # Split-K tiles need a reduction to split: on a norm layer the injection itself raises.
+    kernel = kernels.load("peat.alt_kernels.welford_norm", "layer_norm")
+    table, record = replay(context, kernel=kernel, errors=["tile:4:splitk", "rv:2"], computations=("forward",))
+    assert (table.loc[table["case"] == "tile:4:splitk", "status"] == "crash").all()
+    playback.write(table, record, tmp_path / "t.parquet", tmp_path / "t.json")
+    got = detect.run_job(tmp_path / "t.parquet", tmp_path / "t.json", tmp_path / "v.json")
+    assert got["verdict"] == "pass" and got["error_model"] == "none"
+    assert got["evidence"]["pseudo_errors"] == {"rv:2": {"forward": "random_value"}}
+
+
 def test_analyzer_tables_and_figures(context, tmp_path):
     table, _ = replay(context, "linear")
     summary = analyze.analyze(table, context, tmp_path)

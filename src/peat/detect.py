@@ -239,9 +239,13 @@ def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, se
     table = pd.read_parquet(table_path)
     outcome = record.get("outcome", {"status": "ok"})
     if "error" in table and table["error"].notna().any():
-        bad = table[table["error"].notna()].iloc[0]
-        outcome = {"status": bad.get("status") or "crash",
-                   "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
+        # Only the kernel's own failures are its outcome: a pseudo-error model that cannot act
+        # on this op (tile:T:splitk on a norm) says nothing about the kernel.
+        own = table[table["error"].notna() & (table["case"] == "kernel")]
+        if len(own):
+            bad = own.iloc[0]
+            outcome = {"status": bad.get("status") or "crash",
+                       "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
         table = table[table["error"].isna()]
     if outcome.get("status", "ok") != "ok" or not table.empty:
         result = verdict(table, rules, outcome=outcome)
