@@ -336,3 +336,65 @@ def test_two_replicas_detect_but_cannot_localize(digits, tmp_path):
     first = result["alarms"][0]
     assert first["detail"]["note"] == "two replicas: detected but cannot localize"
     assert first["detail"]["first_differing_parameter"] == "conv1.weight"
+
+
+# A guarded loop on a small MLP under torchrun; prints rank 0's alarms as JSON.
+GUARDED_LOOP = """
+import json, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from peat import sdc
+
+seed_per_rank, global_batch, frozen_flip, audit_every = json.loads(sys.argv[1])
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(rank if seed_per_rank else 0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 2))
+if frozen_flip:
+    model[0].requires_grad_(False)
+ddp = DistributedDataParallel(model)
+optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+data = torch.Generator().manual_seed(1)
+x, y = torch.randn(100, 8, generator=data), torch.randint(0, 2, (100,), generator=data)
+guard = sdc.Guard(ddp, policy="log", audit_every=audit_every)
+for step in range(4):
+    idx = list(range(step * global_batch, (step + 1) * global_batch))
+    def loss_of(module, r):
+        part = sdc.shard(idx, r, world)
+        return nn.functional.cross_entropy(module(x[part]), y[part])
+    guard.begin_step(step)
+    optimizer.zero_grad(set_to_none=True)
+    loss_of(ddp, rank).backward()
+    if guard.check_gradients(replay=lambda r: loss_of(guard.module, r)):
+        optimizer.step()
+    if frozen_flip and rank == 1 and step == 2:
+        with torch.no_grad():
+            model[0].weight.view(-1)[3] *= 2  # memory corruption of a frozen weight on one replica
+    guard.check_weights()
+guard.finish()
+if rank == 0:
+    print("ALARMS", json.dumps([[e.step, e.check, e.suspect_ranks, e.detail] for e in guard.alarms]))
+dist.destroy_process_group()
+"""
+
+
+def _run_guarded_loop(tmp_path: Path, *, seed_per_rank=False, global_batch=12, frozen_flip=False,
+                      audit_every=1, world=3) -> list:
+    script = tmp_path / "loop.py"
+    script.write_text(GUARDED_LOOP)
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
+                           str(script), json.dumps([seed_per_rank, global_batch, frozen_flip, audit_every])],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("ALARMS ")]
+    return json.loads(line[len("ALARMS "):])
+
+
+@pytest.mark.parametrize("seed_per_rank, global_batch", [
+    (False, 10),  # shards of 3, 3, 4 rows: rank 2 draws more dropout bits, its random stream runs ahead
+    (True, 12),   # ranks seeded apart: their dropout masks differ from the first step
+])
+def test_audit_replays_dropout_with_the_peers_random_state(tmp_path, seed_per_rank, global_batch):
+    assert _run_guarded_loop(tmp_path, seed_per_rank=seed_per_rank, global_batch=global_batch) == []

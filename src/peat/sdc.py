@@ -217,8 +217,9 @@ class Guard:
         self._bad = False if self.device.type == "cpu" else torch.zeros((), dtype=torch.bool, device=self.device)
         self._hook_time = 0.0
         self._auditing = self.audit_every > 0 and step % self.audit_every == 0
-        # Replays must see the random state the peer's forward saw (dropout masks).
-        self._rng = _rng_state() if self._auditing else None
+        # Replays must see the random state the peer's forward saw (dropout masks): each rank's
+        # travels with its audit fingerprint (ranks seeded apart or drawing for uneven shards differ).
+        self._rng = _rng_state(self.device) if self._auditing else None
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """This rank's own gradient of ``param``, before it is shared: fingerprint it for the audit,
@@ -247,7 +248,10 @@ class Guard:
             self._localize_nonfinite()
         self.timers["nonfinite"].append(self._hook_time + time.perf_counter() - t0)
         if healthy and self._auditing and replay is not None:
-            self._audit(replay, self._all_gather(self._reported_fingerprint(), "audit fingerprints"))
+            gathered = self._all_gather(torch.cat([self._reported_fingerprint(), self._rng.to(self.device)]),
+                                        "audit fingerprints")
+            cut = 2 * len(self.params)
+            self._audit(replay, [g[:cut] for g in gathered], [g[cut:] for g in gathered])
         return healthy
 
     def _reduced_marked(self) -> bool:
@@ -309,10 +313,10 @@ class Guard:
         parts = [self._reported.get(i, (zeros, zeros)) for i in range(len(self.params))]
         return torch.cat([torch.stack([c for c, _ in parts]), torch.stack([n for _, n in parts])]).to(self.device)
 
-    def _audit(self, replay, reported: list[torch.Tensor]) -> None:
+    def _audit(self, replay, reported: list[torch.Tensor], rng: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
         peer = (self.rank + 1) % self.world
-        mine = self._replay(replay, peer)
+        mine = self._replay(replay, peer, rng[peer])
         agrees = [int(v) for v in self._all_gather(
             torch.tensor([int(fingerprints_match(mine, reported[peer], self.tolerance))], device=self.device),
             "audit verdicts")]
@@ -337,23 +341,24 @@ class Guard:
         """
         same = torch.tensor([1], device=self.device)
         if self.rank == audited:
-            same[0] = int(fingerprints_match(self._replay(replay, audited), reported[audited], self.tolerance))
+            same[0] = int(fingerprints_match(self._replay(replay, audited, self._rng), reported[audited], self.tolerance))
         self._collective("audit rerun", dist.broadcast, same, audited, group=self.group)
         return [auditor] if int(same) else [audited]
 
-    def _replay(self, replay, rank: int) -> torch.Tensor:
+    def _replay(self, replay, rank: int, rng: torch.Tensor) -> torch.Tensor:
         """Fingerprint of the gradients of ``rank``'s micro-batch, computed here from the current
-        (pre-step) weights, without DDP hooks and without touching .grad, buffers or the RNG stream.
+        (pre-step) weights and ``rank``'s random state of the step, without DDP hooks and without
+        touching .grad, buffers or this rank's RNG stream.
         """
         buffers = [b.detach().clone() for b in self.module.buffers()]
-        after = _rng_state()
-        _set_rng_state(self._rng)
+        after = _rng_state(self.device)
+        _set_rng_state(rng, self.device)
         try:
             with self.ddp.no_sync():
                 loss = replay(rank)
                 grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         finally:
-            _set_rng_state(after)
+            _set_rng_state(after, self.device)
             with torch.no_grad():
                 for b, saved in zip(self.module.buffers(), buffers):
                     b.copy_(saved)
@@ -444,11 +449,18 @@ def _mark_nonfinite_on_device(grad: torch.Tensor, bad: torch.Tensor) -> torch.Te
     return bad | here
 
 
-def _rng_state():
-    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The random state a forward on ``device`` draws from (CPU, plus the device's own), as int64
+    words so that it can travel in one gather with the audit fingerprints."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    return torch.cat(parts).view(torch.int64)
 
 
-def _set_rng_state(state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    state = state.cpu().view(torch.uint8)
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[cpu:].clone(), device)
