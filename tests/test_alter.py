@@ -378,6 +378,16 @@ def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(out), "--scale", "-2", "--no-sign-change"]) == 2
 
 
+def test_unwritable_outputs_fail_with_one_line(mixed, tmp_path, capsys):
+    under_a_file = mixed / "o.h5"  # its parent is the input file, not a directory
+    for argv in (["alter", str(mixed), str(under_a_file)],
+                 ["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(under_a_file)],
+                 ["h5diff", str(mixed), str(mixed), "--json", str(under_a_file)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"peat {argv[0]}: error:") and str(mixed) in err and "\n" not in err
+
+
 def test_h5diff_statistics(tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     with h5py.File(a, "w") as f:

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = getattr(module, f"cli_{argv[0]}", None) or module.cli
     try:
         return int(handler(argv[1:]) or 0)
-    except PeatError as err:
+    except (PeatError, OSError) as err:  # OSError: an output that cannot be written (no directory, read-only, full)
         print(f"peat {argv[0]}: error: {err}", file=sys.stderr)
         return 2
 
