@@ -289,6 +289,9 @@ def test_in_place_alters_only_when_asked(mixed, tmp_path):
     A.alter(copy, None, A.Plan(count=5), in_place=True)
     assert sha(copy) != sha(mixed)
     assert A.diff(mixed, copy)["datasets"] and sum(r.get("differing", 0) for r in A.diff(mixed, copy)["datasets"]) == 5
+    os.chmod(copy, 0o620)  # a mode no umask gives a new file: the altered file keeps the input's
+    A.alter(copy, None, A.Plan(count=5), in_place=True)
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o620
 
 
 # --- bad input ------------------------------------------------------------------------------------

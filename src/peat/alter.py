@@ -596,6 +596,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     t_select = time.perf_counter()
     with atomic_path(out) as tmp:
         shutil.copyfile(src, tmp)
+        if in_place:  # the altered file replaces the input: keep who may read and write it
+            shutil.copymode(src, tmp)
         t_copy = time.perf_counter()
         storage = Storage(tmp, "r+")
         done = apply(edits, storage)
