@@ -109,6 +109,24 @@ def test_every_injected_error_gets_its_class(op, seed):
     assert wrong == {}
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_golden_with_its_own_non_finite_values(bad):
+    """A recorded input with NaN/inf (a diverging run): golden's non-finite outputs, reproduced
+    by the kernel, are no error; a fault elsewhere is still classified as usual."""
+    sample, attrs, _, _, _ = case("linear")
+    sample["A"][3, 5] = bad  # row 3 of the output is non-finite
+    gold = kernels.golden("linear")
+    golden, ref = kernels.call(gold, "forward", sample, attrs), kernels.call(gold, "forward", sample, attrs, torch.float64)
+    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", sample, attrs) for p in evidence.PRECISIONS}
+    env = evidence.envelopes(golden, ref, rounded)
+    assert not torch.isfinite(golden[3]).any() and torch.isfinite(golden[4:]).all()
+    assert scores.tensor_scores(golden.clone(), golden, ref)["err_max"] == 0
+    assert classify(golden.clone(), golden, env) == "none"
+    faulty = golden.clone()
+    faulty[4:] = errors.parse("rz:2").apply(golden[4:], torch.Generator())
+    assert classify(faulty, golden, env) == "random_zero"
+
+
 @pytest.mark.parametrize("op", ["linear", "conv2d"])
 def test_splitk_tile_and_stale_tile_are_block_structured(op):
     sample, attrs, golden, ref, env = case(op)

@@ -56,7 +56,8 @@ def as_matrix(t) -> np.ndarray:
 
 def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None = None) -> np.ndarray:
     """|candidate - golden| in float64 in the matrix view, with NaN differences as inf (an
-    infinite one becomes the largest float64, ``numpy.nan_to_num``'s default)."""
+    infinite one becomes the largest float64, ``numpy.nan_to_num``'s default); 0 where the
+    candidate holds golden's own NaN or inf."""
     gold = Golden.of(golden) if gold is None else gold
     c = as_matrix(candidate)
     with np.errstate(invalid="ignore"):  # inf - inf is NaN, made inf below
@@ -64,6 +65,8 @@ def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None
     np.abs(err, out=err)
     if not np.isfinite(err.max(initial=0.0)):  # NaN or inf inside: one pass spared otherwise
         np.nan_to_num(err, copy=False, nan=math.inf)
+        if not gold.finite:  # golden's own NaN or inf, reproduced, is no error (inf - inf is NaN)
+            err[(c == gold.matrix) | (np.isnan(c) & np.isnan(gold.matrix))] = 0
     return err
 
 
