@@ -317,6 +317,19 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(mixed, tmp_path, capsy
     assert not (tmp_path / "o.h5").exists()
 
 
+def test_a_damaged_chunk_is_reported_in_the_input_not_its_temporary_copy(tmp_path, capsys):
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        ds = f.create_dataset("c", data=np.arange(4096, dtype=np.float32), chunks=(1024,), compression="gzip")
+        offset = ds.id.get_chunk_info(2).byte_offset
+    data = bytearray(src.read_bytes())
+    data[offset:offset + 40] = b"\xff" * 40
+    src.write_bytes(data)
+    assert main(["alter", str(src), str(tmp_path / "o.h5"), "--count", "4000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"peat alter: error: {src}: cannot read /c") and ".tmp" not in err
+
+
 def test_read_only_input_is_never_touched(mixed, tmp_path):
     before = sha(mixed)
     os.chmod(mixed, stat.S_IRUSR)

@@ -221,8 +221,9 @@ def _outside(ds: h5py.Dataset) -> bool:
 class Storage:
     """Read and edit whole datasets of one file: memory maps where possible, h5py otherwise."""
 
-    def __init__(self, path, mode: str = "r"):
+    def __init__(self, path, mode: str = "r", name=None):
         self.path, self.mode = Path(path), mode
+        self.name = name or self.path  # in errors: the user's file, not a temporary copy of it
         self._maps: dict[str, np.memmap] = {}
         self._arrays: dict[str, np.ndarray] = {}  # h5py-read datasets (edited in memory, written on close)
 
@@ -238,7 +239,7 @@ class Storage:
                 try:
                     data = f[entry.path][()]
                 except (OSError, RuntimeError) as err:
-                    raise PeatError(f"{self.path}: cannot read {entry.path} ({str(err).split('(')[0].strip()})") from None
+                    raise PeatError(f"{self.name}: cannot read {entry.path} ({str(err).split('(')[0].strip()})") from None
             self._arrays[entry.path] = np.ascontiguousarray(data).reshape(-1).view(_raw_dtype(entry.dtype))
         return self._arrays[entry.path]
 
@@ -599,7 +600,7 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
         if in_place:  # the altered file replaces the input: keep who may read and write it
             shutil.copymode(src, tmp)
         t_copy = time.perf_counter()
-        storage = Storage(tmp, "r+")
+        storage = Storage(tmp, "r+", name=src)
         done = apply(edits, storage)
         storage.close()
         t_flip = time.perf_counter()
