@@ -154,11 +154,21 @@ def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(conte
     # Split-K tiles need a reduction to split: on a norm layer the injection itself raises.
     kernel = kernels.load("peat.alt_kernels.welford_norm", "layer_norm")
     table, record = replay(context, kernel=kernel, errors=["tile:4:splitk", "rv:2"], computations=("forward",))
-    assert (table.loc[table["case"] == "tile:4:splitk", "status"] == "crash").all()
+    assert (table.loc[table["case"] == "tile:4:splitk", "status"] == "not_applicable").all()
     playback.write(table, record, tmp_path / "t.parquet", tmp_path / "t.json")
     got = detect.run_job(tmp_path / "t.parquet", tmp_path / "t.json", tmp_path / "v.json")
     assert got["verdict"] == "pass" and got["error_model"] == "none"
     assert got["evidence"]["pseudo_errors"] == {"rv:2": {"forward": "random_value"}}
+    # The kernel's own code failing inside an injected case is still the kernel's crash.
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text("import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                     "    if len(CALLS) == 2:\n        raise ValueError('second call')\n"
+                     "    return torch.nn.functional.linear(x, weight, bias)\n")
+    table, record = replay(context, kernel=kernels.load(str(flaky), "linear"), errors=["rv:2"], layers=["4"],
+                           computations=("forward",), max_samples=1)
+    playback.write(table, record, tmp_path / "f.parquet", tmp_path / "f.json")
+    got = detect.run_job(tmp_path / "f.parquet", tmp_path / "f.json", tmp_path / "v.json")
+    assert got["verdict"] == "fail" and "second call" in got["evidence"]["outcome"]["message"]
 
 
 def test_analyzer_tables_and_figures(context, tmp_path):

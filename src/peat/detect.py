@@ -239,9 +239,9 @@ def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, se
     table = pd.read_parquet(table_path)
     outcome = record.get("outcome", {"status": "ok"})
     if "error" in table and table["error"].notna().any():
-        # Only the kernel's own failures are its outcome: a pseudo-error model that cannot act
-        # on this op (tile:T:splitk on a norm) says nothing about the kernel.
-        own = table[table["error"].notna() & (table["case"] == "kernel")]
+        # A pseudo-error model that cannot act on this op (tile:T:splitk on a norm) says
+        # nothing about the kernel; any other failure, in whichever case it came, is its own.
+        own = table[table["error"].notna() & (table["status"] != "not_applicable")]
         if len(own):
             bad = own.iloc[0]
             outcome = {"status": bad.get("status") or "crash",

@@ -45,6 +45,11 @@ TRUTH = {"fp16": "reduced_precision", "bf16": "reduced_precision", "tf32": "redu
          "lane": "periodic_lane", "tile": "block_structured", "nan": "non_finite", "inf": "non_finite"}
 
 
+class NotApplicable(PeatError):
+    """An error model that cannot act on this computation (a split-K tile on a norm layer):
+    a limit of the injection, not a failure of the kernel it is injected into."""
+
+
 @dataclass
 class ErrorModel:
     """A parsed spec; ``apply`` returns a corrupted copy and never changes its input."""
@@ -261,8 +266,8 @@ def _splitk_partial(model: ErrorModel, t, generator, operands) -> torch.Tensor:
         hp = {n: kwargs[n] for n in ("stride", "padding", "dilation")}
         func = lambda s: torch.nn.functional.conv2d(x[:, s], w[:, s], None, **hp)  # noqa: E731
     else:
-        raise PeatError(f"error spec {model.spec!r}: split-K applies to linear and ungrouped conv2d forward, "
-                        f"not {op} {computation}")
+        raise NotApplicable(f"error spec {model.spec!r}: split-K applies to linear and ungrouped conv2d forward, "
+                            f"not {op} {computation}")
     chunk = int(torch.randint(math.ceil(k / size), (1,), generator=generator))
     return func(slice(chunk * size, (chunk + 1) * size)).to(t.dtype)
 

@@ -262,8 +262,9 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
             try:
                 candidates[case] = _call(timer, kernel, computation, sample, attrs)
             except Exception as err:  # a kernel failing later than its probe: a row saying so
+                status = "not_applicable" if isinstance(err, errors.NotApplicable) else "crash"
                 rows.append({**plan.meta, "layer": layer, "step": int(sample["step"]), "computation": computation,
-                             "case": case, "status": "crash", "error": f"{type(err).__name__}: {err}"})
+                             "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
             gold = scores.Golden.of(ref["golden"])
             env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules, gold)
