@@ -540,6 +540,23 @@ def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(tmp_path):
     assert row["altered_accuracy"] == golden.loc[1, "accuracy"] and row["altered_loss"] == golden.loc[1, "loss"]
 
 
+def test_flips_in_a_tied_embedding_survive_loading(tmp_path):
+    # GPT-2's lm_head.weight is wte.weight: one tensor, so one dataset, or flips in one copy are undone by the other.
+    import torch
+
+    from peat import checkpoint, models
+
+    spec, attrs = {"arch": "gpt2", "size": {"hidden": 16, "layers": 1, "heads": 2}}, {"vocab_size": 50, "seq_len": 8}
+    golden = models.build(spec, attrs, 0)
+    checkpoint.save(tmp_path / "g.h5", golden, torch.optim.SGD(golden.parameters(), lr=0.1), step=0, epoch=0, meta={})
+    rows = run_alter(tmp_path / "g.h5", tmp_path / "a.h5", classes=["embedding"], fraction=1.0, region="sign").records
+    assert {r["dataset"] for r in rows} == {"/model/transformer.wte.weight", "/model/transformer.wpe.weight"}
+    resumed = models.build(spec, attrs, 0)
+    checkpoint.load(tmp_path / "a.h5", resumed)
+    assert torch.equal(resumed.lm_head.weight, -golden.transformer.wte.weight)
+    assert torch.equal(resumed.transformer.wpe.weight, -golden.transformer.wpe.weight)
+
+
 def test_summary_of_cells_the_model_lacks(tmp_path):
     rows = [dict(model="m", vendor="cpu", epoch=1, cls="norm_stats", region="sign", flips=1, seed=0,
                  status="not_applicable", reason="no dataset of class 'norm_stats'")]

@@ -4,11 +4,16 @@ Layout: ``/model/<state_dict name>`` (attrs ``module_type``, ``kind`` = paramete
 ``/optimizer/state/<parameter name>/<key>`` with the param groups as JSON in
 ``/optimizer`` attribute ``param_groups``, ``/history`` (JSON metric rows so far), and
 root attributes ``step``, ``epoch`` and the run's metadata (model, vendor, config_hash, ...).
+A tensor under several names (tied weights such as GPT-2's ``lm_head.weight`` = ``transformer.wte.weight``)
+is stored once, under its first name; the other names are soft links to it, so that altering the
+file alters the model's one tensor.
 """
 
 from __future__ import annotations
 
 import json
+
+import h5py
 import numpy as np
 import torch
 from torch import nn
@@ -26,7 +31,12 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, ste
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     with atomic_path(path) as tmp, open_h5(tmp, "w") as f:
         f.attrs.update(step=step, epoch=epoch, **meta)
-        for name, tensor in model.state_dict().items():
+        first: dict[int, str] = {}  # id of a parameter or buffer -> the first name it was saved under
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in first:
+                f[f"model/{name}"] = h5py.SoftLink(f"/model/{first[id(tensor)]}")
+                continue
+            first[id(tensor)] = name
             ds = f.create_dataset(f"model/{name}", data=tensor.detach().cpu().numpy())
             ds.attrs["module_type"] = types.get(name.rpartition(".")[0], "")
             ds.attrs["kind"] = "parameter" if name in params else "buffer"
