@@ -157,6 +157,9 @@ def test_fingerprint_tolerance():
     assert not sdc.fingerprints_match(exact, other)  # bit-exact by default
     assert sdc.fingerprints_match(exact, other, tolerance=1e-4)
     assert not sdc.fingerprints_match(exact, sdc.gradient_fingerprint([g[0] * 1.01]), tolerance=1e-4)
+    # The tolerance is on the norm (here 1e-6 apart), not on the sum of squares (2e-6 apart).
+    assert sdc.fingerprints_match(exact, other, tolerance=1.5e-6)
+    assert not sdc.fingerprints_match(exact, other, tolerance=0.5e-6)
 
 
 # --- config -------------------------------------------------------------------------------------

@@ -123,7 +123,8 @@ def fingerprints_match(a: torch.Tensor, b: torch.Tensor, tolerance: float = 0.0)
     if tolerance == 0:
         return bool(torch.equal(a, b))
     half = a.numel() // 2
-    na, nb = a[half:].view(torch.float64), b[half:].view(torch.float64)
+    # The fingerprints hold sums of squares: their square roots are the norms the tolerance is on.
+    na, nb = a[half:].view(torch.float64).sqrt(), b[half:].view(torch.float64).sqrt()
     if not (torch.isfinite(na).all() and torch.isfinite(nb).all()):
         return bool(torch.equal(a, b))
     scale = torch.maximum(na.abs(), nb.abs()).clamp_min(torch.finfo(torch.float64).tiny)
