@@ -202,6 +202,14 @@ def test_bfloat16_and_integers_flip_within_their_width(mixed, tmp_path):
                 assert int(raw[0] ^ raw[1]) == 1 << (width - 1 - r["bit"])
 
 
+def test_big_endian_bfloat16_is_bfloat16(tmp_path):
+    src = tmp_path / "be.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("w", data=_bf16(np.ones(4)).astype(">u2")).attrs["dtype"] = "bfloat16"
+    rows = run_alter(src, tmp_path / "o.h5", count=4, region="sign").records
+    assert [r["new"] for r in rows] == [-1.0] * 4
+
+
 def test_burst_and_mask(mixed, tmp_path):
     rows = run_alter(mixed, tmp_path / "o.h5", count=40, burst=3, select=["model/conv1.weight"], seed=1).records
     for r in rows:

@@ -91,8 +91,8 @@ FLOAT_LAYOUTS = {"float16": Layout("float16", 16, 5), "bfloat16": Layout("bfloat
 def _is_bfloat16(ds: h5py.Dataset) -> bool:
     tag = ds.attrs.get("dtype", b"")
     tag = tag.decode() if isinstance(tag, bytes) else str(tag)
-    return ds.dtype == np.uint16 and (tag.lower() in ("bfloat16", "bf16")
-                                       or ds.name.lower().endswith(("bf16", "bfloat16")))
+    return ds.dtype.kind == "u" and ds.dtype.itemsize == 2 and (tag.lower() in ("bfloat16", "bf16")
+                                                                 or ds.name.lower().endswith(("bf16", "bfloat16")))
 
 
 def layout_of(ds: h5py.Dataset) -> Layout | None:
