@@ -401,3 +401,9 @@ def _run_guarded_loop(tmp_path: Path, *, seed_per_rank=False, global_batch=12, f
 ])
 def test_audit_replays_dropout_with_the_peers_random_state(tmp_path, seed_per_rank, global_batch):
     assert _run_guarded_loop(tmp_path, seed_per_rank=seed_per_rank, global_batch=global_batch) == []
+
+
+def test_weight_fingerprint_covers_frozen_parameters(tmp_path):
+    # A frozen layer's weight changes on rank 1 after step 2; the audit is off.
+    alarms = _run_guarded_loop(tmp_path, frozen_flip=True, audit_every=0)
+    assert alarms[0] == [2, "fingerprint", [1], {"first_differing_parameter": "0.weight"}]

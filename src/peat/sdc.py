@@ -284,7 +284,9 @@ class Guard:
         if self.step % self.fingerprint_every:
             return
         t0 = time.perf_counter()
-        self._weights = (self.step, self._start_gather(checksum(self.params).to(self.device), "weight fingerprints"))
+        # Frozen parameters too: nothing re-syncs them, so a flip in one stays in that replica.
+        weights = checksum(list(self.module.parameters())).to(self.device)
+        self._weights = (self.step, self._start_gather(weights, "weight fingerprints"))
         self.timers["fingerprint"].append(time.perf_counter() - t0)
 
     def finish(self) -> None:
@@ -300,8 +302,8 @@ class Guard:
         suspects, localized = majority_outliers(prints)
         self.timers["fingerprint"][-1] += time.perf_counter() - t0
         if suspects:
-            first = next(i for i in range(len(self.params)) if len({int(p[i]) for p in prints}) > 1)
-            name = [n for n, p in self.module.named_parameters() if p.requires_grad][first]
+            first = next(i for i in range(len(prints[0])) if len({int(p[i]) for p in prints}) > 1)
+            name = [n for n, _ in self.module.named_parameters()][first]
             detail = {"first_differing_parameter": name}
             if not localized:
                 detail["note"] = self._unlocalized("no majority of identical replicas")
