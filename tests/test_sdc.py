@@ -407,3 +407,17 @@ def test_weight_fingerprint_covers_frozen_parameters(tmp_path):
     # A frozen layer's weight changes on rank 1 after step 2; the audit is off.
     alarms = _run_guarded_loop(tmp_path, frozen_flip=True, audit_every=0)
     assert alarms[0] == [2, "fingerprint", [1], {"first_differing_parameter": "0.weight"}]
+
+
+def test_events_file_is_written_into_a_new_folder(one_rank, tmp_path):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    model.bias.register_hook(lambda g: g * float("nan"))
+    events = tmp_path / "logs" / "sdc.jsonl"
+    guard = sdc.Guard(DistributedDataParallel(model), policy="log", events=events)
+    guard.begin_step(0)
+    guard.ddp(torch.ones(3, 4)).sum().backward()
+    assert guard.check_gradients() is False
+    (line,) = events.read_text().splitlines()
+    assert json.loads(line)["check"] == "nonfinite" and json.loads(line)["suspect_ranks"] == [0]

@@ -375,6 +375,7 @@ class Guard:
         self.alarms.append(event)
         reporter = min(set(range(self.world)) - set(suspects), default=0)
         if self.events is not None and self.rank == reporter:
+            Path(self.events).parent.mkdir(parents=True, exist_ok=True)  # else the alarm is lost in a crash
             with open(self.events, "a") as f:
                 f.write(json.dumps(asdict(event), sort_keys=True) + "\n")
             print(f"peat sdc: {event.message()}", file=sys.stderr, flush=True)
