@@ -371,6 +371,30 @@ def test_data_stored_outside_the_file_is_never_altered(tmp_path):
         run_alter(src, tmp_path / "o.h5", select=["virtual"])
 
 
+def test_stored_types_numpy_cannot_hold_exactly_are_left_alone(tmp_path):
+    # h5py reads a 3-byte float as float32 and a 12-bit integer as uint16; it cannot read a 3-byte integer.
+    src = tmp_path / "odd.h5"
+    with h5py.File(src, "w") as f:
+        f24 = h5py.h5t.IEEE_F32LE.copy()
+        f24.set_fields(23, 16, 7, 0, 16)
+        f24.set_size(3)
+        f24.set_ebias(63)
+        u12 = h5py.h5t.STD_U16LE.copy()
+        u12.set_precision(12)
+        i24 = h5py.h5t.STD_I32LE.copy()
+        i24.set_size(3)
+        for name, tid in ((b"f24", f24), (b"u12", u12), (b"i24", i24)):
+            h5py.h5d.create(f.id, name, tid, h5py.h5s.create_simple((10,)))
+        f["f24"][...] = np.arange(10, dtype=np.float32)
+        f["u12"][...] = np.arange(10, dtype=np.uint16)
+        f["next"] = np.arange(10, dtype=np.float32)
+    assert [e.path for e in A.scan(src)] == ["/next"]
+    rows = run_alter(src, tmp_path / "o.h5", fraction=1.0, region="sign").records
+    assert {r["dataset"] for r in rows} == {"/next"}
+    with h5py.File(tmp_path / "o.h5") as f:
+        assert (f["f24"][()] == np.arange(10)).all() and (f["next"][()] == -np.arange(10)).all()
+
+
 @pytest.mark.parametrize("other", [np.zeros((10, 10), np.float16), np.zeros(100, np.float32)])
 def test_replay_on_a_file_of_another_dtype_or_rank_fails_with_one_line(tmp_path, other):
     src, again = tmp_path / "a.h5", tmp_path / "b.h5"

@@ -97,7 +97,14 @@ def _is_bfloat16(ds: h5py.Dataset) -> bool:
 
 def layout_of(ds: h5py.Dataset) -> Layout | None:
     """The layout of a dataset's elements, or None for non-numeric datasets (strings, compounds)."""
-    dt = ds.dtype
+    try:
+        dt = ds.dtype
+    except TypeError:  # a stored type numpy has no name for, such as a 3-byte integer
+        return None
+    if dt.kind not in "fiu" or ds.id.get_type() != h5py.h5t.py_create(dt, logical=True):
+        # Bits are edited in place: a stored element h5py converts (a 3-byte float read as
+        # float32, a 12-bit integer in 16 bits) does not have the layout of its numpy view.
+        return None
     if _is_bfloat16(ds):
         return FLOAT_LAYOUTS["bfloat16"]
     if dt.kind == "f" and dt.itemsize in (2, 4, 8):
