@@ -371,6 +371,17 @@ def test_data_stored_outside_the_file_is_never_altered(tmp_path):
         run_alter(src, tmp_path / "o.h5", select=["virtual"])
 
 
+def test_floats_behind_a_lossy_filter_are_never_altered(tmp_path):
+    # The scale-offset filter keeps 2 decimals of a float: most flips would not survive the write.
+    src = tmp_path / "so.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("lossy", data=np.arange(100, dtype=np.float32) / 4, scaleoffset=2, chunks=(50,))
+        f.create_dataset("ints", data=np.arange(100, dtype=np.int32), scaleoffset=0, chunks=(50,))  # lossless
+    rows = run_alter(src, tmp_path / "o.h5", fraction=1.0, region="mantissa").records
+    assert {r["dataset"] for r in rows} == {"/ints"}
+    assert sum(r.get("differing", 0) for r in A.diff(src, tmp_path / "o.h5")["datasets"]) == len(rows) == 100
+
+
 def test_stored_types_numpy_cannot_hold_exactly_are_left_alone(tmp_path):
     # h5py reads a 3-byte float as float32 and a 12-bit integer as uint16; it cannot read a 3-byte integer.
     src = tmp_path / "odd.h5"

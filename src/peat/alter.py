@@ -189,7 +189,7 @@ class Entry:
     layout: Layout
     cls: str
     offset: int | None  # file offset of a contiguous, unfiltered, allocated dataset (memory-mappable)
-    outside: bool = False  # data in other files (external storage, virtual): shared with every copy
+    fixed: bool = False  # never altered: edits would reach other files or not survive the write (see _fixed)
 
     @property
     def size(self) -> int:
@@ -205,7 +205,7 @@ def scan(path: str | os.PathLike) -> list[Entry]:
                 layout = layout_of(obj)
                 if layout is not None and obj.shape is not None and obj.size > 0:
                     entries.append(Entry("/" + name, tuple(obj.shape), obj.dtype, layout,
-                                         location_class(name, obj.attrs), _offset(obj), _outside(obj)))
+                                         location_class(name, obj.attrs), _offset(obj), _fixed(obj)))
         try:
             f.visititems(visit)
         except (OSError, RuntimeError) as err:
@@ -220,9 +220,13 @@ def _offset(ds: h5py.Dataset) -> int | None:
     return ds.id.get_offset()  # None for unallocated data
 
 
-def _outside(ds: h5py.Dataset) -> bool:
+def _fixed(ds: h5py.Dataset) -> bool:
+    # External storage and virtual datasets live in other files, shared by the input and its copy;
+    # the scale-offset filter rounds floats to a few decimals, so most flips would not be stored.
     plist = ds.id.get_create_plist()
-    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0
+    lossy = ds.dtype.kind == "f" and any(plist.get_filter(i)[0] == h5py.h5z.FILTER_SCALEOFFSET
+                                         for i in range(plist.get_nfilters()))
+    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0 or lossy
 
 
 class Storage:
@@ -589,8 +593,7 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     plan.check()
     out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
     t0 = time.perf_counter()
-    # Writing data stored in other files through the copy would alter the input's data too.
-    entries = [e for e in scan(src) if not e.outside]
+    entries = [e for e in scan(src) if not e.fixed]
     if not entries:
         raise PeatError(f"{src}: no numeric datasets to alter")
     reader = Storage(src, "r")
