@@ -127,6 +127,30 @@ def test_golden_with_its_own_non_finite_values(bad):
     assert classify(faulty, golden, env) == "random_zero"
 
 
+@pytest.mark.parametrize("computation", ["forward", "weight_grad"])
+def test_single_element_faults_on_a_two_class_head_are_not_lanes(computation):
+    """A binary head (resnet18_parity's fc) has a forward output of 2 columns and a weight
+    gradient of 2 rows: one wrong element fills half of a 2-element lane, which is no period."""
+    g = torch.Generator().manual_seed(0)
+    sample = {"A": torch.randn(64, 96, generator=g), "W": torch.randn(2, 96, generator=g) * 0.1,
+              "B": torch.randn(2, generator=g), "dO": torch.randn(64, 2, generator=g)}
+    attrs, gold = {"op": "linear"}, kernels.golden("linear")
+    golden = kernels.call(gold, computation, sample, attrs)
+    ref = kernels.call(gold, computation, sample, attrs, torch.float64)
+    rounded = {p: kernels.call(errors.faulty(gold, p, computation), computation, sample, attrs)
+               for p in evidence.PRECISIONS}
+    env = evidence.envelopes(golden, ref, rounded)
+    wrong = {}
+    for spec in ("rv:1", "rz:1", "bit_flip:sign", "bit_flip:22"):
+        for seed in range(3):
+            got = classify(errors.parse(spec).apply(golden, torch.Generator().manual_seed(seed)), golden, env)
+            if got != errors.parse(spec).truth:
+                wrong[spec, seed] = got
+    assert wrong == {}
+    # A stuck lane of a 2-row view leaves one wrong element per lane, in many lanes: still a period.
+    assert classify(errors.parse("lane:4:stuck").apply(golden, torch.Generator()), golden, env) == "periodic_lane"
+
+
 @pytest.mark.parametrize("op", ["linear", "conv2d"])
 def test_splitk_tile_and_stale_tile_are_block_structured(op):
     sample, attrs, golden, ref, env = case(op)

@@ -171,7 +171,8 @@ def _blocks(m: np.ndarray, rules: Rules) -> dict:
 
 def _lanes(m: np.ndarray, rules: Rules) -> dict:
     """Columns (or rows) filled >= FILL that form a whole arithmetic progression of stride >= 2
-    (a single filled lane counts when the view has >= 2 rows; a vector needs >= 3 lanes)."""
+    (a single filled lane counts when it holds >= 2 wrong elements; lanes of one wrong element,
+    a vector's or a 2-row view's, need >= 3 of them)."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     for axis, counts, rows in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
                                ("row", np.count_nonzero(m, axis=1), m.shape[1])):
@@ -179,7 +180,8 @@ def _lanes(m: np.ndarray, rules: Rules) -> dict:
         if cols < 2:
             continue
         lanes = np.flatnonzero(counts >= rules.fill * rows)
-        if len(lanes) == 0 or (rows < 2 and len(lanes) < 3):  # in a vector, 2 wrong elements are no period
+        # One or two lanes of one wrong element each (a vector, or half of a 2-long lane) are no period.
+        if len(lanes) == 0 or (len(lanes) < 3 and counts[lanes].max() < 2):
             continue
         stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else cols
         expected = len(range(lanes[0] % stride, cols, stride)) if stride < cols else 1
