@@ -421,3 +421,12 @@ def test_events_file_is_written_into_a_new_folder(one_rank, tmp_path):
     assert guard.check_gradients() is False
     (line,) = events.read_text().splitlines()
     assert json.loads(line)["check"] == "nonfinite" and json.loads(line)["suspect_ranks"] == [0]
+
+
+def test_policy_raise_at_the_first_step_still_writes_the_drill(digits, tmp_path):
+    # The alarm ends the drill before any step finished: no plain step time to compare costs with.
+    config = make_config(policy="raise", steps=2, injection_step=0, drills=["nan_grad"])
+    launch(config, "resnet18", digits, tmp_path, timeout=300)
+    result = json.loads((tmp_path / "nan_grad.json").read_text())
+    assert result["detected"] is True and result["detection_step"] == 0 and result["suspect_ranks"] == [1]
+    assert result["cost"]["plain_step_s"] is None and result["cost"]["relative"]["nonfinite"] is None

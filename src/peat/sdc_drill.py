@@ -286,10 +286,11 @@ def summarize(drill: str, model: str, world: int, injected: int | None, cfg: dic
 
 
 def costs(guard: sdc.Guard, plain_steps: list[float], audit_every: int) -> dict:
-    """Median time of each check relative to the median plain DDP step, both from this run."""
-    plain = statistics.median(plain_steps)
+    """Median time of each check relative to the median plain DDP step, both from this run (None
+    without a finished step: policy raise at step 0)."""
+    plain = statistics.median(plain_steps) if plain_steps else None
     per_step = guard.costs()
-    rel = {c: (t / plain if t is not None else None) for c, t in per_step.items()}
+    rel = {c: (t / plain if t is not None and plain is not None else None) for c, t in per_step.items()}
     return {"plain_step_s": plain, **{f"{c}_s": t for c, t in per_step.items()}, "relative": rel,
             "audit_amortized": rel["audit"] / audit_every if rel["audit"] is not None and audit_every else None,
             "nonfinite_plus_fingerprint": (rel["nonfinite"] or 0) + (rel["fingerprint"] or 0)}
