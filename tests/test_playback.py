@@ -188,6 +188,19 @@ def test_analyzer_tables_and_figures(context, tmp_path):
     assert set(lane["median_rel_top10"]) == {"forward", "input_grad", "weight_grad"}
 
 
+def test_analyzer_on_a_kernel_that_fails_after_its_probe(context, tmp_path):
+    """The probe passes in its child process; every later call fails: only the references score."""
+    kernel = tmp_path / "parent_fails.py"
+    kernel.write_text("import os\nimport torch\nPID = os.getpid()\ndef forward(x, weight, bias):\n"
+                      "    if os.getpid() == PID:\n        raise RuntimeError('outside the probe')\n"
+                      "    return torch.nn.functional.linear(x, weight, bias)\n")
+    table, record = replay(context, kernel=kernels.load(str(kernel), "linear"), errors=[], computations=("forward",))
+    assert record["outcome"]["status"] == "ok" and (table.loc[table["case"] == "kernel", "status"] == "crash").all()
+    analyze.analyze(table, context, tmp_path / "analyze")
+    for name in analyze.FIGURES:
+        assert (tmp_path / "analyze" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_detector_benchmark_smoke(context, tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "detector.py"), "--smoke", "--seeds", "1",
                            "--context", str(context), "--out", str(tmp_path)], capture_output=True, text=True,

@@ -169,12 +169,7 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
     grid.set_axis_labels("log10 top-10% err / fp32 noise", "")
     _save(grid.figure, out / "distributions.png", dpi)
 
-    kernel = own[own["case"] == "kernel"]
-    heat = kernel.pivot_table(index=["layer", "computation"], columns="step", values="log10_rel_top10")
-    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * max(1, heat.shape[1]), 0.9 + 0.35 * max(1, heat.shape[0])))
-    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": "log10 top-10% error / fp32 noise"})
-    ax.set_title("kernel under test: layer x iteration")
-    _save(fig, out / "heatmap.png", dpi)
+    _heatmap(own[own["case"] == "kernel"], out / "heatmap.png", dpi)
 
     bits = pd.DataFrame({r: np.sum(np.stack(list(rows)), axis=0) for r, rows in own.groupby("case")["bits"]}).T
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.3 * len(bits)))
@@ -184,6 +179,17 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
     ax.set_ylabel("")
     _save(fig, out / "bits.png", dpi)
     _spatial_maps(own, out / "spatial.png", dpi)
+
+
+def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int) -> None:
+    if kernel.empty:  # every call of the kernel after its isolated probe failed (rows with an error)
+        _empty(path, "no scored rows of the kernel itself: it failed after its first call", dpi)
+        return
+    heat = kernel.pivot_table(index=["layer", "computation"], columns="step", values="log10_rel_top10")
+    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * max(1, heat.shape[1]), 0.9 + 0.35 * max(1, heat.shape[0])))
+    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": "log10 top-10% error / fp32 noise"})
+    ax.set_title("kernel under test: layer x iteration")
+    _save(fig, path, dpi)
 
 
 def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int) -> None:
