@@ -341,54 +341,69 @@ def test_two_replicas_detect_but_cannot_localize(digits, tmp_path):
     assert first["detail"]["first_differing_parameter"] == "conv1.weight"
 
 
-# A guarded loop on a small MLP under torchrun; prints rank 0's alarms as JSON.
+# A guarded loop on a small MLP under torchrun; prints the alarms of the guard's rank 0 as JSON.
 GUARDED_LOOP = """
-import json, os, sys
+import json, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from peat import sdc
 
-seed_per_rank, global_batch, frozen_flip, audit_every = json.loads(sys.argv[1])
+seed_per_rank, global_batch, frozen_flip, audit_every, transient_in_subgroup = json.loads(sys.argv[1])
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(rank if seed_per_rank else 0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 2))
-if frozen_flip:
-    model[0].requires_grad_(False)
-ddp = DistributedDataParallel(model)
-optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-data = torch.Generator().manual_seed(1)
-x, y = torch.randn(100, 8, generator=data), torch.randint(0, 2, (100,), generator=data)
-guard = sdc.Guard(ddp, policy="log", audit_every=audit_every)
-for step in range(4):
-    idx = list(range(step * global_batch, (step + 1) * global_batch))
-    def loss_of(module, r):
-        part = sdc.shard(idx, r, world)
-        return nn.functional.cross_entropy(module(x[part]), y[part])
-    guard.begin_step(step)
-    optimizer.zero_grad(set_to_none=True)
-    loss_of(ddp, rank).backward()
-    if guard.check_gradients(replay=lambda r: loss_of(guard.module, r)):
-        optimizer.step()
-    if frozen_flip and rank == 1 and step == 2:
-        with torch.no_grad():
-            model[0].weight.view(-1)[3] *= 2  # memory corruption of a frozen weight on one replica
-    guard.check_weights()
-guard.finish()
-if rank == 0:
-    print("ALARMS", json.dumps([[e.step, e.check, e.suspect_ranks, e.detail] for e in guard.alarms]))
+# Subgroup: the guarded data-parallel group is ranks 1.. (rank 0 stands for another parallel dimension).
+group = dist.new_group(list(range(1, dist.get_world_size()))) if transient_in_subgroup else None
+
+
+def train():
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(rank if seed_per_rank else 0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 2))
+    if frozen_flip:
+        model[0].requires_grad_(False)
+    armed = []  # one faulty forward of the last layer on the guard's rank 1
+    if transient_in_subgroup and rank == 1:
+        model[3].register_forward_hook(lambda module, inputs, out: out * 1.01 if armed and armed.pop() else out)
+    ddp = DistributedDataParallel(model, process_group=group)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(100, 8, generator=data), torch.randint(0, 2, (100,), generator=data)
+    guard = sdc.Guard(ddp, policy="log", audit_every=audit_every, group=group)
+    for step in range(4):
+        idx = list(range(step * global_batch, (step + 1) * global_batch))
+        def loss_of(module, r):
+            part = sdc.shard(idx, r, world)
+            return nn.functional.cross_entropy(module(x[part]), y[part])
+        guard.begin_step(step)
+        armed[:] = [step == 2]
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(ddp, rank).backward()
+        if guard.check_gradients(replay=lambda r: loss_of(guard.module, r)):
+            optimizer.step()
+        if frozen_flip and rank == 1 and step == 2:
+            with torch.no_grad():
+                model[0].weight.view(-1)[3] *= 2  # memory corruption of a frozen weight on one replica
+        guard.check_weights()
+    guard.finish()
+    if rank == 0:
+        print("ALARMS", json.dumps([[e.step, e.check, e.suspect_ranks, e.detail] for e in guard.alarms]))
+
+
+if group is None or dist.get_rank() > 0:
+    train()
+dist.barrier()
 dist.destroy_process_group()
 """
 
 
 def _run_guarded_loop(tmp_path: Path, *, seed_per_rank=False, global_batch=12, frozen_flip=False,
-                      audit_every=1, world=3) -> list:
+                      audit_every=1, transient_in_subgroup=False, world=3) -> list:
     script = tmp_path / "loop.py"
     script.write_text(GUARDED_LOOP)
+    args = [seed_per_rank, global_batch, frozen_flip, audit_every, transient_in_subgroup]
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
-                           str(script), json.dumps([seed_per_rank, global_batch, frozen_flip, audit_every])],
+                           str(script), json.dumps(args)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("ALARMS ")]
@@ -430,3 +445,10 @@ def test_policy_raise_at_the_first_step_still_writes_the_drill(digits, tmp_path)
     result = json.loads((tmp_path / "nan_grad.json").read_text())
     assert result["detected"] is True and result["detection_step"] == 0 and result["suspect_ranks"] == [1]
     assert result["cost"]["plain_step_s"] is None and result["cost"]["relative"]["nonfinite"] is None
+
+
+def test_audit_rerun_in_a_subgroup_names_the_faulty_rank(tmp_path):
+    # Guard ranks 0, 1, 2 are global ranks 1, 2, 3: the rerun's broadcast must come from the
+    # audited rank's global rank.
+    (alarm,) = _run_guarded_loop(tmp_path, transient_in_subgroup=True, world=4)
+    assert alarm[:3] == [2, "audit", [1]] and alarm[3]["failed_audits"] == [[0, 1]]

@@ -345,7 +345,8 @@ class Guard:
         same = torch.tensor([1], device=self.device)
         if self.rank == audited:
             same[0] = int(fingerprints_match(self._replay(replay, audited, self._rng), reported[audited], self.tolerance))
-        self._collective("audit rerun", dist.broadcast, same, audited, group=self.group)
+        src = dist.get_global_rank(self.group or dist.group.WORLD, audited)  # broadcast takes a global rank
+        self._collective("audit rerun", dist.broadcast, same, src, group=self.group)
         return [auditor] if int(same) else [audited]
 
     def _replay(self, replay, rank: int, rng: torch.Tensor) -> torch.Tensor:
