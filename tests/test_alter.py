@@ -600,6 +600,17 @@ def test_flips_in_a_tied_embedding_survive_loading(tmp_path):
     assert torch.equal(resumed.transformer.wpe.weight, -golden.transformer.wpe.weight)
 
 
+def test_a_damaged_golden_checkpoint_fails_the_cells_instead_of_reading_as_not_applicable(mixed, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes()[:2000])
+    metrics = tmp_path / "metrics.csv"
+    pd.DataFrame({"split": ["val", "val"], "epoch": [1, 2], "accuracy": [0.5, 0.6], "loss": [1.0, 0.9]}).to_csv(metrics)
+    with pytest.raises(PeatError, match="epoch001.h5"):
+        S.run_cells("gpt2", {}, "cpu", 1, "weight", ["sign"], [1], [0], checkpoints=tmp_path / "ckpt", data="",
+                    golden_metrics=metrics, tolerance=0.02, run_seed=0, threads=1, config_hash="",
+                    out_csv=tmp_path / "cells.csv", log_dir=tmp_path / "logs")
+
+
 def test_summary_of_cells_the_model_lacks(tmp_path):
     rows = [dict(model="m", vendor="cpu", epoch=1, cls="norm_stats", region="sign", flips=1, seed=0,
                  status="not_applicable", reason="no dataset of class 'norm_stats'")]

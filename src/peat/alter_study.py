@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .alter import CLASSES, Plan, alter
+from .alter import CLASSES, Plan, alter, scan
 from .io import PeatError, write_csv, write_json
 from .provenance import columns, stamp
 
@@ -53,6 +53,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
     resuming the small models of a test run.
     """
     source = Path(checkpoints) / f"epoch{epoch:03d}.h5"
+    scan(source)  # a damaged checkpoint fails the job: only a cell's own plan can be not applicable
     golden = _val_curve(pd.read_csv(golden_metrics))
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
