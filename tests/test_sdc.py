@@ -350,7 +350,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from peat import sdc
 
-seed_per_rank, global_batch, frozen_flip, audit_every, transient_in_subgroup = json.loads(sys.argv[1])
+options = json.loads(sys.argv[1])
+seed_per_rank, global_batch, audit_every = options["seed_per_rank"], options["global_batch"], options["audit_every"]
+frozen_flip, transient_in_subgroup = options["frozen_flip"], options["transient_in_subgroup"]
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 # Subgroup: the guarded data-parallel group is ranks 1.. (rank 0 stands for another parallel dimension).
 group = dist.new_group(list(range(1, dist.get_world_size()))) if transient_in_subgroup else None
@@ -360,6 +362,8 @@ def train():
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(rank if seed_per_rank else 0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 2))
+    if options["spectral_norm"]:  # its power iteration updates buffers in each forward, and uses them
+        nn.utils.parametrizations.spectral_norm(model[0])
     if frozen_flip:
         model[0].requires_grad_(False)
     armed = []  # one faulty forward of the last layer on the guard's rank 1
@@ -397,13 +401,13 @@ dist.destroy_process_group()
 """
 
 
-def _run_guarded_loop(tmp_path: Path, *, seed_per_rank=False, global_batch=12, frozen_flip=False,
-                      audit_every=1, transient_in_subgroup=False, world=3) -> list:
+def _run_guarded_loop(tmp_path: Path, world: int = 3, **options) -> list:
     script = tmp_path / "loop.py"
     script.write_text(GUARDED_LOOP)
-    args = [seed_per_rank, global_batch, frozen_flip, audit_every, transient_in_subgroup]
+    options = {"seed_per_rank": False, "global_batch": 12, "audit_every": 1, "frozen_flip": False,
+               "transient_in_subgroup": False, "spectral_norm": False, **options}
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
-                           str(script), json.dumps(args)],
+                           str(script), json.dumps(options)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("ALARMS ")]
@@ -452,3 +456,7 @@ def test_audit_rerun_in_a_subgroup_names_the_faulty_rank(tmp_path):
     # audited rank's global rank.
     (alarm,) = _run_guarded_loop(tmp_path, transient_in_subgroup=True, world=4)
     assert alarm[:3] == [2, "audit", [1]] and alarm[3]["failed_audits"] == [[0, 1]]
+
+
+def test_audit_replays_from_the_buffers_the_step_started_with(tmp_path):
+    assert _run_guarded_loop(tmp_path, spectral_norm=True) == []

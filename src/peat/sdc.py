@@ -221,6 +221,8 @@ class Guard:
         # Replays must see the random state the peer's forward saw (dropout masks): each rank's
         # travels with its audit fingerprint (ranks seeded apart or drawing for uneven shards differ).
         self._rng = _rng_state(self.device) if self._auditing else None
+        # ... and the buffers it started from (spectral norm's power iteration updates and uses them).
+        self._buffers = _buffers(self.module) if self._auditing else None
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """This rank's own gradient of ``param``, before it is shared: fingerprint it for the audit,
@@ -351,10 +353,11 @@ class Guard:
 
     def _replay(self, replay, rank: int, rng: torch.Tensor) -> torch.Tensor:
         """Fingerprint of the gradients of ``rank``'s micro-batch, computed here from the current
-        (pre-step) weights and ``rank``'s random state of the step, without DDP hooks and without
-        touching .grad, buffers or this rank's RNG stream.
+        (pre-step) weights and buffers and ``rank``'s random state of the step, without DDP hooks
+        and without touching .grad, buffers or this rank's RNG stream.
         """
-        buffers = [b.detach().clone() for b in self.module.buffers()]
+        buffers = _buffers(self.module)
+        _set_buffers(self.module, self._buffers)
         after = _rng_state(self.device)
         _set_rng_state(rng, self.device)
         try:
@@ -363,9 +366,7 @@ class Guard:
                 grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         finally:
             _set_rng_state(after, self.device)
-            with torch.no_grad():
-                for b, saved in zip(self.module.buffers(), buffers):
-                    b.copy_(saved)
+            _set_buffers(self.module, buffers)
         return gradient_fingerprint([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
 
     # - alarms -
@@ -452,6 +453,16 @@ def _mark_nonfinite_on_device(grad: torch.Tensor, bad: torch.Tensor) -> torch.Te
         here = ~torch.isfinite(grad).all()
     first.copy_(torch.where(here, torch.full_like(first, float("nan")), first))
     return bad | here
+
+
+def _buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [b.detach().clone() for b in module.buffers()]
+
+
+def _set_buffers(module: torch.nn.Module, values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for b, value in zip(module.buffers(), values):
+            b.copy_(value)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
