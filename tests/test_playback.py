@@ -277,6 +277,33 @@ def test_propagation_to_next_layer_and_loss(golden_run):
     assert (fp16["err_max"] < lane[lane["fop"] == "loss"]["err_max"].to_numpy()).all()
 
 
+def test_a_kernel_failing_downstream_is_a_row_not_a_failed_job(golden_run, tmp_path):
+    from peat.propagate import Propagator
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+
+    def propagator():
+        return Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=1)
+
+    # Passes its probe (a forked child) and its own output, then fails on its next call: the downstream one.
+    later = tmp_path / "later.py"
+    later.write_text("import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                     "    if len(CALLS) > 1:\n        raise ValueError('downstream')\n"
+                     "    return torch.nn.functional.linear(x, weight, bias)\n")
+    table, record = replay(context, kernel=kernels.load(str(later), "linear"), errors=[], computations=("forward",),
+                           max_samples=1, propagate=propagator())
+    failed = table[table["error"].notna()]
+    assert set(failed["fop"]) == {"next:transformer.h.1.ln_1", "loss"} and set(failed["case"]) == {"kernel"}
+    playback.write(table, record, tmp_path / "t.parquet", tmp_path / "t.json")
+    got = detect.run_job(tmp_path / "t.parquet", tmp_path / "t.json", tmp_path / "v.json")
+    assert got["verdict"] == "fail" and "downstream" in got["evidence"]["outcome"]["message"]
+    # An injection that cannot act on a norm layer fails at the output only, and is not followed downstream.
+    table, _ = replay(context, kernel=kernels.golden("layer_norm"), errors=["tile:4:splitk"], computations=("forward",),
+                      max_samples=1, propagate=propagator())
+    assert set(table.loc[table["error"].notna(), "status"]) == {"not_applicable"}
+    assert set(table.loc[table["case"] == "kernel", "fop"]) == {"output", "loss"}
+
 # -- speed machinery: exact by construction ------------------------------------------------------------
 def test_timer_categories_are_exclusive(monkeypatch):
     clock = iter([0.0, 1.0, 3.0, 7.0, 8.0, 20.0])  # start, outer in, inner in, inner out, outer out, record

@@ -281,8 +281,9 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                 rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise,
                                                               gold)})
         if plan.propagate is not None and computation == "forward":
+            ran = {case: kernel for case, kernel in variants.items() if case in candidates}  # failed: row above
             with timer("propagate"):
-                rows += plan.propagate.rows(layer, sample, variants, base, plan.rules, timer)
+                rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer)
     return rows
 
 

@@ -191,11 +191,19 @@ class Propagator:
 
         golden_kernel = kernels.golden(attrs["op"])
         rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in REFERENCES}
-        runs = {**{f"ref:{p}": r for p, r in rounded.items()}, **{case: through(k) for case, k in variants.items()}}
+        runs, failed = {f"ref:{p}": r for p, r in rounded.items()}, {}
+        for case, kernel in variants.items():
+            try:
+                runs[case] = through(kernel)
+            except Exception as err:  # a kernel failing here, later than its probe: rows saying so
+                failed[case] = f"{type(err).__name__}: {err}"
         out = []
         for point in (["next", "loss"] if nxt is not None else ["loss"]):
             with timed("score"):
                 out += self._score(point, nxt, gold, ref64, rounded, runs, rules, base | {"recon_error": recon})
+            fop, tensor = _observing_point(point, nxt)
+            out += [{**base, "fop": fop, "tensor": tensor, "case": case, "status": "crash", "error": message}
+                    for case, message in failed.items()]
         return out
 
     @staticmethod
@@ -207,10 +215,15 @@ class Propagator:
         gold_point = scores.Golden.of(g)
         env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules, gold_point)
         noise = scores.summary(scores.abs_error(r, g, gold_point))
-        fop, tensor = (f"next:{nxt}", "O") if point == "next" else ("loss", "loss")
+        fop, tensor = _observing_point(point, nxt)
         return [{**base, "fop": fop, "tensor": tensor, "case": case,
                  **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)}
                 for case, seen in runs.items()]
+
+
+def _observing_point(point: str, nxt) -> tuple[str, str]:
+    """The table's ``fop`` and ``tensor`` of a later observing point (``next`` or ``loss``)."""
+    return (f"next:{nxt}", "O") if point == "next" else ("loss", "loss")
 
 
 class PrefixMismatch(Exception):
