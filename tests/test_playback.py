@@ -83,6 +83,33 @@ def test_first_layer_has_no_input_gradient_rows(context):
     assert set(table.loc[table["layer"] == "0", "computation"]) == {"forward", "weight_grad"}
 
 
+def test_steps_at_which_a_layer_did_not_run_are_not_replayed(tmp_path):
+    """A recorded layer on a conditional branch: the Profiler keeps its weights at every
+    recorded step, its inputs only where it ran."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 4), nn.Linear(4, 4)
+
+        def forward(self, x, use_b):
+            return self.b(self.a(x)) if use_b else self.a(x)
+
+    torch.manual_seed(0)
+    model, path = Branchy(), tmp_path / "context.h5"
+    prof = Profiler(path, ["a", "b"], every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
+    prof.attach(model)
+    for step in range(3):
+        prof.begin_step(step, 1)
+        model.zero_grad()
+        model(torch.randn(3, 8), use_b=step == 1).sum().backward()
+        prof.end_step()
+    prof.close()
+    table, _ = replay(path, "linear", errors=["rv:1"])
+    assert sorted(set(table.loc[table["layer"] == "b", "step"])) == [1]
+    assert sorted(set(table.loc[table["layer"] == "a", "step"])) == [0, 1, 2]
+
+
 def test_replay_is_deterministic(context):
     a, _ = replay(context, "layer_norm")
     b, _ = replay(context, "layer_norm")

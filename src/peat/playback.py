@@ -202,7 +202,8 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
             attrs, samples = read_layer(plan.context, layer,
                                         subsample(recorded_steps(plan.context, layer), plan.max_samples),
                                         derive=False)
-        samples = [_to(s, plan.device) for s in samples]
+        # A step at which the layer did not run (a conditional branch, an idle expert) holds its weights only.
+        samples = [_to(s, plan.device) for s in samples if s.get("A") is not None]
         for computation in plan.computations:
             usable = [s for s in samples if kernels.applies(computation, s)]
             if not usable:
