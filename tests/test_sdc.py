@@ -460,3 +460,14 @@ def test_audit_rerun_in_a_subgroup_names_the_faulty_rank(tmp_path):
 
 def test_audit_replays_from_the_buffers_the_step_started_with(tmp_path):
     assert _run_guarded_loop(tmp_path, spectral_norm=True) == []
+
+
+def test_launch_time_limit_stops_the_workers(digits, tmp_path):
+    # A stalled rank and a long collective timeout: the launcher's own limit ends the drill.
+    out = tmp_path / "stalled"
+    with pytest.raises(PeatError, match="torchrun did not finish within its time limit"):
+        launch(make_config(drills=["hang"], timeout_s=600), "resnet18", digits, out, timeout=15)
+    left = subprocess.run(["pgrep", "-f", f"sdc_drill.*{out}"], capture_output=True, text=True).stdout.split()
+    for pid in left:  # do not leave them running on failure
+        os.kill(int(pid), 9)
+    assert left == [], "worker ranks still running after the launcher gave up"

@@ -55,12 +55,15 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
         cmd.append("--bench")
     env = {**os.environ, "OMP_NUM_THREADS": str(config.get("threads", 1))}
     sys.stdout.flush()
+    proc = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT)
     try:
-        proc = subprocess.run(cmd, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT,
-                              timeout=timeout or _launch_timeout(sdc_cfg))
+        proc.wait(timeout=timeout or _launch_timeout(sdc_cfg))
     except subprocess.TimeoutExpired:
         raise PeatError(f"sdc drill of model {model!r}: torchrun did not finish within its time limit") from None
     finally:
+        if proc.poll() is None:  # time limit or interrupt: torchrun stops its workers on SIGTERM, not on SIGKILL
+            proc.terminate()
+            proc.wait()
         plan.unlink(missing_ok=True)
     if proc.returncode != 0:
         raise PeatError(f"sdc drill of model {model!r}: torchrun exited with {proc.returncode} (see the log above)")
