@@ -418,6 +418,20 @@ def test_replay_on_a_file_of_another_dtype_or_rank_fails_with_one_line(tmp_path,
     with pytest.raises(PeatError, match=r"log .* cannot be applied to /w"):
         A.alter(again, tmp_path / "r.h5", A.Plan(), replay=log)
 
+def test_a_log_without_bits_or_named_as_the_checkpoint_fails_with_one_line(mixed, tmp_path):
+    log = tmp_path / "log.json"
+    run_alter(mixed, tmp_path / "o.h5", log=log, count=3)
+    data = json.loads(log.read_text())
+    del data["injections"][1]["bit"]
+    log.write_text(json.dumps(data))
+    with pytest.raises(PeatError, match=r"log.json: injection 1 lacks one of dataset, index, bit"):
+        A.alter(mixed, tmp_path / "r.h5", A.Plan(), replay=log)
+    before = sha(mixed)
+    with pytest.raises(PeatError, match="that is the checkpoint itself"):
+        run_alter(mixed, tmp_path / "p.h5", log=mixed, count=3)
+    assert sha(mixed) == before and not (tmp_path / "p.h5").exists()
+
+
 # --- command line -----------------------------------------------------------------------------------
 
 

@@ -592,6 +592,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     src = Path(src)
     plan.check()
     out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
+    if log is not None and Path(log).resolve() in {src.resolve(), out.resolve()}:
+        raise PeatError(f"--log {log}: that is the checkpoint itself; name another file")
     t0 = time.perf_counter()
     entries = [e for e in scan(src) if not e.fixed]
     if not entries:
@@ -638,6 +640,10 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
         rows, scale = data["injections"], data.get("scale")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise PeatError(f"{log}: not a peat alter injection log ({type(err).__name__}: {err})") from None
+    need = ("dataset", "index") if scale is not None else ("dataset", "index", "bit")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or any(key not in row for key in need):
+            raise PeatError(f"{log}: injection {i} lacks one of {', '.join(need)}")
     by_path = {e.path: e for e in entries}
     groups: dict[str, list[dict]] = {}
     for row in rows:
