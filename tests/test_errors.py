@@ -224,6 +224,18 @@ def test_faulty_kernels_are_seeded_and_advance_per_call():
     assert a.name == "golden+rv:2" and a.input_grad is kernels.golden("linear").input_grad
 
 
+def test_a_replica_repeats_the_next_injection_without_advancing():
+    x, w = torch.randn(6, 10, generator=gen(10)), torch.randn(9, 10, generator=gen(11))
+    inner = errors.faulty(kernels.golden("linear"), "tile:4", seed=1)  # stale: zeros first, then the last output
+    kernel = errors.faulty(inner, "rv:2", seed=2)  # a faulty kernel wrapping another
+    for _ in range(2):
+        twin = errors.replica(kernel, "forward")
+        assert torch.equal(twin.forward(x * 2, w, None), kernel.forward(x * 2, w, None))
+        twin.forward(x, w, None)  # advances the replica only
+    plain = kernels.golden("linear")
+    assert errors.replica(plain, "forward").forward is plain.forward
+
+
 @pytest.mark.parametrize("spec", ["fp8", "rv", "rv:0", "lane:0", "tile:x", "bit_flip:32", "bit_flip:exponent:0", "nan:-1"])
 def test_bad_specs_name_the_spec(spec):
     with pytest.raises(PeatError, match=re.escape(repr(spec))):

@@ -304,6 +304,22 @@ def test_propagation_to_next_layer_and_loss(golden_run):
     assert (fp16["err_max"] < lane[lane["fop"] == "loss"]["err_max"].to_numpy()).all()
 
 
+def test_later_observing_points_see_the_fault_seen_at_the_output(golden_run):
+    """Downstream runs repeat each case's injection (same draws, same stale tile) without
+    advancing it: the output rows are those of a replay without propagation."""
+    from peat.propagate import Propagator
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+    prop = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=None)
+    table, _ = replay(context, "linear", errors=["tile:4", "rv:2"], computations=("forward",), propagate=prop)
+    alone, _ = replay(context, "linear", errors=["tile:4", "rv:2"], computations=("forward",))
+    pd.testing.assert_frame_equal(table.loc[table["fop"] == "output", alone.columns].reset_index(drop=True), alone)
+    # A stale tile (zeros on the first call) at the steps rebuilt exactly: there, downstream too.
+    stale = table[(table["case"] == "tile:4") & (table["fop"] == "loss") & table["step"].isin([0, 3])]
+    assert len(stale) == 2 and (stale["err_max"] > 0).all()
+
+
 def test_a_kernel_failing_downstream_is_a_row_not_a_failed_job(golden_run, tmp_path):
     from peat.propagate import Propagator
 

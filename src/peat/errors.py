@@ -280,19 +280,36 @@ def faulty(kernel, error, computation: str = "forward", seed: int = 0):
     calls see consecutive draws, reproducibly from ``seed``.
     """
     model = parse(error) if isinstance(error, str) else dataclasses.replace(error)
-    func = kernel.computation(computation)
-    generator = torch.Generator().manual_seed(seed)
-    op = kernel.op
+    wrapped = _injecting(kernel.computation(computation), model, torch.Generator().manual_seed(seed),
+                         kernel.op, computation)
+    custom = tuple(c for c in COMPUTATIONS if c in kernel.custom or c == computation)
+    return dataclasses.replace(kernel, name=f"{kernel.name}+{model.spec}", **{computation: wrapped}, custom=custom,
+                               meta=kernel.meta | {"error": model.spec, "computation": computation, "seed": seed})
 
+
+def _injecting(func, model: ErrorModel, generator: torch.Generator, op: str, computation: str):
     def wrapped(*args, **kwargs):
         if model.on_operands:
             return _cast_call(func, model.kind, args, kwargs)
         return model.apply(func(*args, **kwargs), generator, operands=(op, computation, args, kwargs))
 
-    wrapped.error = model
-    custom = tuple(c for c in COMPUTATIONS if c in kernel.custom or c == computation)
-    return dataclasses.replace(kernel, name=f"{kernel.name}+{model.spec}", **{computation: wrapped}, custom=custom,
-                               meta=kernel.meta | {"error": model.spec, "computation": computation, "seed": seed})
+    wrapped.error, wrapped.inner, wrapped.generator, wrapped.where = model, func, generator, (op, computation)
+    return wrapped
+
+
+def replica(kernel, computation: str):
+    """A copy of ``kernel`` whose next ``computation`` call injects exactly what the next call of
+    ``kernel`` will (the same draws, the same stale tile) without advancing ``kernel``: the same
+    fault, observed once more elsewhere (playback's later observing points)."""
+    return dataclasses.replace(kernel, **{computation: _replica(kernel.computation(computation))})
+
+
+def _replica(func):
+    model = getattr(func, "error", None)
+    if model is None:  # not injected (a faulty kernel may wrap another: each level is copied)
+        return func
+    generator = torch.Generator().set_state(func.generator.get_state())
+    return _injecting(_replica(func.inner), dataclasses.replace(model), generator, *func.where)
 
 
 def _cast_call(func, precision: str, args, kwargs):

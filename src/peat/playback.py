@@ -256,9 +256,12 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
     rows = []
     variants = _variants(plan, layer, computation)  # made once: stateful models see consecutive calls
     target = kernels.TARGET[computation]
+    follow = plan.propagate is not None and computation == "forward"
     for sample in samples:
         ref = references(timer, computation, sample, attrs)
         candidates = {f"ref:{p}": ref[p] for p in (*REFERENCES, "fp64")}
+        # Downstream, each case injects what it injects here: copies taken before its call.
+        twins = {case: errors.replica(kernel, computation) for case, kernel in variants.items()} if follow else {}
         for case, kernel in variants.items():
             try:
                 candidates[case] = _call(timer, kernel, computation, sample, attrs)
@@ -281,8 +284,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                     continue
                 rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise,
                                                               gold)})
-        if plan.propagate is not None and computation == "forward":
-            ran = {case: kernel for case, kernel in variants.items() if case in candidates}  # failed: row above
+        if follow:
+            ran = {case: twin for case, twin in twins.items() if case in candidates}  # failed: row above
             with timer("propagate"):
                 rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer)
     return rows
