@@ -382,7 +382,7 @@ def train():
         guard.begin_step(step)
         armed[:] = [step == 2]
         optimizer.zero_grad(set_to_none=True)
-        loss_of(ddp, rank).backward()
+        (loss_of(ddp, rank) * (float("inf") if options["diverge"] and step == 1 else 1.0)).backward()
         if guard.check_gradients(replay=lambda r: loss_of(guard.module, r)):
             optimizer.step()
         if frozen_flip and rank == 1 and step == 2:
@@ -405,7 +405,7 @@ def _run_guarded_loop(tmp_path: Path, world: int = 3, **options) -> list:
     script = tmp_path / "loop.py"
     script.write_text(GUARDED_LOOP)
     options = {"seed_per_rank": False, "global_batch": 12, "audit_every": 1, "frozen_flip": False,
-               "transient_in_subgroup": False, "spectral_norm": False, **options}
+               "transient_in_subgroup": False, "spectral_norm": False, "diverge": False, **options}
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
                            str(script), json.dumps(options)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -471,3 +471,12 @@ def test_launch_time_limit_stops_the_workers(digits, tmp_path):
     for pid in left:  # do not leave them running on failure
         os.kill(int(pid), 9)
     assert left == [], "worker ranks still running after the launcher gave up"
+
+
+def test_nonfinite_gradients_on_every_rank_blame_the_run_not_a_rank(tmp_path):
+    """The loss blows up on every replica at step 1 (divergence): one alarm, not localized, so
+    that a stop policy drains no node."""
+    (alarm,) = _run_guarded_loop(tmp_path, audit_every=0, diverge=True)
+    step, check, suspects, detail = alarm
+    assert (step, check, suspects, detail["flags"]) == (1, "nonfinite", [0, 1, 2], [1, 1, 1])
+    assert detail["note"].startswith("every rank has non-finite gradients")

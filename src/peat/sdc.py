@@ -271,8 +271,12 @@ class Guard:
         local = torch.as_tensor(self._bad, device=self.device).to(torch.int64).reshape(1)
         flags = [int(f) for f in self._all_gather(local, "gradient flags")]
         suspects = [r for r, f in enumerate(flags) if f]
-        if suspects:
+        if suspects and (len(suspects) < self.world or self.world == 1):
             self._alarm("nonfinite", suspects, True, {"flags": flags})
+        elif suspects:  # the same fault on every replica is the run's (divergence, bad data), not a GPU's
+            self._alarm("nonfinite", suspects, False,
+                        {"flags": flags, "note": "every rank has non-finite gradients: the run diverged or the "
+                                                 "data is bad; no faulty rank"})
         else:  # finite local gradients whose sum overflowed in the all-reduce: no rank to blame
             self._alarm("nonfinite", list(range(self.world)), False,
                         {"flags": flags, "note": "only the all-reduced gradient is non-finite (overflow in the sum)"})
@@ -387,7 +391,7 @@ class Guard:
             self._stop(event, reporter)
 
     def _stop(self, event: Event, reporter: int) -> None:
-        if self.drain_marker is not None and node_name() in event.hosts:
+        if self.drain_marker is not None and event.localized and node_name() in event.hosts:
             # Read by the SLURM epilog on this node: it drains the node it runs on.
             marker = Path(str(self.drain_marker).format(node=node_name()))
             marker.parent.mkdir(parents=True, exist_ok=True)
@@ -395,8 +399,9 @@ class Guard:
         if self.save is not None and self.rank == reporter:
             self.save(self.checkpoint)
         self._collective("stop", dist.barrier, group=self.group)
-        print(f"peat sdc: stopping; drain node(s) {', '.join(event.hosts)} and requeue "
-              f"(exit code {EXIT_SDC})", file=sys.stderr, flush=True)
+        advice = (f"drain node(s) {', '.join(event.hosts)} and requeue" if event.localized else
+                  f"no faulty node localized among {', '.join(event.hosts)}: read the events before requeueing")
+        print(f"peat sdc: stopping; {advice} (exit code {EXIT_SDC})", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_SDC)
 
     # - collectives with clear failures -
