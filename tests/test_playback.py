@@ -177,6 +177,20 @@ def test_crashing_and_hanging_kernels_fail_with_their_outcome(context, tmp_path)
     assert "step two" in got["evidence"]["outcome"]["message"]
 
 
+def test_a_kernels_own_timeout_overrides_playbacks(context, tmp_path):
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time, torch\ndef forward(x, weight, bias):\n    time.sleep(1.5)\n"
+                    "    return torch.nn.functional.linear(x, weight, bias)\n")
+    outcomes = {}
+    for name, kspec in (("default", {}), ("patient", {"timeout": 20})):
+        playback.run_job("tiny", "cpu", name, {"op": "linear", "impl": str(slow), **kspec}, context,
+                         tmp_path / f"{name}.parquet", tmp_path / f"{name}.json", errors_=[],
+                         settings={"timeout": 1, "computations": ["forward"], "max_samples_per_layer": 1},
+                         rules={}, config_hash="h1")
+        outcomes[name] = json.loads((tmp_path / f"{name}.json").read_text())["outcome"]["status"]
+    assert outcomes == {"default": "timeout", "patient": "ok"}
+
+
 def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(context, tmp_path):
     # Split-K tiles need a reduction to split: on a norm layer the injection itself raises.
     kernel = kernels.load("peat.alt_kernels.welford_norm", "layer_norm")

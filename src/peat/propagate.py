@@ -178,7 +178,8 @@ class Propagator:
         gold = self.observe(model, layer, nxt, x, y, prefix=prefix)
         ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
                              prefix=prefix.on(model64, torch.float64))
-        recon = float((gold["A"].cpu() - sample["A"]).abs().max() / sample["A"].abs().max().clamp_min(1e-30))
+        recorded = sample["A"].cpu()
+        recon = float((gold["A"].cpu() - recorded).abs().max() / recorded.abs().max().clamp_min(1e-30))
         timed = (lambda category: timer(category)) if timer is not None else (lambda category: nullcontext())
 
         def call(kernel, live, a):
