@@ -348,3 +348,13 @@ def test_seeding_makes_torch_deterministic_without_importing_inductor():
             "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "False"]
+
+
+def test_batch_larger_than_the_training_set_fails_instead_of_training_nothing(digits, tmp_path):
+    """The last partial batch is dropped, so 10 samples in batches of 32 gave a 'golden' run of 0 steps."""
+    from peat.train import train_model
+
+    spec = dict(SPEC, max_train_samples=10, batch_size=32)
+    with pytest.raises(PeatError, match=r"config key 'models\.resnet18\.batch_size': 32 is more than the 10 training"):
+        train_model("resnet18", spec, digits, tmp_path, progress=False)
+    assert not (tmp_path / "final.h5").exists()

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .data import Dataset
-from .io import write_csv
+from .io import PeatError, write_csv
 from .models import loss_and_metrics
 
 
@@ -86,6 +86,10 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         profiler.attach(model, first_step=step)
     t0 = time.perf_counter() - (history[-1]["wall_time"] if history else 0.0)
     batches_per_epoch = len(epoch_batches(len(train_x), run.batch_size, run.seed, 0))
+    if batches_per_epoch == 0:  # the last partial batch is dropped: nothing would train
+        key = f"models.{run.meta['model']}.batch_size" if "model" in run.meta else "batch_size"
+        raise PeatError(f"config key '{key}': {run.batch_size} is more than the {len(train_x)} training samples; "
+                        "no training step would run")
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
     for epoch in range(first_epoch, run.epochs + 1):
         model.train()
