@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -358,3 +359,24 @@ def test_batch_larger_than_the_training_set_fails_instead_of_training_nothing(di
     with pytest.raises(PeatError, match=r"config key 'models\.resnet18\.batch_size': 32 is more than the 10 training"):
         train_model("resnet18", spec, digits, tmp_path, progress=False)
     assert not (tmp_path / "final.h5").exists()
+
+
+def test_rerun_after_dying_at_the_end_keeps_every_epoch_checkpoint(digits, golden_twice, tmp_path, monkeypatch):
+    """Dying after the epoch checkpoints were moved out of .partial (before metrics.csv) lost them:
+    Snakemake deletes an incomplete job's outputs, and the rerun trained only the last epoch."""
+    from peat import train
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(train, "write_csv", die)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False)
+    monkeypatch.undo()
+    for name in ("final.h5", "context.h5", "storage.json"):  # what snakemake --rerun-incomplete removes
+        (tmp_path / name).unlink()
+    shutil.rmtree(tmp_path / "checkpoints")
+    train.train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False)
+    for name in ("final.h5", "checkpoints/epoch001.h5", "checkpoints/epoch002.h5"):
+        assert_bit_identical(golden_twice[0] / name, tmp_path / name)
+    assert not (tmp_path / ".partial").exists()

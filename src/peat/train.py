@@ -9,6 +9,7 @@ exactly the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -126,7 +127,11 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     metrics = pd.DataFrame(history)
     (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     for saved in sorted(partial.glob("epoch*.h5")):
-        saved.replace(out_dir / "checkpoints" / saved.name)
+        # Linked, not moved: a job killed before .partial is gone has its outputs deleted by
+        # Snakemake, and its rerun trains only the epochs after the resume point.
+        dest = out_dir / "checkpoints" / saved.name
+        dest.unlink(missing_ok=True)
+        os.link(saved, dest)
     write_csv(out_dir / "metrics.csv", metrics)
     shutil.rmtree(partial, ignore_errors=True)
     return metrics
