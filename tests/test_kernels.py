@@ -218,6 +218,15 @@ def test_alternative_is_correct_and_numerically_different(context, impl, op, bou
     assert differs
 
 
+@pytest.mark.parametrize("impl", ["peat.alt_kernels.onepass_norm", "peat.alt_kernels.welford_norm"])
+def test_alternative_layer_norm_serves_a_weight_without_bias(impl):
+    """LayerNorm(bias=False) passes bias None with a weight: the forward added None and crashed."""
+    x, w = torch.randn(4, 6, 16) * 3 + 2, torch.randn(16)
+    got = kernels.load(impl, "layer_norm").forward(x, w, None, normalized_shape=(16,), eps=1e-5)
+    ref = nn.functional.layer_norm(x.double(), (16,), w.double(), None, 1e-5)
+    assert rel_err(got, ref) < EXACT
+
+
 def test_winograd_falls_back_to_golden_where_it_does_not_apply():
     kernel, golden = kernels.load("peat.alt_kernels.winograd", "conv2d"), kernels.golden("conv2d")
     x, w = torch.randn(2, 4, 9, 9), torch.randn(5, 4, 3, 3)

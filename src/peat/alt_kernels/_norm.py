@@ -75,7 +75,8 @@ def make(stats, chunk_of) -> tuple[SimpleNamespace, SimpleNamespace]:
     def ln_forward(x, weight, bias, *, normalized_shape, eps):
         mean, invstd = ln_stats(x, normalized_shape, eps)
         y = (x - mean) * invstd
-        return y * weight + bias if weight is not None else y
+        y = y * weight if weight is not None else y
+        return y + bias if bias is not None else y  # LayerNorm(bias=False) has a weight alone
 
     def ln_input_grad(grad_out, x, weight, *, normalized_shape, eps):
         mean, invstd = ln_stats(x, normalized_shape, eps)
