@@ -21,7 +21,7 @@ from peat import checkpoint, data, models
 from peat.device import for_vendor
 from peat.io import PeatError
 from peat import tensor_stats
-from peat.profiler import DERIVED, Profiler, read_layer
+from peat.profiler import DERIVED, Profiler, derive_outputs, read_layer
 
 CONFIG = yaml.safe_load(TEST_CONFIG.read_text())
 SPEC = CONFIG["models"]["resnet18"]
@@ -245,6 +245,26 @@ def test_layers_fed_the_same_input_share_one_stored_copy(tmp_path):
             assert f[f"layers/gate/{step}/dO"] != f[f"layers/up/{step}/dO"]
     up, gate = read_layer(tmp_path / "context.h5", "up")[1], read_layer(tmp_path / "context.h5", "gate")[1]
     assert torch.equal(up[1]["A"], gate[1]["A"]) and not torch.equal(up[0]["A"], up[1]["A"])
+
+
+def test_convs_padded_by_name_replay_and_other_paddings_are_not_taken_for_conv2d(tmp_path):
+    """padding='same' was stored as the letters ['s', 'a', 'm', 'e'] (replay crashed); a
+    reflect-padded conv was replayed with zero padding, a wrong golden output."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding="same"), torch.nn.Conv2d(4, 4, 3, padding="valid"),
+                                torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"),
+                                torch.nn.Conv2d(4, 4, 2, padding="same"))
+    prof = Profiler(tmp_path / "context.h5", ["*"], every=1, derived=True)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(2, 3, 7, 7)).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    assert list(prof.targets) == ["0", "1"]
+    for layer, padding in (("0", [1, 1]), ("1", [0, 0])):
+        attrs, [recorded] = read_layer(tmp_path / "context.h5", layer)
+        assert attrs["padding"] == padding
+        assert torch.equal(derive_outputs(recorded, attrs)["O"], recorded["O"])
 
 
 _G = torch.Generator().manual_seed(0)

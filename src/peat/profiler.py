@@ -53,7 +53,8 @@ def op_of(module: nn.Module) -> str | None:
     if isinstance(module, nn.Linear):
         return "linear"
     if isinstance(module, nn.Conv2d):
-        return "conv2d"
+        # The op pads with zeros, evenly: a reflect-padded conv or an uneven 'same' is another computation.
+        return "conv2d" if module.padding_mode == "zeros" and _conv_padding(module) is not None else None
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "batch_norm"
     if isinstance(module, nn.LayerNorm):
@@ -67,12 +68,22 @@ def hyper_params(module: nn.Module) -> dict:
     """Hyper-parameters a kernel needs to replay the layer, as HDF5-friendly values."""
     op = op_of(module)
     if op == "conv2d":
-        return {k: list(getattr(module, k)) for k in ("stride", "padding", "dilation")} | {"groups": module.groups}
+        return {"stride": list(module.stride), "padding": _conv_padding(module), "dilation": list(module.dilation),
+                "groups": module.groups}
     if op == "batch_norm":
         return {"eps": module.eps, "momentum": module.momentum if module.momentum is not None else -1.0}
     if op == "layer_norm":
         return {"eps": module.eps, "normalized_shape": list(module.normalized_shape)}
     return {"transposed": op == "linear" and not isinstance(module, nn.Linear)}
+
+
+def _conv_padding(module: nn.Conv2d) -> list[int] | None:
+    """Zeros added on each side of (height, width); a string ('same', 'valid') as those numbers,
+    None where 'same' pads one side more (an even kernel)."""
+    if not isinstance(module.padding, str):
+        return list(module.padding)
+    left, right, top, bottom = module._reversed_padding_repeated_twice
+    return [top, left] if (left, top) == (right, bottom) else None
 
 
 def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layers") -> dict[str, nn.Module]:
