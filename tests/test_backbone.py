@@ -400,3 +400,22 @@ def test_rerun_after_dying_at_the_end_keeps_every_epoch_checkpoint(digits, golde
     for name in ("final.h5", "checkpoints/epoch001.h5", "checkpoints/epoch002.h5"):
         assert_bit_identical(golden_twice[0] / name, tmp_path / name)
     assert not (tmp_path / ".partial").exists()
+
+
+def test_a_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, tmp_path):
+    """A job killed after its first epoch, then rerun after the config changed (another lr, so
+    another config hash), resumed the old run's state: epoch 1 trained with the old lr."""
+    from peat.train import train_model
+
+    def die(step, epoch):
+        if epoch == 2:
+            raise KeyboardInterrupt("killed")
+
+    other = dict(SPEC, optimizer=dict(SPEC["optimizer"], lr=0.5))
+    with pytest.raises(KeyboardInterrupt):
+        train_model("resnet18", other, digits, tmp_path, seed=0, threads=1, config_hash="old", progress=False,
+                    before_step=die)
+    assert (tmp_path / ".partial" / "resume.h5").exists()
+    train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False)
+    for name in ("final.h5", "context.h5", "checkpoints/epoch001.h5"):
+        assert_bit_identical(golden_twice[0] / name, tmp_path / name)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .data import Dataset
-from .io import PeatError, write_csv
+from .io import PeatError, open_h5, write_csv
 from .models import loss_and_metrics
 
 
@@ -78,6 +78,10 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     step, first_epoch, history = 0, 1, []
     partial = out_dir / ".partial"
     resume = partial / "resume.h5"
+    if resume.exists() and not _same_run(resume, run.meta):
+        # Left by a killed run of other settings (an edited config): resuming would mix the two.
+        print(f"discarding {partial}: left by a run with other settings", flush=True)
+        shutil.rmtree(partial)
     start = resume if resume.exists() else start
     if start is not None:
         state = checkpoint.load(start, model, optimizer)
@@ -135,6 +139,12 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     write_csv(out_dir / "metrics.csv", metrics)
     shutil.rmtree(partial, ignore_errors=True)
     return metrics
+
+
+def _same_run(path: Path, meta: dict) -> bool:
+    """Whether checkpoint ``path`` was written by a run with this ``meta`` (config hash, seed, vendor, ...)."""
+    with open_h5(path) as f:
+        return all(k in f.attrs and f.attrs[k] == v for k, v in meta.items())
 
 
 def _subset(split, limit):
