@@ -267,6 +267,23 @@ def test_convs_padded_by_name_replay_and_other_paddings_are_not_taken_for_conv2d
         assert torch.equal(derive_outputs(recorded, attrs)["O"], recorded["O"])
 
 
+def test_reading_a_layer_that_did_not_run_at_a_recorded_step(tmp_path):
+    """nn.MultiheadAttention never calls its out_proj module: its samples hold W and B only, and
+    read_layer, deriving the golden outputs from a missing input, raised a TypeError."""
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    prof = Profiler(tmp_path / "context.h5", ["self_attn.out_proj", "linear1"], every=1)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(3, 5, 8)).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    _, [idle] = read_layer(tmp_path / "context.h5", "self_attn.out_proj")
+    assert "A" not in idle and "O" not in idle and idle["W"].shape == (8, 8)
+    _, [ran] = read_layer(tmp_path / "context.h5", "linear1")
+    assert ran["O"].shape == (3, 5, 16)
+
+
 _G = torch.Generator().manual_seed(0)
 SPECIAL = {
     "randn": torch.randn(10_007, generator=_G),

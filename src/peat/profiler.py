@@ -350,7 +350,7 @@ def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True) ->
         for key in keys:
             sample = {k: torch.from_numpy(v[()]) for k, v in group[key].items()}
             sample.update({k: _plain(v) for k, v in group[key].attrs.items()})
-            if derive and "O" not in sample:
+            if derive and "O" not in sample and "A" in sample:  # no A: the layer did not run at that step
                 sample.update(derive_outputs(sample, attrs))
             samples.append(sample)
     return attrs, samples
