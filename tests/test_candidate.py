@@ -102,6 +102,21 @@ def test_compare_lines_up_curves():
     assert len(crashed) == 3 and crashed["loss_candidate"].isna().all()
 
 
+def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
+    """A crash leaves the candidate curve empty, NaN after the merge: outcome.json said
+    nonfinite_loss: true, the flag meant for a kernel whose training went NaN."""
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
+                  "perplexity": [float("nan")], "wall_time": [0.0]}).to_csv(golden / "metrics.csv", index=False)
+    path = tmp_path / "raises.py"
+    path.write_text("def forward(x, weight, bias):\n    raise RuntimeError('boom')\n")
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
+    record = candidate.train_candidate("resnet18", spec, "raises", {"op": "linear", "impl": str(path), "layers": ["fc"]},
+                                       digits, golden, tmp_path / "out", seed=0)
+    assert record["status"] == "crash" and record["nonfinite_loss"] is False
+
+
 def test_config_cross_checks():
     config = validate(yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml")
     assert candidate.models_for(config, "im2col") == ["resnet18"]

@@ -179,13 +179,14 @@ def compare(golden: pd.DataFrame, candidate: pd.DataFrame | None) -> pd.DataFram
     return merged
 
 
-def _summary(frame: pd.DataFrame) -> dict:
+def _summary(frame: pd.DataFrame, ran: bool) -> dict:
     val = frame[frame["split"] == "val"]
     last = val.iloc[-1] if len(val) else None
     out = {"max_abs_loss_diff": float(frame["loss_diff"].abs().max())}
     if last is not None:
         out |= {f"final_val_{c}_{w}": float(last[f"{c}_{w}"]) for c in ("loss", "accuracy") for w in ("golden", "candidate")}
-    out["nonfinite_loss"] = bool(frame["loss_candidate"].isna().any() and not frame["loss_golden"].isna().any())
+    # A kernel that crashed has no candidate curve at all (NaN after the merge), not a non-finite loss.
+    out["nonfinite_loss"] = ran and bool(frame["loss_candidate"].isna().any() and not frame["loss_golden"].isna().any())
     return out
 
 
@@ -216,7 +217,7 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     write_csv(out_dir / "compare.csv", frame)
     if schedule is not None:
         write_csv(out_dir / "calls.csv", calls if not calls.empty else pd.DataFrame(columns=CALL_COLUMNS))
-    record |= outcome.record() | {"layers": routed} | _summary(frame)
+    record |= outcome.record() | {"layers": routed} | _summary(frame, metrics is not None)
     record["provenance"] = provenance.stamp(config_hash, vendor)
     write_json(out_dir / "outcome.json", record)
     return record
