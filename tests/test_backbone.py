@@ -284,6 +284,26 @@ def test_reading_a_layer_that_did_not_run_at_a_recorded_step(tmp_path):
     assert ran["O"].shape == (3, 5, 16)
 
 
+def test_a_tied_layer_stores_its_own_weight_gradient(tmp_path):
+    """GPT-2's lm_head shares its weight with wte: with derived outputs (every GPU context), the
+    stored dW was the tied parameter's .grad, embedding gradient included, not the layer's."""
+    model = models.build({"arch": "gpt2", "size": {"hidden": 16, "layers": 1, "heads": 2}},
+                         {"vocab_size": 40, "seq_len": 8}, seed=0)
+    prof = Profiler(tmp_path / "context.h5", ["lm_head", "transformer.h.0.mlp.c_fc"], every=1, derived=True)
+    prof.attach(model)
+    ids = torch.randint(40, (4, 8), generator=torch.Generator().manual_seed(0))
+    prof.begin_step(0, 1)
+    logits = model(input_ids=ids).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 40), ids.reshape(-1)).backward()
+    prof.end_step()
+    prof.close()
+    attrs, [sample] = read_layer(tmp_path / "context.h5", "lm_head", derive=False)
+    assert torch.equal(sample["dW"], derive_outputs(sample, attrs)["dW"])
+    assert not torch.equal(sample["dW"], model.lm_head.weight.grad)
+    attrs, [sample] = read_layer(tmp_path / "context.h5", "transformer.h.0.mlp.c_fc", derive=False)
+    assert torch.equal(sample["dW"], model.transformer.h[0].mlp.c_fc.weight.grad.t())  # untied: autograd's own
+
+
 _G = torch.Generator().manual_seed(0)
 SPECIAL = {
     "randn": torch.randn(10_007, generator=_G),

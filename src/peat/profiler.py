@@ -21,6 +21,7 @@ GPT-2 ``Conv1D``) are stored in ``nn.Linear`` convention with attribute ``transp
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import os
 import shutil
@@ -133,6 +134,9 @@ class Profiler:
         self.model = model
         self.targets = match_layers(model, self.patterns, self.key)
         self.all_layers = {n: m for n, m in model.named_modules() if n and op_of(m)}
+        # A weight tied to another module's (GPT-2's lm_head and wte): its .grad sums both uses.
+        uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        self._tied = {n for n, m in self.targets.items() if m.weight is not None and uses[id(m.weight)] > 1}
         self.first_step, self.last_step = first_step, first_step - 1
         self.naive_bytes_per_step = 0
         self._rows: list[tuple] = []
@@ -320,7 +324,9 @@ class Profiler:
         return cap
 
     def _write(self, name: str, module: nn.Module, cap: dict) -> None:
-        if self.derived and module.weight is not None and module.weight.grad is not None:
+        if self.derived and name in self._tied and "dO" in cap:  # this layer's share of the tied gradient
+            cap["dW"] = _golden_weight_grad(cap, hyper_params(module) | {"op": op_of(module)})
+        elif self.derived and module.weight is not None and module.weight.grad is not None:
             cap["dW"] = _as_linear(module, module.weight.grad)
         if self.derived and getattr(module, "bias", None) is not None and module.bias.grad is not None:
             cap["dB"] = module.bias.grad
@@ -383,6 +389,13 @@ def derive_outputs(sample: dict, attrs: dict) -> dict:
     if sample.get("B") is not None:
         out["dB"] = _bias_grad(op, sample["dO"], attrs)
     return out
+
+
+def _golden_weight_grad(sample: dict, attrs: dict) -> torch.Tensor:
+    from . import kernels
+
+    args, kwargs = kernels.arguments(attrs["op"], "weight_grad", sample, attrs)
+    return kernels.golden(attrs["op"]).weight_grad(*args, **kwargs)
 
 
 def _bias_grad(op: str, grad_out: torch.Tensor, attrs: dict) -> torch.Tensor:
