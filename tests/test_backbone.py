@@ -304,6 +304,25 @@ def test_a_tied_layer_stores_its_own_weight_gradient(tmp_path):
     assert torch.equal(sample["dW"], model.transformer.h[0].mlp.c_fc.weight.grad.t())  # untied: autograd's own
 
 
+def test_a_forward_between_steps_is_not_recorded(tmp_path):
+    """A forward in training mode after a recorded step's end_step (the batch accuracy after the
+    update) raised KeyError: the Profiler still thought it was recording."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    prof = Profiler(tmp_path / "context.h5", ["0"], every=1)
+    prof.attach(model)
+    for step in range(2):
+        x = torch.randn(3, 4)
+        prof.begin_step(step, 1)
+        model(x).square().sum().backward()
+        prof.end_step()
+        with torch.no_grad():
+            model(x)
+    prof.close()
+    _, samples = read_layer(tmp_path / "context.h5", "0")
+    assert [s["step"] for s in samples] == [0, 1]
+
+
 _G = torch.Generator().manual_seed(0)
 SPECIAL = {
     "randn": torch.randn(10_007, generator=_G),

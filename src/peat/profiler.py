@@ -211,6 +211,7 @@ class Profiler:
                 self._write(name, module, self._captured.pop(name))
             self._inputs.clear()
             self._written.clear()
+            self.recording = False  # a forward before the next begin_step (say, accuracy) records nothing
         if self.naive_bytes_per_step == 0:
             self.naive_bytes_per_step = self._naive_bytes
         self.last_step = self.step
