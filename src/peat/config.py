@@ -76,9 +76,24 @@ def _cross_check(config: dict) -> None:
             raise PeatError(f"config key 'models.{name}.init_from': unknown model {base!r}; defined: {', '.join(models)}")
         if base == name:
             raise PeatError(f"config key 'models.{name}.init_from': a model cannot start from itself")
+        _check_schedule(name, model)
     ref = config.get("reference_vendor", "cpu")
     if ref not in config["vendors"]:
         raise PeatError(f"config key 'reference_vendor': {ref!r} is not in 'vendors' ({', '.join(config['vendors'])})")
+
+
+def _check_schedule(name: str, model: dict) -> None:
+    """Epoch lists within the training, and optimizer settings the optimizer takes: otherwise the
+    job would save or record nothing, or fail only once it starts."""
+    last = model["epochs"]
+    for key, epochs in (("checkpoint_epochs", model.get("checkpoint_epochs")),
+                        ("record.epochs", (model.get("record") or {}).get("epochs"))):
+        late = [e for e in epochs or [] if e > last]
+        if late:
+            raise PeatError(f"config key 'models.{name}.{key}': epoch {late[0]} is past the last epoch ({last})")
+    optimizer = model.get("optimizer") or {}
+    if optimizer.get("name") == "adamw" and "momentum" in optimizer:
+        raise PeatError(f"config key 'models.{name}.optimizer.momentum': adamw takes no momentum (sgd does)")
 
 
 def config_hash(obj) -> str:
