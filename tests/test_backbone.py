@@ -98,6 +98,11 @@ def test_truncated_or_foreign_hdf5_fails_naming_the_file(tmp_path):
         f["x"] = np.zeros(3)
     with pytest.raises(PeatError, match=r"other\.h5: not a peat dataset"):
         data.load(tmp_path / "other.h5")
+    (tmp_path / "short.txt").write_text("too short for two sequences")
+    with pytest.raises(PeatError, match=r"config key 'datasets\.tiny\.seq_len': 16 leaves fewer than 2 sequences"):
+        data.prepare("tiny", {"source": "text", "path": str(tmp_path / "short.txt"), "seq_len": 16, "val_fraction": 0.1},
+                     tmp_path / "t.h5")
+    assert not (tmp_path / "t.h5").exists()
 
 
 def test_missing_gpu_vendor_fails_with_one_line():

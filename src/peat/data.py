@@ -40,7 +40,7 @@ def prepare(name: str, spec: dict, out: str | Path) -> None:
         kind = "image"
     else:
         tokens = _pydoc_bytes(spec) if source == "pydoc" else _text_bytes(name, spec)
-        x, y, attrs = _sequences(tokens, spec["seq_len"])
+        x, y, attrs = _sequences(name, tokens, spec["seq_len"])
         kind = "text"
     order = np.random.default_rng(spec.get("seed", 0)).permutation(len(x))
     n_val = max(1, int(round(len(x) * spec["val_fraction"])))
@@ -127,10 +127,11 @@ def _local_path(name: str, spec: dict) -> Path:
     return root
 
 
-def _sequences(tokens: np.ndarray, seq_len: int):
+def _sequences(name: str, tokens: np.ndarray, seq_len: int):
     n = (len(tokens) - 1) // seq_len
     if n < 2:
-        raise PeatError(f"text too short for seq_len {seq_len}: {len(tokens)} bytes")
+        raise PeatError(f"config key 'datasets.{name}.seq_len': {seq_len} leaves fewer than 2 sequences "
+                        f"in the text's {len(tokens)} bytes")
     idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len)[None, :]
     x = tokens[idx].astype(np.int64)
     y = tokens[idx + 1].astype(np.int64)
