@@ -314,6 +314,35 @@ def test_a_tied_layer_stores_its_own_weight_gradient(tmp_path):
     assert torch.equal(sample["dW"], model.transformer.h[0].mlp.c_fc.weight.grad.t())  # untied: autograd's own
 
 
+def test_layers_without_an_output_gradient_record_their_forward(tmp_path):
+    """A frozen first layer (its output needs no gradient) and a head whose output misses the loss
+    have no dO: registering the gradient hook raised, and deriving dW from None raised."""
+    from peat import kernels
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    aux = torch.nn.Linear(16, 3)
+    model.add_module("aux", aux)
+    model[0].requires_grad_(False)
+    prof = Profiler(tmp_path / "context.h5", ["0", "2", "aux"], every=1)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    x = torch.randn(2, 3, 4, 4)
+    hidden = model[1](model[0](x))
+    aux(hidden)  # computed, but not part of the loss
+    model[2](hidden).sum().backward()
+    prof.end_step()
+    prof.close()
+    for name in ("0", "aux"):
+        attrs, [sample] = read_layer(tmp_path / "context.h5", name)
+        assert "dO" not in sample and "dW" not in sample and "O" in sample
+        assert [c for c in kernels.COMPUTATIONS if kernels.applies(c, sample)] == ["forward"]
+    _, [conv] = read_layer(tmp_path / "context.h5", "0")
+    assert torch.equal(conv["O"], model[0](x))
+    _, [head] = read_layer(tmp_path / "context.h5", "2")
+    assert torch.equal(head["dW"], model[2].weight.grad)
+
+
 def test_a_forward_between_steps_is_not_recorded(tmp_path):
     """A forward in training mode after a recorded step's end_step (the batch accuracy after the
     update) raised KeyError: the Profiler still thought it was recording."""

@@ -312,7 +312,10 @@ def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torc
 
 def applies(computation: str, sample: dict) -> bool:
     """Whether a recorded sample has what ``computation`` needs: input_grad a layer whose input
-    needed a gradient (not the first layer), weight_grad a weight."""
+    needed a gradient (not the first layer), weight_grad a weight; both an output gradient (none
+    reaches a frozen layer, or one whose output did not feed the loss)."""
+    if computation != "forward" and sample.get("dO") is None:
+        return False
     if computation == "input_grad":
         return "dA" in sample or bool(sample.get("input_grad"))
     if computation == "weight_grad":

@@ -288,8 +288,10 @@ class Profiler:
                 if self.derived:
                     cap["O"] = out.detach().clone()
                 # A hook registered before an in-place change of `out` still sees the
-                # gradient of the value this layer produced.
-                out.register_hook(self._store(name, "dO"))
+                # gradient of the value this layer produced. A frozen layer behind a frozen
+                # prefix has no gradient: only its forward is recorded.
+                if out.requires_grad:
+                    out.register_hook(self._store(name, "dO"))
         return hook
 
     @property
@@ -383,6 +385,8 @@ def derive_outputs(sample: dict, attrs: dict) -> dict:
         return golden.computation(computation)(*args, **kwargs)
 
     out = {"O": run("forward")}
+    if sample.get("dO") is None:  # frozen, or its output did not reach the loss: no backward to derive
+        return out
     if sample.get("input_grad"):
         out["dA"] = run("input_grad")
     if sample.get("W") is not None:
