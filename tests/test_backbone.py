@@ -343,6 +343,29 @@ def test_layers_without_an_output_gradient_record_their_forward(tmp_path):
     assert torch.equal(head["dW"], model[2].weight.grad)
 
 
+@pytest.mark.parametrize("derived", [False, True])
+def test_a_module_called_twice_in_a_step_records_its_first_call(tmp_path, derived):
+    """A from the second call and dO from the first (backward runs in reverse) made a sample
+    no kernel could reproduce; the stored dW summed both calls."""
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential()
+    model.fc = fc
+    prof = Profiler(tmp_path / "context.h5", ["fc"], every=1, derived=derived)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    x = torch.randn(3, 4)
+    first = fc(x)
+    fc(torch.tanh(first)).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    attrs, [sample] = read_layer(tmp_path / "context.h5", "fc")
+    assert torch.equal(sample["A"], x) and torch.equal(sample["O"], first)
+    assert torch.allclose(sample["dW"], sample["dO"].t() @ x, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(sample["dB"], sample["dO"].sum(0), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(sample["dW"], fc.weight.grad)
+
+
 def test_a_forward_between_steps_is_not_recorded(tmp_path):
     """A forward in training mode after a recorded step's end_step (the batch accuracy after the
     update) raised KeyError: the Profiler still thought it was recording."""

@@ -190,6 +190,7 @@ class Profiler:
         self.step, self.epoch = step, epoch
         self.recording = self.want(step, epoch)
         self._input_hooks = []
+        self._repeated = set()  # targets called more than once this step: their first call is recorded
         if self.recording:
             for name, module in self.targets.items():
                 self._captured[name] = self._before(module)
@@ -278,6 +279,9 @@ class Profiler:
                 self._sizes[name] = 4 * (inputs[0].numel() + out.numel() + (w.numel() if w is not None else 0))
             if self.recording and name in self.targets:
                 cap = self._captured[name]
+                if "A" in cap:  # a later call (weights reused in one step): A, O, dO stay the first call's
+                    self._repeated.add(name)
+                    return
                 # Clones: later in-place code (ResNet's `out += identity`) may change these.
                 x = inputs[0]
                 same = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
@@ -305,7 +309,7 @@ class Profiler:
         (the input itself may also feed a skip connection)."""
         def hook(module, inputs):
             x = inputs[0]
-            if not (torch.is_tensor(x) and x.requires_grad):
+            if not (torch.is_tensor(x) and x.requires_grad) or "A" in self._captured[name]:
                 return None
             alias = x.view_as(x)
             alias.register_hook(self._store(name, "dA"))
@@ -327,12 +331,18 @@ class Profiler:
         return cap
 
     def _write(self, name: str, module: nn.Module, cap: dict) -> None:
-        if self.derived and name in self._tied and "dO" in cap:  # this layer's share of the tied gradient
-            cap["dW"] = _golden_weight_grad(cap, hyper_params(module) | {"op": op_of(module)})
+        # A tied weight's .grad, or that of a module called twice, sums several uses: the recorded
+        # call's own share follows from its A and dO.
+        attrs = hyper_params(module) | {"op": op_of(module)}
+        if self.derived and (name in self._tied or name in self._repeated) and "dO" in cap:
+            cap["dW"] = _golden_weight_grad(cap, attrs)
         elif self.derived and module.weight is not None and module.weight.grad is not None:
             cap["dW"] = _as_linear(module, module.weight.grad)
         if self.derived and getattr(module, "bias", None) is not None and module.bias.grad is not None:
-            cap["dB"] = module.bias.grad
+            if name not in self._repeated:
+                cap["dB"] = module.bias.grad
+            elif "dO" in cap:
+                cap["dB"] = _bias_grad(attrs["op"], cap["dO"], attrs)
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
         group.attrs.update(step=self.step, epoch=self.epoch, training=module.training,
                            input_grad=self._input_grad.pop(name, False))
