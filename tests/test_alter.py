@@ -109,6 +109,14 @@ def test_scan_reads_every_numeric_dataset_with_its_layout_and_class(mixed):
     ("updater/model:main/predictor/bn1/gamma", {}, "norm_weight"),
     ("updater/optimizer:main/predictor/conv1/W/msg", {}, "optimizer"),
     ("step", {}, "other"),
+    ("layers/dense_1/vars/0", {}, "weight"),  # Keras 3 .weights.h5: variables by position
+    ("layers/conv2d/vars/1", {}, "bias"),
+    ("layers/batch_normalization/vars/1", {}, "norm_weight"),
+    ("layers/batch_normalization/vars/3", {}, "norm_stats"),
+    ("layers/functional/layers/layer_normalization/vars/0", {}, "norm_weight"),
+    ("layers/embedding/vars/0", {}, "embedding"),
+    ("layers/lstm/cell/vars/1", {}, "other"),  # recurrent kernel: not a kernel/bias pair
+    ("optimizer/vars/3", {}, "optimizer"),
 ])
 def test_location_class(path, attrs, cls):
     assert A.location_class(path, attrs) == cls

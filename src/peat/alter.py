@@ -134,6 +134,8 @@ _STATS = {"running_mean", "running_var", "num_batches_tracked", "moving_mean", "
           "avg_var", "n_averaged"}
 _NORM = re.compile(r"(norm|^bn\d*$|^bn_|_bn\d*$|^ln(_|\d|$)|batch_normalization|layernorm|^gn\d*$)")
 _EMBED = re.compile(r"(embed|^wte$|^wpe$|^tok_embeddings$)")
+# Keras 3 layers by their default names, whose variables 0 and 1 are the kernel and the bias.
+_KERNEL_BIAS = re.compile(r"^(dense|einsum_dense|conv[123]d|conv[123]d_transpose|depthwise_conv[12]d)(_\d+)?$")
 
 
 def _parts(path: str) -> list[str]:
@@ -146,6 +148,8 @@ def location_class(path: str, attrs) -> str:
     parts = _parts(path)
     if any(p.startswith(("optimizer", "optim")) for p in parts):
         return "optimizer"
+    if len(parts) >= 3 and parts[-2] == "vars" and parts[-1].isdigit():
+        return _keras3_class(parts[-3], int(parts[-1]))
     leaf = parts[-1] if parts else ""
     owner = parts[:-1]
     if leaf in _STATS:
@@ -172,6 +176,18 @@ def location_class(path: str, attrs) -> str:
         return "bias"
     if leaf in ("weight", "kernel", "w", "depthwise_kernel", "pointwise_kernel"):
         return "weight"
+    return "other"
+
+
+def _keras3_class(layer: str, index: int) -> str:
+    """Keras 3 ``.weights.h5`` names a layer's variables by position (``layers/<layer>/vars/<i>``),
+    in the order the layer creates them; a layer named otherwise than by default is ``other``."""
+    if _NORM.search(layer):  # gamma, beta, then (batch norm) moving mean and variance
+        return "norm_weight" if index < 2 else "norm_stats"
+    if _EMBED.search(layer):
+        return "embedding"
+    if _KERNEL_BIAS.match(layer) and index < 2:
+        return ("weight", "bias")[index]
     return "other"
 
 
