@@ -135,7 +135,10 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         # Snakemake, and its rerun trains only the epochs after the resume point.
         dest = out_dir / "checkpoints" / saved.name
         dest.unlink(missing_ok=True)
-        os.link(saved, dest)
+        try:
+            os.link(saved, dest)
+        except OSError:  # a file system without hard links
+            shutil.copy2(saved, dest)
     write_csv(out_dir / "metrics.csv", metrics)
     shutil.rmtree(partial, ignore_errors=True)
     return metrics
