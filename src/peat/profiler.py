@@ -335,7 +335,7 @@ class Profiler:
         # call's own share follows from its A and dO.
         attrs = hyper_params(module) | {"op": op_of(module)}
         if self.derived and (name in self._tied or name in self._repeated) and "dO" in cap:
-            cap["dW"] = _golden_weight_grad(cap, attrs)
+            cap["dW"] = _golden("weight_grad", cap, attrs)
         elif self.derived and module.weight is not None and module.weight.grad is not None:
             cap["dW"] = _as_linear(module, module.weight.grad)
         if self.derived and getattr(module, "bias", None) is not None and module.bias.grad is not None:
@@ -383,16 +383,8 @@ def derive_outputs(sample: dict, attrs: dict) -> dict:
     some gradients differently (docs/design.md, "Context file"). dA only where the layer's
     input needed a gradient; dW and dB where the layer has that parameter.
     """
-    from . import kernels
-
-    op = attrs["op"]
-    golden = kernels.golden(op)
-
     def run(computation):
-        args, kwargs = kernels.arguments(op, computation, sample, attrs)
-        # clones: the batch-norm forward updates the running statistics in place
-        kwargs = {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        return golden.computation(computation)(*args, **kwargs)
+        return _golden(computation, sample, attrs)
 
     out = {"O": run("forward")}
     if sample.get("dO") is None:  # frozen, or its output did not reach the loss: no backward to derive
@@ -402,15 +394,18 @@ def derive_outputs(sample: dict, attrs: dict) -> dict:
     if sample.get("W") is not None:
         out["dW"] = run("weight_grad")
     if sample.get("B") is not None:
-        out["dB"] = _bias_grad(op, sample["dO"], attrs)
+        out["dB"] = _bias_grad(attrs["op"], sample["dO"], attrs)
     return out
 
 
-def _golden_weight_grad(sample: dict, attrs: dict) -> torch.Tensor:
+def _golden(computation: str, sample: dict, attrs: dict) -> torch.Tensor:
+    """What the golden kernel computes for ``computation`` of a recorded sample."""
     from . import kernels
 
-    args, kwargs = kernels.arguments(attrs["op"], "weight_grad", sample, attrs)
-    return kernels.golden(attrs["op"]).weight_grad(*args, **kwargs)
+    args, kwargs = kernels.arguments(attrs["op"], computation, sample, attrs)
+    # clones: the batch-norm forward updates the running statistics in place
+    kwargs = {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    return kernels.golden(attrs["op"]).computation(computation)(*args, **kwargs)
 
 
 def _bias_grad(op: str, grad_out: torch.Tensor, attrs: dict) -> torch.Tensor:
