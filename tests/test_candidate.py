@@ -136,6 +136,19 @@ def test_config_cross_checks():
         candidate.check(bad)
 
 
+def test_config_names_models_that_would_silently_get_no_jobs():
+    """A typo in rfi.models, or a kernel listed for a model without its op, ran nothing and said nothing."""
+    config = validate(yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml")
+    bad = copy.deepcopy(config)
+    bad["rfi"]["models"] = ["resnet_18"]
+    with pytest.raises(PeatError, match=r"config key 'rfi\.models': unknown model 'resnet_18'; defined: resnet18, "):
+        candidate.check(bad)
+    bad = copy.deepcopy(config)
+    bad["kernels"]["im2col"]["models"] = ["resnet18", "gpt2"]
+    with pytest.raises(PeatError, match=r"config key 'kernels\.im2col\.models': model 'gpt2' \(gpt2\) has no conv2d layer"):
+        candidate.check(bad)
+
+
 # -- the test workflow -------------------------------------------------------------------------
 def outcome(workdir: Path, *parts) -> dict:
     return json.loads((workdir.joinpath("results", *parts) / "outcome.json").read_text())

@@ -33,11 +33,19 @@ def models_for(config: dict, name: str) -> list[str]:
     """Models a configured kernel applies to: its ``models`` (default all) that contain its op."""
     spec = config["kernels"][name]
     wanted = spec.get("models") or list(config["models"])
-    for model in wanted:
+    _known_models(config, wanted, f"kernels.{name}.models")
+    applies = [m for m in wanted if spec["op"] in ARCH_OPS[config["models"][m]["arch"]]]
+    lacking = [m for m in wanted if m not in applies]
+    if spec.get("models") and lacking:  # named on purpose: such a model would silently get no job
+        raise PeatError(f"config key 'kernels.{name}.models': model {lacking[0]!r} "
+                        f"({config['models'][lacking[0]]['arch']}) has no {spec['op']} layer")
+    return applies
+
+
+def _known_models(config: dict, names, key: str) -> None:
+    for model in names:
         if model not in config["models"]:
-            raise PeatError(f"config key 'kernels.{name}.models': unknown model {model!r}; "
-                            f"defined: {', '.join(config['models'])}")
-    return [m for m in wanted if spec["op"] in ARCH_OPS[config["models"][m]["arch"]]]
+            raise PeatError(f"config key '{key}': unknown model {model!r}; defined: {', '.join(config['models'])}")
 
 
 def rfi_cases(rfi: dict) -> list[str]:
@@ -57,6 +65,7 @@ def check(config: dict) -> None:
         models_for(config, name)
     for spec in config.get("errors", []):
         errors.parse(spec)
+    _known_models(config, config.get("rfi", {}).get("models") or [], "rfi.models")
     for name in config.get("rfi", {}).get("kernels", []):
         if name not in config.get("kernels", {}):
             raise PeatError(f"config key 'rfi.kernels': unknown kernel {name!r}; defined: "
