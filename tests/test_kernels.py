@@ -359,6 +359,34 @@ def test_run_isolated_returns_the_value(context):
     assert outcome.ok and outcome.message == "" and torch.equal(outcome.value, samples[0]["O"])
 
 
+def _value(v):
+    return torch.tensor([v])
+
+
+def _leak_then_return(v):
+    _leak_then_return.kept = torch.ones(2**26)  # 256 MB kept alive in the child
+    return torch.tensor([v])
+
+
+def test_calls_isolated_together_keep_their_own_outcomes():
+    """One child runs the calls in order; a call that kills or hangs it costs the calls after it nothing."""
+    calls = [kernels.Call(_value, (1,)), kernels.Call(_segfault), kernels.Call(_value, (2,)), kernels.Call(_hang),
+             kernels.Call(_value, (3,), expect=torch.zeros(1, dtype=torch.int64)), kernels.Call(_raise),
+             kernels.Call(_value, (4,), expect=torch.zeros(2))]
+    outcomes = kernels.run_isolated_many(calls, timeout=2)
+    assert [o.status for o in outcomes] == ["ok", "crash", "ok", "timeout", "ok", "crash", "shape_mismatch"]
+    assert [int(outcomes[i].value) for i in (0, 2, 4)] == [1, 2, 3]
+    assert "SIGSEGV" in outcomes[1].message and "tile 3" in outcomes[5].message
+    assert outcomes[3].seconds >= 2 and all(o.seconds < 2 for o in outcomes[:3])
+
+
+def test_memory_limit_holds_for_each_call_in_a_shared_child():
+    """What an earlier call keeps does not eat into the next call's allowance."""
+    calls = [kernels.Call(_leak_then_return, (1,)), kernels.Call(_huge), kernels.Call(_leak_then_return, (2,))]
+    outcomes = kernels.run_isolated_many(calls, timeout=10, memory_mb=300)
+    assert [o.status for o in outcomes] == ["ok", "oom", "ok"]
+
+
 @pytest.mark.parametrize("func, status, message", [
     (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 1 s"),
     (_wrong_shape, "shape_mismatch", "returned (6, 47)")])

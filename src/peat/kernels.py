@@ -352,22 +352,25 @@ class Outcome:
         return {"status": self.status, "message": self.message, "seconds": self.seconds}
 
 
-def _child(conn, func, args, kwargs, memory_mb):
+def _child(conn, calls, memory_mb):
     import resource
 
     torch.set_num_threads(1)
-    if memory_mb:
-        # The forked child already maps what the parent mapped: allow that much more.
-        limit = _address_space() + memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    try:
-        value = func(*args, **kwargs)
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        payload = ("ok", buf.getvalue())
-    except BaseException as err:  # anything the kernel raises is its outcome
-        payload = _failure(err)
-    conn.send(payload)
+    for func, args, kwargs in calls:
+        if memory_mb:
+            # The forked child already maps what the parent mapped: allow that much more, per call
+            # (only the soft limit, so that the next call can move it).
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            limit = _address_space() + memory_mb * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+        try:
+            value = func(*args, **kwargs)
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            payload = ("ok", buf.getvalue())
+        except BaseException as err:  # anything the kernel raises is its outcome
+            payload = _failure(err)
+        conn.send(payload)
     conn.close()
 
 
@@ -387,6 +390,16 @@ def _address_space() -> int:
     return 0
 
 
+@dataclass
+class Call:
+    """One call for ``run_isolated_many``: ``func(*args, **kwargs)``, its result checked against ``expect``."""
+
+    func: Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    expect: torch.Tensor | None = None
+
+
 def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | None = None,
                  expect: torch.Tensor | None = None, **kwargs) -> Outcome:
     """Call ``func(*args, **kwargs)`` in a forked child, so a crash, hang or leak cannot take us down.
@@ -396,30 +409,71 @@ def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | 
     CUDA cannot be used in a child forked after CUDA started, so then the call runs in this
     process, with the timeout as an alarm (a hang inside native code or a segfault is not caught).
     """
+    return run_isolated_many([Call(func, args, kwargs, expect)], timeout=timeout, memory_mb=memory_mb)[0]
+
+
+def run_isolated_many(calls: list[Call], *, timeout: float = 60.0, memory_mb: int | None = None) -> list[Outcome]:
+    """``run_isolated`` for several calls, in order, in as few children as they allow.
+
+    Forking a process that holds a model and its context, and tearing the child down, costs
+    tens of milliseconds: more than most kernel calls. So one child runs the calls one after
+    the other; a call that kills or hangs it ends it, and the calls after it go to a fresh one.
+    ``timeout`` and ``memory_mb`` hold for each call.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [_run_inline(c.func, c.args, c.kwargs, timeout, c.expect) for c in calls]
+    outcomes: list[Outcome] = []
+    while len(outcomes) < len(calls):
+        outcomes += _run_in_child(calls[len(outcomes):], timeout, memory_mb)
+    return outcomes
+
+
+def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> list[Outcome]:
+    """Outcomes of ``calls`` run by one child, up to the first that kills or hangs it."""
     import multiprocessing as mp
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return _run_inline(func, args, kwargs, timeout, expect)
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     start = time.perf_counter()
-    proc = ctx.Process(target=_child, args=(child, func, args, kwargs, memory_mb), daemon=True)
+    proc = ctx.Process(target=_child, args=(child, [(c.func, c.args, c.kwargs) for c in calls], memory_mb),
+                       daemon=True)
     proc.start()
     child.close()
+    outcomes, whole = [], False
     try:
-        got = parent.poll(timeout)
-        payload = parent.recv() if got else None
-    except (EOFError, OSError):
-        payload = None
-        got = True
-    seconds = time.perf_counter() - start
-    if not got:
-        proc.kill()
+        for call in calls:
+            payload, status = _receive(parent, timeout)
+            seconds, start = time.perf_counter() - start, time.perf_counter()
+            if status == "timeout":
+                outcomes.append(Outcome("timeout", f"no result after {timeout:g} s (killed)", seconds=seconds))
+                break
+            if payload is None:  # the child died inside this call: its exit code says how
+                proc.join(timeout)
+                whole = not proc.is_alive()
+                outcomes.append(_died(proc.exitcode, seconds))
+                break
+            outcomes.append(_read_back(payload, call.expect, seconds))
+        else:
+            whole = True
+    finally:
+        if not whole:
+            proc.kill()
         proc.join()
-        return Outcome("timeout", f"no result after {timeout:g} s (killed)", seconds=seconds)
-    proc.join()
-    if payload is None:
-        return _died(proc.exitcode, seconds)
+        parent.close()
+    return outcomes
+
+
+def _receive(conn, timeout: float) -> tuple[object, str]:
+    """The child's next payload (None: it died), and "timeout" when none came in time."""
+    try:
+        if not conn.poll(timeout):
+            return None, "timeout"
+        return conn.recv(), "ok"
+    except (EOFError, OSError):
+        return None, "died"
+
+
+def _read_back(payload: tuple, expect, seconds: float) -> Outcome:
     status, body = payload
     if status != "ok":
         return Outcome(status, body, seconds=seconds)

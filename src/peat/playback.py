@@ -196,23 +196,16 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     op = plan.kernel.op
     key = f"kernels.{plan.meta.get('kernel', plan.kernel.name)}.layers"
     layers = target_layers(plan.context, info["ops"], op, plan.layers, key)
-    rows, outcomes = [], []
+    probed = probe(plan, timer, layers)
+    rows = []
     for layer in layers:
-        with timer("io"):  # only the steps replayed are read; golden is computed below anyway, so not derived here
-            attrs, samples = read_layer(plan.context, layer,
-                                        subsample(recorded_steps(plan.context, layer), plan.max_samples),
-                                        derive=False)
-        # A step at which the layer did not run (a conditional branch, an idle expert) holds its weights only.
-        samples = [_to(s, plan.device) for s in samples if s.get("A") is not None]
+        attrs, samples = _samples(plan, timer, layer)
         for computation in plan.computations:
-            usable = [s for s in samples if kernels.applies(computation, s)]
-            if not usable:
-                continue
-            outcome = probe(plan, computation, usable[0], attrs)
-            outcomes.append({"layer": layer, "computation": computation, **outcome.record()})
-            if not outcome.ok:
-                continue
-            rows += _replay_layer(plan, timer, layer, computation, usable, attrs)
+            if (layer, computation) in probed and probed[layer, computation].ok:
+                usable = [s for s in samples if kernels.applies(computation, s)]
+                rows += _replay_layer(plan, timer, layer, computation, usable, attrs)
+    outcomes = [{"layer": layer, "computation": computation, **outcome.record()}
+                for (layer, computation), outcome in probed.items()]
     table = pd.DataFrame(rows)
     sidecar = {"context": str(plan.context), "context_attrs": _jsonable(info["attrs"]), "layers": layers,
                "errors": plan.errors, "max_samples": plan.max_samples, "outcomes": outcomes,
@@ -224,13 +217,35 @@ def _to(sample: dict, device: torch.device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in sample.items()}
 
 
-def probe(plan: Plan, computation: str, sample: dict, attrs: dict) -> kernels.Outcome:
-    """Run the kernel's own computation once in a child process: a crash or hang is an outcome."""
-    if computation not in plan.kernel.custom:
-        return kernels.Outcome("ok", "golden fallback")
-    expect = kernels.expected(computation, sample, attrs)
-    return kernels.run_isolated(kernels.call, plan.kernel, computation, sample, attrs, timeout=plan.timeout,
-                                memory_mb=plan.memory_mb, expect=expect)
+def _samples(plan: Plan, timer: Timer, layer: str) -> tuple[dict, list[dict]]:
+    """The layer's attributes and the samples replayed (on the plan's device)."""
+    with timer("io"):  # only the steps replayed are read; golden is computed below anyway, so not derived here
+        attrs, samples = read_layer(plan.context, layer, subsample(recorded_steps(plan.context, layer), plan.max_samples),
+                                    derive=False)
+    # A step at which the layer did not run (a conditional branch, an idle expert) holds its weights only.
+    return attrs, [_to(s, plan.device) for s in samples if s.get("A") is not None]
+
+
+def probe(plan: Plan, timer: Timer, layers: list[str]) -> dict[tuple[str, str], kernels.Outcome]:
+    """The outcome of each (layer, computation) that has a sample to replay: the kernel's own
+    computation on its first such sample, run in a child process, so that a crash or hang is
+    an outcome. All of them run in one child (``kernels.run_isolated_many``), and only the
+    first samples are held meanwhile."""
+    first = {}
+    for layer in layers:
+        attrs, samples = _samples(plan, timer, layer)
+        for computation in plan.computations:
+            sample = next((s for s in samples if kernels.applies(computation, s)), None)
+            if sample is not None:
+                first[layer, computation] = (sample, attrs)
+    outcomes = {key: kernels.Outcome("ok", "golden fallback") for key in first}
+    own = [key for key in first if key[1] in plan.kernel.custom]
+    with timer("probe"):
+        calls = [kernels.Call(kernels.call, (plan.kernel, computation, *first[layer, computation]),
+                              expect=kernels.expected(computation, *first[layer, computation]))
+                 for layer, computation in own]
+        isolated = kernels.run_isolated_many(calls, timeout=plan.timeout, memory_mb=plan.memory_mb)
+    return outcomes | dict(zip(own, isolated))
 
 
 def _overall(outcomes: list[dict]) -> dict:

@@ -170,9 +170,11 @@ class Propagator:
         step = int(sample["step"])
         if not self.wanted(layer, step, self._steps(layer)):
             return []
+        timed = (lambda category: timer(category)) if timer is not None else (lambda category: nullcontext())
         attrs, _ = read_layer(self.context, layer, [])  # the layer's attributes alone
         nxt = self.order[self.order.index(layer) + 1] if self.order.index(layer) + 1 < len(self.order) else None
-        model, model64 = self.models_at(step)
+        with timed("rebuild"):
+            model, model64 = self.models_at(step)
         x, y = self.batch(step, int(sample["epoch"]))
         prefix = Prefix(model, layer)
         gold = self.observe(model, layer, nxt, x, y, prefix=prefix)
@@ -180,7 +182,6 @@ class Propagator:
                              prefix=prefix.on(model64, torch.float64))
         recorded = sample["A"].cpu()
         recon = float((gold["A"].cpu() - recorded).abs().max() / recorded.abs().max().clamp_min(1e-30))
-        timed = (lambda category: timer(category)) if timer is not None else (lambda category: nullcontext())
 
         def call(kernel, live, a):
             with timed("kernel"):
