@@ -143,20 +143,18 @@ class Propagator:
                 return self.observe(model, layer, nxt, x, y, replace)
         seen, modules = {}, dict(model.named_modules())
 
-        def at_layer(module, inputs, output):
+        def at_layer(module, inputs):
             seen["A"] = inputs[0].detach()
-            if replace is not None:
-                return replace(inputs[0].detach()).to(output.dtype)
 
         def at_next(module, inputs, output):
             seen["next"] = (output if torch.is_tensor(output) else output[0]).detach()
 
-        hooks = [modules[layer].register_forward_hook(at_layer)]
+        hooks = [modules[layer].register_forward_pre_hook(at_layer)]
         if nxt is not None:
             hooks.append(modules[nxt].register_forward_hook(at_next))
         try:
             torch.manual_seed(self.seed)  # the same dropout masks in every run
-            with torch.no_grad():
+            with torch.no_grad(), _computed_by(modules[layer], replace):
                 loss, _ = loss_and_metrics(model, self.dataset.kind, x, y)
         finally:
             for h in hooks:
@@ -221,6 +219,24 @@ class Propagator:
         return [{**base, "fop": fop, "tensor": tensor, "case": case,
                  **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)}
                 for case, seen in runs.items()]
+
+
+@contextmanager
+def _computed_by(module: torch.nn.Module, replace):
+    """``module`` computing its output as ``replace(input)`` (when given) instead of its own
+    forward: a candidate's output replaces golden's, which need not be computed first."""
+    if replace is None:
+        yield
+        return
+    own = module.__dict__.get("forward")
+    module.forward = lambda x, *args, **kwargs: replace(x.detach()).to(x.dtype)
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def _observing_point(point: str, nxt) -> tuple[str, str]:
