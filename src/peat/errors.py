@@ -161,11 +161,15 @@ def _flat_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_stats(t: torch.Tensor) -> tuple[float, float]:
-    finite = t.detach().double()[torch.isfinite(t)]
+    finite = t.detach().double().reshape(-1)
+    mean = float(finite.mean()) if finite.numel() else math.nan
+    if not math.isfinite(mean):  # float32 values cannot overflow a float64 sum: some are NaN or inf
+        finite = finite[torch.isfinite(finite)]
+        mean = float(finite.mean()) if finite.numel() else math.nan
     if finite.numel() == 0:
         return 0.0, 1.0
     std = float(finite.std()) if finite.numel() > 1 else 0.0
-    return float(finite.mean()), std if std > 0 else 1.0
+    return mean, std if std > 0 else 1.0
 
 
 def _bit_range(model: ErrorModel) -> tuple[int, int]:
