@@ -371,6 +371,7 @@ def test_timer_categories_are_exclusive(monkeypatch):
             pass
     t = timer.record()
     assert (t["kernel_s"], t["propagate_s"], t["wall_s"]) == (4.0, 3.0, 20.0)
+    assert (t["kernel_fraction"], t["compute_fraction"]) == (0.2, 0.35)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["c-loop", "numpy"])

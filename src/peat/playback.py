@@ -42,7 +42,10 @@ class Timer:
     """Wall time per category; ``kernel`` is time inside kernel calls only.
 
     Categories are exclusive: time in a nested category (the kernel calls made while
-    propagating, say) counts there and not in the enclosing one.
+    propagating, say) counts there and not in the enclosing one. ``kernel_fraction`` is the
+    share of the kernel calls in the wall time; ``compute_fraction`` adds the forward passes of
+    the rest of the network that carry a fault to the later observing points (``propagate``),
+    leaving out only reading, probing, rebuilding and scoring.
     """
 
     def __init__(self):
@@ -64,8 +67,10 @@ class Timer:
 
     def record(self) -> dict:
         wall = time.perf_counter() - self.start
+        share = (lambda seconds: seconds / wall if wall else 0.0)
         return {"wall_s": wall, **{f"{k}_s": v for k, v in sorted(self.seconds.items())},
-                "kernel_fraction": self.seconds["kernel"] / wall if wall else 0.0}
+                "kernel_fraction": share(self.seconds["kernel"]),
+                "compute_fraction": share(self.seconds["kernel"] + self.seconds["propagate"])}
 
 
 @dataclass
