@@ -121,7 +121,9 @@ def playback_efficiency(settings) -> Result:
                   Goal(">=", 0.5, ">= 0.5"), samples=[t["kernel_s"] / t["wall_s"] for t in r["timings"]],
                   # The concern in its own words: reading the context and scoring must not dominate.
                   details={"timings": r["timings"], "reading_and_scoring_over_kernel": [
-                      (t.get("io_s", 0.0) + t.get("score_s", 0.0)) / t["kernel_s"] for t in r["timings"]]})
+                      (t.get("io_s", 0.0) + t.get("score_s", 0.0)) / t["kernel_s"] for t in r["timings"]],
+                      # The kernel calls plus the network's own forward passes to the later observing points.
+                      "compute_fraction": [t["compute_fraction"] for t in r["timings"]]})
 
 
 # -- SDC checks -----------------------------------------------------------------------------------
