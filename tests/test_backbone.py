@@ -55,6 +55,8 @@ BAD_CONFIGS = [
     (lambda c: c["datasets"].update(cifar={"source": "cifar10", "path": "/no/such/dir"}),
      "datasets.cifar.path", "/no/such/dir does not exist"),
     (lambda c: c["models"]["resnet18_parity"].update(init_from="ghost"), "models.resnet18_parity.init_from", "unknown model"),
+    (lambda c: c["models"]["resnet18_parity"].update(init_from="gpt2"), "models.resnet18_parity.init_from",
+     "'gpt2' is a gpt2, not a resnet18"),
     (lambda c: c["models"]["resnet18"].update(checkpoint_epochs=[1, 3]), "models.resnet18.checkpoint_epochs",
      "epoch 3 is past the last epoch (2)"),
     (lambda c: c["models"]["resnet18"]["record"].update(epochs=[5]), "models.resnet18.record.epochs", "epoch 5 is past"),

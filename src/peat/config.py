@@ -76,6 +76,10 @@ def _cross_check(config: dict) -> None:
             raise PeatError(f"config key 'models.{name}.init_from': unknown model {base!r}; defined: {', '.join(models)}")
         if base == name:
             raise PeatError(f"config key 'models.{name}.init_from': a model cannot start from itself")
+        if base is not None and models[base]["arch"] != model["arch"]:
+            # Its checkpoint would not load: the job would fail only after the base model's training.
+            raise PeatError(f"config key 'models.{name}.init_from': {base!r} is a {models[base]['arch']}, "
+                            f"not a {model['arch']}")
         _check_schedule(name, model)
     ref = config.get("reference_vendor", "cpu")
     if ref not in config["vendors"]:
