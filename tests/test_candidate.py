@@ -117,6 +117,22 @@ def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
     assert record["status"] == "crash" and record["nonfinite_loss"] is False
 
 
+def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):
+    """Under RFI the per-call error score ran before the router's shape check: a result of another
+    shape was a broadcasting 'crash' instead of a shape_mismatch."""
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
+                  "perplexity": [float("nan")], "wall_time": [0.0]}).to_csv(golden / "metrics.csv", index=False)
+    path = tmp_path / "narrow.py"
+    path.write_text("def forward(x, weight, bias):\n    return x[:, :3]\n")
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
+    record = candidate.train_candidate("resnet18", spec, "narrow", {"op": "linear", "impl": str(path), "layers": ["fc"]},
+                                       digits, golden, tmp_path / "out", seed=0, schedule="f0.5")
+    assert record["status"] == "shape_mismatch", record["message"]
+    assert "forward returned (32, 3) torch.float32, expected (32, 10)" in record["message"]
+
+
 def test_config_cross_checks():
     config = validate(yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml")
     assert candidate.models_for(config, "im2col") == ["resnet18"]
