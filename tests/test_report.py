@@ -159,6 +159,19 @@ def test_upstream_change_regenerates_report_not_golden(workflow_run):
 
 
 @pytest.mark.xdist_group("workflow")
+def test_report_dpi_sets_every_figure_of_the_page(workflow_run, tmp_path):
+    """report.dpi reached the golden and candidate figures only: the Analyzer's and the alteration
+    heatmap (most of the page) kept their fixed resolution."""
+    config = yaml.safe_load((REPO / "config/test.yaml").read_text())
+    config["report"] = {"dpi": config.get("report", {}).get("dpi", 80) + 20}
+    path = tmp_path / "dpi.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))  # same key order: params compare as text
+    plan = _planned_jobs(snakemake(workflow_run, "-n", "--rerun-triggers", "params", configfile=path).stdout)
+    assert {"golden_curves", "analyze", "alter_summary", "collate_report"} <= plan, plan
+    assert not plan & {"golden_train", "playback", "alter_cells"}, plan
+
+
+@pytest.mark.xdist_group("workflow")
 def test_snakemake_report(workflow_run):
     out = workflow_run / REPORT / "snakemake-report.html"
     snakemake(workflow_run, "--report", str(out))

@@ -149,13 +149,14 @@ def absorbed(table: pd.DataFrame, max_loss_pct: float) -> pd.DataFrame:
                                        "runs", "absorbed_runs", "diverged_runs"]).astype({"first_harmful_flips": "Int64"})
 
 
-def summarize(parts: list[str | Path], sensitivity_csv, absorbed_csv, heatmap_png, max_loss_pct: float) -> None:
+def summarize(parts: list[str | Path], sensitivity_csv, absorbed_csv, heatmap_png, max_loss_pct: float, *,
+              dpi: int = 110) -> None:
     table = collect(parts, sensitivity_csv)
     write_csv(absorbed_csv, absorbed(table, max_loss_pct))
-    heatmap(table, heatmap_png)
+    heatmap(table, heatmap_png, dpi)
 
 
-def heatmap(table: pd.DataFrame, out_png: str | Path) -> None:
+def heatmap(table: pd.DataFrame, out_png: str | Path, dpi: int = 110) -> None:
     """Mean loss of final accuracy (%) per class x region, one panel per number of flips; † = diverged."""
     import matplotlib
 
@@ -171,7 +172,7 @@ def heatmap(table: pd.DataFrame, out_png: str | Path) -> None:
         ax.axis("off")
         ax.text(0.5, 0.5, "no applicable cells (see sensitivity.csv, column reason)", ha="center", va="center")
         with atomic_path(out_png) as tmp:
-            fig.savefig(tmp, dpi=110, format="png", metadata={"Software": None})
+            fig.savefig(tmp, dpi=dpi, format="png", metadata={"Software": None})
         plt.close(fig)
         return
     counts = sorted(ok["flips"].unique())
@@ -198,5 +199,5 @@ def heatmap(table: pd.DataFrame, out_png: str | Path) -> None:
                  "(mean over seeds and altered epochs; † = a run diverged)", fontsize=10)
     fig.tight_layout()
     with atomic_path(out_png) as tmp:
-        fig.savefig(tmp, dpi=110, format="png", metadata={"Software": None})
+        fig.savefig(tmp, dpi=dpi, format="png", metadata={"Software": None})
     plt.close(fig)

@@ -229,6 +229,6 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
     return summary
 
 
-def run_job(table_path: str | Path, context: str | Path, out: str | Path) -> dict:
+def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: int = 80) -> dict:
     """One workflow job: tables and figures of one kernel's playback table."""
-    return analyze(pd.read_parquet(table_path), context, out)
+    return analyze(pd.read_parquet(table_path), context, out, dpi)

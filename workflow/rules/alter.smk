@@ -61,5 +61,6 @@ rule alter_summary:
         **CPU_RESOURCES,
     params:
         max_loss_pct=ALTER["absorbed_loss_pct"],
+        dpi=config["report"]["dpi"],
     script:
         "../scripts/alter_summary.py"

@@ -74,6 +74,8 @@ rule analyze:
         "../../envs/peat.yaml"
     resources:
         **CPU_RESOURCES,
+    params:
+        dpi=config["report"]["dpi"],
     script:
         "../scripts/analyze.py"
 

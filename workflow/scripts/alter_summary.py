@@ -10,4 +10,5 @@ summarize(
     snakemake.output.absorbed,
     snakemake.output.heatmap,
     snakemake.params.max_loss_pct,
+    dpi=snakemake.params.dpi,
 )
