@@ -159,6 +159,25 @@ def test_upstream_change_regenerates_report_not_golden(workflow_run):
 
 
 @pytest.mark.xdist_group("workflow")
+def test_missing_intermediate_outputs_are_redone(workflow_run):
+    """A playback or alteration job that failed or was killed leaves no outputs (Snakemake removes
+    them). Nothing redid them: the next run succeeded and the report kept the verdict of the kernel
+    as it was before the edit. Moved aside and back (os.replace keeps the mtime), nothing is run."""
+    for pattern, job in (("playback/*/*/*.parquet", "playback"), ("alter/*/*/cells/*/*.csv", "alter_cells")):
+        found = sorted((workflow_run / "results").glob(pattern))
+        if not found:
+            continue
+        aside = found[0].with_name(found[0].name + ".aside")
+        os.replace(found[0], aside)
+        try:
+            plan = _planned_jobs(snakemake(workflow_run, "-n").stdout)
+        finally:
+            os.replace(aside, found[0])
+        assert {job, "collate_report"} <= plan, plan
+        assert "golden_train" not in plan, plan
+
+
+@pytest.mark.xdist_group("workflow")
 def test_report_dpi_sets_every_figure_of_the_page(workflow_run, tmp_path):
     """report.dpi reached the golden and candidate figures only: the Analyzer's and the alteration
     heatmap (most of the page) kept their fixed resolution."""

@@ -216,7 +216,10 @@ onstart:
             sys.exit(f"peat: {err}")
 
 
-# --- Targets of each stage; `all` and the report take their union.
+# --- Targets of each stage; `all` and the report take their union. Intermediate outputs that
+# feed a summary (playback tables, alteration cells) are targets too: Snakemake does not redo a
+# missing intermediate whose consumers are up to date, so a playback that failed or was killed
+# after a kernel edit left the old kernel's verdict in the report, and the next run succeeded.
 def golden_targets():
     return expand(
         golden("{model}", "{vendor}", "{name}"),
@@ -260,6 +263,8 @@ def playback_targets():
         for model in models_for(config, kernel)
         for vendor in VENDORS
         for path in [
+            playback_path(model, vendor, kernel, "parquet"),
+            playback_path(model, vendor, kernel, "json"),
             f"results/detect/{model}/{vendor}/{kernel}.json",
             *[
                 analyze_path(model, vendor, kernel, name)
@@ -274,7 +279,16 @@ def alter_targets():
         alter_path("{model}", "{vendor}", "{name}"),
         model=ALTER["models"],
         vendor=VENDORS,
-        name=["sensitivity.csv", "absorbed.csv", "heatmap.png"],
+        name=[
+            "sensitivity.csv",
+            "absorbed.csv",
+            "heatmap.png",
+            *expand(
+                "cells/epoch{epoch}/{cls}.csv",
+                epoch=ALTER["epochs"],
+                cls=ALTER["classes"],
+            ),
+        ],
     )
 
 
