@@ -75,6 +75,18 @@ def test_invalid_config_stops_before_any_job_with_one_line(tmp_path, mutate, key
     assert not (tmp_path / "results").exists()
 
 
+def test_reordered_config_keys_rerun_nothing(tmp_path):
+    """Snakemake compares params as text: the same dataset spec with its keys in another order
+    (or a default written out) reran data preparation, golden training and everything after it."""
+    target = "results/data/digits.h5"
+    snakemake(tmp_path, target)
+    reordered = tmp_path / "reordered.yaml"
+    reordered.write_text(TEST_CONFIG.read_text().replace(
+        "digits: {source: digits, image_size: 32, val_fraction: 0.2}",
+        "digits: {val_fraction: 0.2, seed: 0, image_size: 32, source: digits}"))
+    assert "Nothing to be done" in snakemake(tmp_path, "-n", target, configfile=reordered).stdout
+
+
 # -- data ----------------------------------------------------------------------------------
 
 def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):

@@ -31,6 +31,24 @@ try:
 except PeatError as err:
     sys.exit(f"peat: {err}")
 
+
+def _sorted_keys(value):
+    if isinstance(value, dict):
+        return {key: _sorted_keys(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(item) for item in value]
+    return value
+
+
+# Snakemake compares params as text: without one key order, a reordered or reformatted config
+# (or a default written out) would rerun every job, golden training included. The order of the
+# models, datasets and kernels themselves is kept: it is the order of the report.
+for section, value in config.items():
+    if section in ("datasets", "models", "kernels"):
+        config[section] = {name: _sorted_keys(spec) for name, spec in value.items()}
+    elif isinstance(value, dict):
+        config[section] = _sorted_keys(value)
+
 MODELS = list(config["models"])
 VENDORS = config["vendors"]
 KERNELS = config["kernels"]
