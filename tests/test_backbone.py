@@ -87,6 +87,20 @@ def test_reordered_config_keys_rerun_nothing(tmp_path):
     assert "Nothing to be done" in snakemake(tmp_path, "-n", target, configfile=reordered).stdout
 
 
+def test_model_and_dataset_names_with_regex_characters(tmp_path):
+    """Names went into the wildcard constraints as regular expressions: a model "gpt2+ln" or a
+    dataset "py+doc" matched no path and the dry run died with MissingInputException."""
+    def rename(cfg):
+        cfg["datasets"]["py+doc"] = cfg["datasets"].pop("pydoc")
+        cfg["models"]["gpt2+ln"] = cfg["models"].pop("gpt2") | {"dataset": "py+doc"}
+        for spec in cfg["kernels"].values():
+            spec["models"] = [{"gpt2": "gpt2+ln"}.get(m, m) for m in spec.get("models") or []] or None
+        for section in ("alter", "sdc"):
+            cfg[section]["models"] = ["gpt2+ln"]
+    dry = snakemake(tmp_path, "-n", configfile=write_config(tmp_path, rename)).stdout
+    assert "results/golden/gpt2+ln/cpu/context.h5" in dry and "results/data/py+doc.h5" in dry
+
+
 # -- data ----------------------------------------------------------------------------------
 
 def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):

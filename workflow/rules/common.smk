@@ -1,6 +1,7 @@
 # Helpers shared by all stages (config validation, paths, inputs and target lists), so that
 # the stage files (data, golden, kernels, ...) hold only rules.
 import os
+import re
 import sys
 
 import peat.alter
@@ -68,10 +69,11 @@ ANALYZE_FIGURES = {
 }
 
 
+# Model and dataset names are the user's: escaped, a name such as "gpt2+ln" matches itself.
 wildcard_constraints:
-    model="|".join(MODELS),
+    model="|".join(map(re.escape, MODELS)),
     vendor="|".join(VENDORS),
-    dataset="|".join(config["datasets"]),
+    dataset="|".join(map(re.escape, config["datasets"])),
     kernel="|".join(KERNELS) or "no-kernel-configured",
     case=r"f[0-9.]+|every[0-9]+",
     epoch=r"\d+",
