@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -488,3 +489,94 @@ def test_allclose_settled_from_the_scores_equals_torch_allclose():
         env_g = env if gold is golden else evidence.envelopes(gold, gold.double(), {p: gold for p in evidence.PRECISIONS})
         row = playback.score_row(cand, gold, gold.double(), env_g, detect.Rules())
         assert row["allclose"] == evidence.allclose(cand, gold), (cand.flatten()[:3], row["err_max"])
+
+
+def _score_cases():
+    """(candidate, golden) pairs that reach every branch of the scores: dense rounding noise with
+    exact elements, sparse and gross faults, NaN/inf on either side, a 4-d tensor (strided
+    matrix view), a single column (numpy adds it pairwise), a tall matrix (downsampled rows)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for golden in (torch.randn(6, 20, 5, 7, generator=g), torch.randn(1000, 3, generator=g) * 1e3,
+                   torch.randn(700, 1, generator=g), torch.randn(37, generator=g)):
+        noise = golden * (1 + 3e-7 * torch.randn(golden.shape, generator=g))
+        noise.view(-1)[::3] = golden.view(-1)[::3]  # exact elements: zero errors among the rest
+        sparse = golden.clone()
+        sparse.view(-1)[[1, 7, 8]] = torch.tensor([0.0, 1e4, -3.0])
+        nan = noise.clone()
+        nan.view(-1)[[2, 4]] = torch.tensor([math.nan, math.inf])
+        own = golden.clone()
+        own.view(-1)[[0, 5]] = torch.tensor([math.nan, -math.inf])
+        out += [(golden.clone(), golden), (noise, golden), (sparse, golden), (nan, golden), (own.clone(), own),
+                (noise, own)]
+    return out
+
+
+def test_compiled_scores_equal_numpys_bit_for_bit(monkeypatch):
+    """The C loops behind score_row (tensor_stats.compare, beyond, column_sums, class_maxima,
+    squared_deviations) give every column exactly as the numpy code does."""
+    from peat import evidence, scores, tensor_stats
+
+    if not tensor_stats.compiled():
+        pytest.skip("no C compiler here")
+
+    def rows():
+        out = []
+        for cand, golden in _score_cases():
+            gold = scores.Golden.of(golden)
+            ref = golden.double() + 1e-9
+            rounded = {p: golden * (1 + 10.0 ** -k) for k, p in enumerate(evidence.PRECISIONS, start=2)}
+            env = evidence.envelopes(golden, ref, rounded, gold=gold)
+            out.append(playback.score_row(cand, golden, ref, env, detect.Rules(), gold=gold))
+        return out
+
+    compiled = rows()
+    monkeypatch.setattr(tensor_stats, "_LIB", [None])
+    for got, want in zip(compiled, rows()):
+        assert list(got) == list(want)
+        for key, value in want.items():
+            if isinstance(value, np.ndarray):
+                assert value.dtype == got[key].dtype and np.array_equal(value, got[key], equal_nan=True), key
+            else:
+                same = value == got[key] or value != value and got[key] != got[key]  # NaN is NaN
+                assert type(value) is type(got[key]) and same, key
+
+
+def test_allclose_in_numpy_equals_torch_at_the_tolerance_edge():
+    """evidence.allclose against a finite golden's cached bound is torch.allclose, also one
+    float32 step either side of the tolerance."""
+    from peat import evidence, scores
+
+    g = torch.Generator().manual_seed(6)
+    for scale in (1e-30, 1e-6, 1.0, 1e6, 1e30):
+        golden = torch.randn(4000, generator=g) * scale
+        golden[::5] = 0.0
+        gold = scores.Golden.of(golden)
+        bound = torch.from_numpy(gold.close_bound)
+        for edge in (golden + bound, golden - bound):
+            for cand in (edge, torch.nextafter(edge, edge + edge.sign() * math.inf + (edge == 0) * math.inf),
+                         torch.nextafter(edge, golden), golden + bound * 1.5 * torch.rand(golden.shape, generator=g)):
+                single = torch.where(torch.arange(golden.numel()) == 17, cand, golden)
+                for c in (cand, single):
+                    assert evidence.allclose(c, golden, gold) == bool(torch.allclose(c, golden))
+        nan = golden.clone()
+        nan[3] = math.nan
+        assert not evidence.allclose(nan, golden, gold) and not torch.allclose(nan, golden)
+
+
+def test_isolated_elements_bound_the_components_from_below():
+    """tensor_stats.isolated counts set elements without a set 8-neighbour (what lets _blocks
+    skip labelling a scattered S), edges and single rows or columns included."""
+    from scipy import ndimage
+
+    from peat import tensor_stats
+
+    if not tensor_stats.compiled():
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(0)
+    for rows, cols in [(1, 1), (1, 9), (9, 1), (2, 2), (17, 33), (40, 3)]:
+        for density in (0.05, 0.3, 0.9):
+            mask = rng.random((rows, cols)) < density
+            around = ndimage.convolve(mask.astype(np.int16), np.ones((3, 3), np.int16), mode="constant")
+            assert tensor_stats.isolated(mask) == np.count_nonzero(mask & (around == 1))
+            assert tensor_stats.isolated(mask) <= ndimage.label(mask, structure=np.ones((3, 3)))[1]

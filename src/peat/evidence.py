@@ -3,14 +3,16 @@ wrong elements and their shapes, all in the matrix view of ``peat.scores.as_matr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import torch
 from scipy import ndimage
 
+from . import tensor_stats
 from .detect import Rules, shape_class
-from .scores import QUIET, Golden, abs_error, as_matrix, per_tile
+from .scores import QUIET, Golden, abs_error, as_matrix, masked, per_tile
 
 PRECISIONS = ("fp16", "bf16", "tf32")
 EPS32 = 2.0 ** -23
@@ -43,27 +45,27 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     ref = as_matrix(reference)
     absmax = max(abs(gold.lo), abs(gold.hi)) if math.isfinite(gold.lo) else 0.0
     noise32 = _finite_max(_distance(gold.matrix, ref))
-    diffs = {p: _distance(as_matrix(t), ref) for p, t in rounded.items()}
-    rp = {p: _finite_max(d) for p, d in diffs.items()}
+    views = {p: as_matrix(t) for p, t in rounded.items()}  # an NCHW tensor's is a copy: made once
+    diffs = {p: _distance(m, ref) for p, m in views.items()}
+    tops = {p: float(d.max(initial=0.0)) for p, d in diffs.items()}  # NaN or inf where a difference is
+    rp = {p: top if math.isfinite(top) else _finite_max(diffs[p]) for p, top in tops.items()}
     tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
     taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
     if diffs and gold.matrix.size:
-        worst = np.maximum.reduce([np.nan_to_num(d, nan=0.0, posinf=0.0) for d in diffs.values()])
+        # NaN and inf count as 0; a difference without them is used as it is, not copied.
+        worst = functools.reduce(np.maximum, [d if math.isfinite(tops[p]) else np.nan_to_num(d, nan=0.0, posinf=0.0)
+                                              for p, d in diffs.items()])
         env.local = np.maximum(rules.krp * tile_max(worst, rules.tile), tau32)
-        moved = {p: abs_error(t, golden, gold) for p, t in rounded.items()}
-        env.footprints = {p: _footprint(d > tau32 / rules.band, d > tau32 * rules.band) for p, d in moved.items()}
+        env.footprints = {p: _beyond(abs_error(m, golden, gold), tau32 / rules.band, tau32 * rules.band)[:4]
+                          for p, m in views.items()}
     return env
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     d = np.subtract(a, b, dtype=np.float64)  # inf - inf: NaN, which _finite_max and the envelopes skip
     return np.abs(d, out=d)
-
-
-def _footprint(may: np.ndarray, must: np.ndarray) -> tuple:
-    return may, must, int(np.count_nonzero(may)), int(np.count_nonzero(must))
 
 
 def tile_max(m: np.ndarray, tile: int) -> np.ndarray:
@@ -98,14 +100,15 @@ def _finite_max(t: np.ndarray) -> float:
 
 @QUIET
 def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Rules = Rules(),
-             diff: np.ndarray | None = None, nonfinite: int | None = None, gold: Golden | None = None) -> dict:
+             diff: np.ndarray | None = None, nonfinite: int | None = None, gold: Golden | None = None,
+             top: float | None = None) -> dict:
     """Scalar features the rules use, for one candidate tensor against golden.
 
     ``diff`` (``peat.scores.abs_error(candidate, golden)``), ``nonfinite`` (the count of
     non-finite values where golden is finite) and ``gold`` (``Golden.of(golden)``) may be
-    passed in when already computed. With ``env`` from ``envelopes``, G is measured against
-    its per-tile envelope and S is compared with the references' footprints; with a plain dict
-    (a table row), against ``taurp`` and no footprint. The layout of S and of G is only worked
+    passed in when already computed, and ``top``, ``diff``'s largest value. With ``env`` from
+    ``envelopes``, G is measured against its per-tile envelope and S is compared with the
+    references' footprints; with a plain dict (a table row), against ``taurp`` and no footprint. The layout of S and of G is only worked
     out when the rules can need it.
     """
     gold = Golden.of(golden) if gold is None else gold
@@ -114,11 +117,10 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
         nonfinite = int(np.count_nonzero(~np.isfinite(as_matrix(candidate)) & np.isfinite(gold.matrix)))
     bound = getattr(env, "local", None)
     bound = env["taurp"] if bound is None else bound
-    top = _finite_max(diff)
+    top = _finite_max(diff) if top is None or not math.isfinite(top) else top
+    over32, gross, n32, ngross, ratio = _beyond(diff, env["tau32"], bound)
     out = {"numel": int(diff.size), "nonfinite": nonfinite, "err_over_tau32": top / env["tau32"],
-           "err_over_taurp": _finite_max(diff / bound) if isinstance(bound, np.ndarray) else top / bound}
-    over32, gross = diff > env["tau32"], diff > bound
-    out["n32"], out["ngross"] = int(np.count_nonzero(over32)), int(np.count_nonzero(gross))
+           "err_over_taurp": ratio if isinstance(bound, np.ndarray) else top / bound, "n32": n32, "ngross": ngross}
     out["s_rounding"] = rounding_footprint(over32, out["n32"], env, rules.cover) if out["n32"] else ""
     s = shape(over32, candidate, gold, env["tau32"], rules, layout=not out["s_rounding"])
     out |= {f"s_{k}": v for k, v in s.items()}
@@ -126,6 +128,18 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     g = shape(gross, candidate, gold, bound, rules, layout=needs_gross)
     out |= {f"g_{k}": v for k, v in g.items()}
     return out
+
+
+def _beyond(diff: np.ndarray, tau32: float, bound) -> tuple:
+    """S and G (``diff`` beyond ``tau32``, beyond ``bound``: a number or one per element), their
+    sizes and the largest finite diff / bound: ``tensor_stats.beyond``'s one pass, or numpy's.
+    (The footprints are two such sets of a reference: beyond tau32 / BAND and tau32 * BAND.)"""
+    found = tensor_stats.beyond(diff, tau32, bound) if diff.size else None
+    if found is not None:
+        return found
+    over32, gross = diff > tau32, diff > bound
+    ratio = _finite_max(diff / bound) if isinstance(bound, np.ndarray) else math.nan  # unused for a number
+    return over32, gross, int(np.count_nonzero(over32)), int(np.count_nonzero(gross)), ratio
 
 
 def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules: Rules, layout: bool = True) -> dict:
@@ -144,7 +158,7 @@ def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules:
     out |= _lanes(mask, rules)
     if not out["sparse"]:
         return out
-    c, g = as_matrix(candidate)[mask].astype(np.float32, copy=False), gold.matrix[mask]
+    c, g = masked(candidate, mask).astype(np.float32, copy=False), gold.matrix[mask]
     out["zero_frac"] = float(np.mean((c == 0) & (g != 0)))
     out["bit_frac"] = float(np.mean(_few_bits(c, g, noise[mask] if isinstance(noise, np.ndarray) else noise)))
     if math.isfinite(gold.lo):
@@ -153,11 +167,16 @@ def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules:
 
 
 def _blocks(m: np.ndarray, rules: Rules) -> dict:
-    labels, count = ndimage.label(m, structure=np.ones((3, 3)))
     n = int(np.count_nonzero(m))
     # Tiles (>= 4 elements each) holding COVER of S leave at most this many components.
-    if count > (1 - rules.cover) * n + rules.cover * n / 4:
-        return {"block_cover": 0.0, "block_area": 0.0, "block_tiles": 0}
+    most = (1 - rules.cover) * n + rules.cover * n / 4
+    none = {"block_cover": 0.0, "block_area": 0.0, "block_tiles": 0}
+    # Each isolated element is a component of its own: a scattered S has too many to label at all.
+    if tensor_stats.isolated(m) > most:
+        return none
+    labels, count = ndimage.label(m, structure=np.ones((3, 3)))
+    if count > most:
+        return none
     size = np.bincount(labels.reshape(-1), minlength=count + 1)[1:]
     boxes = ndimage.find_objects(labels)
     height = np.array([rows.stop - rows.start for rows, _ in boxes])
@@ -204,6 +223,15 @@ def _few_bits(c: np.ndarray, g: np.ndarray, noise) -> np.ndarray:
     return (bits >= 1) & (bits <= 2)
 
 
-def allclose(candidate: torch.Tensor, golden: torch.Tensor) -> bool:
-    """``torch.allclose`` with its default tolerances (rtol=1e-5, atol=1e-8), the usual unit test."""
-    return bool(torch.allclose(candidate.float(), golden.float()))
+def allclose(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None = None) -> bool:
+    """``torch.allclose`` with its default tolerances (rtol=1e-5, atol=1e-8), the usual unit test.
+    With ``gold`` (``Golden.of(golden)``) of a finite golden, the same float32 operations in
+    numpy against ``gold.close_bound``: torch's several passes and temporaries per call were
+    most of the test's time, and the bound is the same for every candidate."""
+    if gold is None or not gold.finite:
+        return bool(torch.allclose(candidate.float(), golden.float()))
+    c = candidate.detach().float().cpu().contiguous().reshape(-1).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing difference is inf: not close
+        d = np.subtract(c, gold.bits.view(np.float32))
+    d = np.abs(d, out=d)
+    return bool(np.all(d <= gold.close_bound))  # NaN and inf differences compare False, as in torch

@@ -147,10 +147,11 @@ def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Te
     |golden - reference|) and ``gold`` (``scores.Golden.of(golden)``) are shared by every
     candidate of the same golden tensor."""
     gold = scores.Golden.of(golden) if gold is None else gold
-    err = scores.abs_error(candidate, golden, gold)
-    row = scores.tensor_scores(candidate, golden, reference, noise=noise, err=err, gold=gold)
+    diff = scores.difference(candidate, gold)
+    row = scores.tensor_scores(candidate, golden, reference, noise=noise, diff=diff, gold=gold)
     row["row_mass"] = _bins(row["row_mass"], ROW_BINS)
-    row |= env | evidence.evidence(candidate, golden, env, rules, diff=err, nonfinite=row["nonfinite"], gold=gold)
+    row |= env | evidence.evidence(candidate, golden, env, rules, diff=diff.err, nonfinite=row["nonfinite"], gold=gold,
+                                   top=diff.top)
     row["allclose"] = _allclose(row, candidate, golden, gold)
     row["error_model"], row["confidence"] = detect.classify(row, rules)
     return row
@@ -165,14 +166,13 @@ def _allclose(row: dict, candidate: torch.Tensor, golden: torch.Tensor, gold: sc
         return True
     if row["nonfinite"] > 0 or (gold.finite and row["err_max"] > 2 * (1e-8 + 1e-5 * max(-gold.lo, gold.hi))):
         return False
-    return evidence.allclose(candidate, golden)
+    return evidence.allclose(candidate, golden, gold)
 
 
 def _bins(values: np.ndarray, limit: int) -> np.ndarray:
     if len(values) <= limit:
         return values
-    edges = np.linspace(0, len(values), limit + 1).round().astype(int)
-    return np.add.reduceat(values, edges[:-1])
+    return np.add.reduceat(values, scores.bin_edges(len(values), limit)[:-1])
 
 
 def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32) -> torch.Tensor:

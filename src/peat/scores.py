@@ -10,6 +10,7 @@ where golden is finite. Everything works on plain tensors; nothing here knows ab
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,11 +48,54 @@ class Golden:
         lo, hi = (float(values.min()), float(values.max())) if values.size else (math.nan, math.nan)
         return cls(m, bits, finite, lo, hi)
 
+    @functools.cached_property
+    def close_bound(self) -> np.ndarray:
+        """Per element (flat, the tensor's own order), the largest difference ``torch.allclose``
+        accepts with its defaults, worked out as torch does, in float32: atol + |rtol * golden|.
+        The same for every candidate, so only once (a frozen dataclass caches it all the same)."""
+        g = self.bits.view(np.float32)
+        return np.float32(1e-8) + np.abs(np.float32(1e-5) * g)
+
+
+@dataclass(frozen=True)
+class Diff:
+    """One candidate against golden: ``abs_error`` and what its scores read from it, found
+    together (``difference``)."""
+
+    err: np.ndarray               # abs_error(candidate, golden)
+    top: float                    # its largest value
+    nonzero: np.ndarray | None    # its nonzero values in flat order when every one is finite (summary reorders them)
+    bits: dict                    # bit_scores(candidate, gold)
+
+
+def difference(candidate: torch.Tensor, gold: Golden) -> Diff:
+    """``Diff`` of a candidate against golden: one pass of ``tensor_stats.compare`` reads the
+    candidate in the matrix view (no transposed copy) and finds its error, the error's nonzero
+    values and largest one, and the bit-level scores; numpy and torch ops without the C loop,
+    and ``abs_error``'s rules where a difference is not finite."""
+    candidate = candidate.detach().float().cpu()
+    found = tensor_stats.compare(candidate, gold.matrix, gold.finite)
+    bits = bit_scores(candidate, gold) if found is None else _bit_scores_of(found["counts"], found["ulp"])
+    if found is None or not found["finite"]:
+        err = abs_error(candidate, None, gold)
+        return Diff(err, float(err.max(initial=0.0)), None, bits)
+    return Diff(found["err"], found["top"], found["nonzero"], bits)
+
 
 def as_matrix(t) -> np.ndarray:
     """A tensor's matrix view (``peat.errors.matrix``: channels as columns for NCHW tensors,
     else the last dimension) as a numpy array. Every score and Detector rule works in it."""
     return matrix(torch.as_tensor(t).detach().cpu(), copy=False).numpy()
+
+
+def masked(t: torch.Tensor, mask: np.ndarray) -> np.ndarray:
+    """``as_matrix(t)[mask]`` without the transposed copy of a whole NCHW tensor: the mask picks
+    from a strided view, in the same (row-major) order."""
+    t = torch.as_tensor(t).detach().cpu()
+    if t.dim() != 4:
+        return as_matrix(t)[mask]
+    view = t.movedim(1, -1).numpy()
+    return view[mask.reshape(view.shape)]
 
 
 def abs_error(candidate: torch.Tensor, golden: torch.Tensor, gold: Golden | None = None) -> np.ndarray:
@@ -76,31 +120,35 @@ QUIET = np.errstate(over="ignore", invalid="ignore")
 
 
 @QUIET
-def summary(err) -> dict:
+def summary(err, nonzero: np.ndarray | None = None) -> dict:
     """PEAT's four scores of an absolute-error array (``err`` >= 0, NaN-free as ``abs_error``
-    gives it): max, mean, top-10 % mean, variance."""
+    gives it): max, mean, top-10 % mean, variance. ``nonzero`` (``Diff.nonzero``: err's
+    nonzero values in order, every err finite) spares finding them; they are partitioned in
+    place (no copy: ``np.partition`` copies, then partitions, alike)."""
     flat = np.asarray(err, dtype=np.float64).reshape(-1)
-    finite = flat if np.isfinite(flat.max(initial=0.0)) else flat[np.isfinite(flat)]
+    finite = flat if nonzero is not None or np.isfinite(flat.max(initial=0.0)) else flat[np.isfinite(flat)]
     if finite.size == 0:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
-    top = _top(finite, k)
+    top = _top(finite, k, nonzero)
     mean = float(finite.mean())
-    spread = finite - mean
-    spread *= spread  # not np.dot: BLAS threads would spin on other cores
+    spread = tensor_stats.squared_deviations(finite, mean)  # summed below, not np.dot: BLAS threads would spin
     return {"max": float(top.max()) if top.size else 0.0, "mean": mean,
             "top10": float(top.sum() / k), "var": float(spread.sum() / finite.size)}
 
 
-def _top(values: np.ndarray, k: int) -> np.ndarray:
+def _top(values: np.ndarray, k: int, nonzero: np.ndarray | None = None) -> np.ndarray:
     """The ``k`` largest of ``values`` (>= 0), less the zeros among them: exact errors are
-    usually most of a tensor, and selecting among the nonzero ones alone is much faster."""
-    nonzero = np.count_nonzero(values)
-    if nonzero < values.size:
-        values = values[values != 0]
-    if nonzero <= k:
-        return values
-    return np.partition(values, nonzero - k)[nonzero - k:]  # O(n), unlike a sort
+    often much of a tensor, and selecting among the nonzero ones alone is faster. ``nonzero``:
+    those, in order, when already known (then reordered in place)."""
+    if nonzero is None:
+        count = np.count_nonzero(values)
+        nonzero = values.copy() if count == values.size else values[values != 0]  # a copy either way
+    n = nonzero.size
+    if n <= k:
+        return nonzero
+    nonzero.partition(n - k)  # O(n), unlike a sort
+    return nonzero[n - k:]
 
 
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:
@@ -155,82 +203,125 @@ def periodicity(mass: np.ndarray, max_period: int = MAX_PERIOD) -> tuple[int, fl
     K/2-periodic, so shorter periods always tie.
     """
     total = float(mass.sum())
-    if total <= 0 or not math.isfinite(total) or len(mass) < 4:
+    kmax = min(max_period, len(mass) // 2)
+    if total <= 0 or not math.isfinite(total) or len(mass) < 4 or kmax < 2:
         return 0, 0.0
-    best = {}
-    for k in range(2, min(max_period, len(mass) // 2) + 1):
+    maxima = tensor_stats.class_maxima(mass, kmax)
+    best = (maxima if maxima is not None else _class_maxima(mass, kmax))[2:] / total  # best[k - 2]: period k
+    period = int(np.flatnonzero(best >= 0.99 * best.max())[-1])
+    return period + 2, float(best[period])
+
+
+def _class_maxima(mass: np.ndarray, kmax: int) -> np.ndarray:
+    """``tensor_stats.class_maxima`` with numpy (a class sum down a reshaped column adds in
+    index order too)."""
+    best = np.zeros(kmax + 1)
+    for k in range(2, kmax + 1):
         whole = len(mass) // k * k
         classes = mass[:whole].reshape(-1, k).sum(0)
         classes[:len(mass) - whole] += mass[whole:]
-        best[k] = float(classes.max()) / total
-    if not best:
-        return 0, 0.0
-    top = max(best.values())
-    period = max(k for k, f in best.items() if f >= 0.99 * top)
-    return period, best[period]
+        best[k] = classes.max()
+    return best
 
 
-def per_tile(m: np.ndarray, tile: int = TILE, reduce: np.ufunc = np.add) -> np.ndarray:
+def per_tile(m: np.ndarray, tile: int = TILE, reduce: np.ufunc = np.add, bands: np.ndarray | None = None) -> np.ndarray:
     """``reduce`` (``np.add``, ``np.maximum``) of a matrix of values >= 0 over each of its
-    aligned ``tile`` x ``tile`` tiles (the last ones may be partial)."""
+    aligned ``tile`` x ``tile`` tiles (the last ones may be partial). ``bands``: the first
+    step (each band of ``tile`` rows reduced down its columns) when already known."""
     rows, cols = (math.ceil(s / tile) * tile for s in m.shape)
-    if (rows, cols) != m.shape:  # zeros in the last partial tiles change no sum or maximum of values >= 0
-        padded = np.zeros((rows, cols), dtype=m.dtype)
-        padded[:m.shape[0], :m.shape[1]] = m
-        m = padded
-    # Rows of a tile first (contiguous), then columns: faster than one reduction over both axes.
-    bands = reduce.reduce(m.reshape(rows // tile, tile, cols), axis=1)
+    # Zeros in the last partial tiles change no sum or maximum of values >= 0.
+    if bands is None:
+        if (rows, cols) != m.shape:
+            m = _padded(m, rows, cols)
+        # Rows of a tile first (contiguous), then columns: faster than one reduction over both axes.
+        bands = reduce.reduce(m.reshape(rows // tile, tile, cols), axis=1)
+    elif bands.shape[1] != cols:
+        bands = _padded(bands, rows // tile, cols)
     return reduce.reduce(bands.reshape(rows // tile, cols // tile, tile), axis=2)
 
 
-def tile_concentration(err2d: np.ndarray, tile: int = TILE, total: float | None = None) -> float:
+def _padded(m: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    out = np.zeros((rows, cols), dtype=m.dtype)
+    out[:m.shape[0], :m.shape[1]] = m
+    return out
+
+
+def tile_concentration(err2d: np.ndarray, tile: int = TILE, total: float | None = None,
+                       bands: np.ndarray | None = None) -> float:
     """Largest fraction of the error mass (``total``, when known) inside one aligned ``tile`` x
-    ``tile`` tile."""
+    ``tile`` tile (``bands``: ``per_tile``'s first step, when known)."""
     total = float(err2d.sum()) if total is None else total
     if total <= 0 or not math.isfinite(total):
         return 0.0
-    return float(per_tile(err2d, tile).max()) / total
+    return float(per_tile(err2d, tile, bands=bands).max()) / total
 
 
-def downsample(m: np.ndarray, size: int = MAP_SIZE) -> np.ndarray:
-    """``m`` summed into at most ``size`` x ``size`` blocks (an error map small enough to keep)."""
+def downsample(m: np.ndarray, size: int = MAP_SIZE, blocks: np.ndarray | None = None) -> np.ndarray:
+    """``m`` summed into at most ``size`` x ``size`` blocks (an error map small enough to keep).
+    ``blocks``: the first step (``m`` summed down each block of ``bin_edges`` rows), when known."""
     if m.shape[0] > size:  # a sum per block of whole rows: contiguous, unlike a reduction down columns
-        edges = np.linspace(0, m.shape[0], size + 1).round().astype(int)
-        m = np.stack([m[a:b].sum(0) for a, b in zip(edges[:-1], edges[1:])])
+        if blocks is None:
+            edges = bin_edges(m.shape[0], size)
+            blocks = np.stack([m[a:b].sum(0) for a, b in zip(edges[:-1], edges[1:])])
+        m = blocks
     if m.shape[1] > size:
-        m = np.add.reduceat(m, np.linspace(0, m.shape[1], size + 1).round().astype(int)[:-1], axis=1)
+        m = np.add.reduceat(m, bin_edges(m.shape[1], size)[:-1], axis=1)
     return m
 
 
+@functools.lru_cache(maxsize=256)
+def bin_edges(n: int, bins: int) -> np.ndarray:
+    """Edges of ``bins`` near-equal bins of ``n`` items (read-only: one array serves every
+    tensor of the same shape, which spares a linspace per candidate)."""
+    edges = np.linspace(0, n, bins + 1).round().astype(int)
+    edges.flags.writeable = False
+    return edges
+
+
+def _down_columns(m: np.ndarray) -> tuple:
+    """``m.sum(0)``, ``per_tile``'s bands and ``downsample``'s row blocks (None when it keeps
+    every row), all sums down the columns: one pass of ``tensor_stats.column_sums`` where it
+    applies (the same sums, added in the same order), else numpy's."""
+    edges = bin_edges(m.shape[0], MAP_SIZE) if m.shape[0] > MAP_SIZE else None
+    found = tensor_stats.column_sums(m, TILE, edges)
+    return found if found is not None else (m.sum(0), None, None)
+
+
 @QUIET
-def spatial(m) -> dict:
+def spatial(m, top: float | None = None) -> dict:
     """Error mass per row and per column of an error matrix (``abs_error``'s matrix view),
     periodicity, tile concentration and a downsampled error map (``map``, flattened, shape in
-    ``map_rows`` x ``map_cols``). Non-finite errors carry no mass here."""
+    ``map_rows`` x ``map_cols``). Non-finite errors carry no mass here. ``top``: the matrix's
+    largest value, when known."""
     m = np.asarray(m, dtype=np.float64)
     m = m.reshape(-1, m.shape[-1] if m.ndim else 1)
-    if not np.isfinite(m.max(initial=0.0)):
+    if not math.isfinite(m.max(initial=0.0) if top is None else top):
         m = np.nan_to_num(m, nan=0.0, posinf=0.0)
-    rows, cols = m.sum(1), m.sum(0)
-    small = downsample(m)
+    cols, bands, blocks = _down_columns(m)
+    rows = m.sum(1)
+    small = downsample(m, blocks=blocks)
     col_period, col_frac = periodicity(cols)
     row_period, row_frac = periodicity(rows)
     return {"row_mass": rows, "col_mass": cols, "col_period": col_period, "col_period_frac": col_frac,
             "row_period": row_period, "row_period_frac": row_frac,
-            "tile_frac": tile_concentration(m, total=float(cols.sum())),
+            "tile_frac": tile_concentration(m, total=float(cols.sum()), bands=bands),
             "map": small.reshape(-1), "map_rows": small.shape[0], "map_cols": small.shape[1]}
 
 
 def bit_scores(candidate: torch.Tensor, gold: Golden) -> dict:
     """ULP distance (median, max), fraction of differing elements, non-finite count and bit
-    histogram, from the float32 bit patterns (``peat.tensor_stats.bit_diff``'s one pass, or
+    histogram, from the float32 bit patterns (``peat.tensor_stats.compare``'s one pass, or
     numpy's)."""
-    bits = candidate.detach().float().cpu().contiguous().view(torch.int32).reshape(-1).numpy()
-    n = bits.size
-    found = tensor_stats.bit_diff(bits, gold.bits, gold.finite) if n else None
+    candidate = candidate.detach().float().cpu()
+    found = tensor_stats.compare(candidate, gold.matrix, gold.finite)
     if found is None:
-        return _bit_scores_numpy(bits, gold)
-    counts, ulp = found
+        return _bit_scores_numpy(candidate.contiguous().view(torch.int32).reshape(-1).numpy(), gold)
+    return _bit_scores_of(found["counts"], found["ulp"])
+
+
+def _bit_scores_of(counts: np.ndarray, ulp: np.ndarray) -> dict:
+    """``bit_scores`` from ``tensor_stats.compare``'s counts and ULP distances."""
+    n = ulp.size
     ndiff = int(counts[32])
     median = 0  # when most elements agree
     if n - ndiff <= n // 2:
@@ -277,19 +368,19 @@ def _order_statistic(values: np.ndarray, i: int):
 
 
 def tensor_scores(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Tensor,
-                  noise: dict | None = None, err: np.ndarray | None = None, gold: Golden | None = None) -> dict:
+                  noise: dict | None = None, diff: Diff | None = None, gold: Golden | None = None) -> dict:
     """All scores of one candidate tensor; ``reference`` is the float64 result on the same inputs.
 
     ``rel_*`` divide by the same score of |golden - reference|: 1 means "as far from golden as
-    float32 rounding itself", PEAT's yardstick. ``noise`` (that summary), ``err``
-    (``abs_error(candidate, golden)``) and ``gold`` (``Golden.of(golden)``) may be passed in
+    float32 rounding itself", PEAT's yardstick. ``noise`` (that summary), ``diff``
+    (``difference(candidate, gold)``) and ``gold`` (``Golden.of(golden)``) may be passed in
     when already computed: one golden serves many candidates.
     """
     gold = Golden.of(golden) if gold is None else gold
-    err = abs_error(candidate, golden, gold) if err is None else err
+    diff = difference(candidate, gold) if diff is None else diff
     noise = summary(abs_error(reference, golden, gold)) if noise is None else noise
-    abs_scores = summary(err)
+    abs_scores = summary(diff.err, diff.nonzero)
     out = {f"err_{k}": v for k, v in abs_scores.items()}
     out |= {f"noise_{k}": v for k, v in noise.items()}
     out |= {f"rel_{k}": abs_scores[k] / max(noise[k], TINY) for k in abs_scores}
-    return out | bit_scores(candidate, gold) | spatial(err)
+    return out | diff.bits | spatial(diff.err, diff.top)

@@ -1,18 +1,24 @@
-"""Two hot per-tensor statistics, each one pass of a small C loop.
+"""Hot per-tensor statistics, each one pass of a small C loop.
 
 - ``stats``: the per-step summary of a tensor (mean, std, min, max, absmax, non-finite count).
   The Profiler summarises every layer's activation, weight and weight gradient at every step,
   so this is on the hot path of golden training. With torch ops it takes at least three passes
   over memory (a sum, a norm, ``aminmax``).
-- ``bit_diff``: how a candidate's float32 bit patterns differ from golden's (bits per
-  position, ULP distances, non-finite values). Playback scores every candidate tensor so;
-  with numpy it takes a dozen passes and four byte histograms.
+- ``compare``: a candidate against golden, its absolute error in the matrix view and how its
+  float32 bit patterns differ (bits per position, ULP distances, non-finite values).
+  Playback scores every candidate tensor so; with numpy and torch it takes a transposed
+  copy, a dozen passes and four byte histograms.
+- the rest of playback's per-candidate scoring where numpy needs several passes or a Python
+  loop: the Detector's sets S and G (``beyond``), the sums down the error matrix's columns
+  (``column_sums``), squared deviations (``squared_deviations``), the periodicity score's
+  63 periods (``class_maxima``) and isolated wrong elements (``isolated``).
 
 The loops are compiled on first use with the system C compiler (well under a second) and
 cached by source hash. Without a compiler, or for tensors a loop does not take (``stats``: not
 a contiguous float32 CPU tensor, or one holding inf/NaN), the callers' torch or numpy code
-computes the same statistics (``bit_diff``'s integers exactly). Either path is deterministic:
-a fixed accumulation order, no threads.
+computes the same statistics; every scoring loop bit for bit (the same operations, sums added
+in numpy's order; the integers exactly), as tests/test_playback.py checks. Either path is
+deterministic: a fixed accumulation order, no threads.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ import torch
 # accumulators let the compiler vectorise without reordering any one sum; each block of BLOCK
 # elements is folded into double, so a lane never sums more than BLOCK / LANES values in float.
 SOURCE = r"""
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 #define LANES 16
 #define BLOCK 1024
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -71,34 +80,216 @@ void peat_moments(const float *x, int64_t n, double *out) {
     out[0] = total; out[1] = squares; out[2] = l; out[3] = h; out[4] = shift;
 }
 
-/* Candidate c against golden g (float32 bit patterns): out[b] counts elements whose bit b
-   differs (through four byte histograms), out[32] differing elements, out[33] non-finite
-   candidates where golden is finite, out[34] the largest ULP distance; ulp[i] gets element
-   i's ULP distance (ordered patterns: a negative pattern -2^31 + L maps to -L). */
-void peat_bitdiff(const int32_t *c, const int32_t *g, int64_t n, int golden_finite,
-                  uint32_t *ulp, int64_t *out) {
+/* peat_compare works through runs of at most CHUNK elements: first the element-wise part
+   (vectorisable), then what depends on the data (compaction, bit counts), on a run in cache. */
+#define CHUNK 512
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+/* Errors, ULP distances and XOR patterns of one run of n elements (c read with a stride);
+   state: the largest error's bit pattern (errors are >= 0 or a positive NaN, whose patterns
+   order as their values, NaN above inf), non-finite candidates where golden is finite, the
+   largest ULP distance, differing elements, zero errors (the last two for this run only). */
+CLONES static void compare_run(const float *c, int64_t stride, const float *g, int64_t n, int golden_finite,
+                               double *err, uint32_t *ulp, uint32_t *xor, int64_t *state) {
     static const int32_t EXP = 0x7F800000;
-    int64_t hist[4][256] = {{0}}, ndiff = 0, nonfinite = 0;
-    uint32_t top = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int32_t a = c[i], b = g[i];
+    int64_t top = state[0], nonfinite = state[1], ndiff = 0, zeros = 0;
+    uint32_t utop = (uint32_t)state[2];
+    for (int64_t r = 0; r < n; r++) {
+        float cv = c[r * stride], gv = g[r];
+        double e = fabs((double)cv - (double)gv);
+        int64_t eb;
+        int32_t a, b;
+        memcpy(&eb, &e, 8);
+        memcpy(&a, &cv, 4);
+        memcpy(&b, &gv, 4);
+        err[r] = e;
+        top = eb > top ? eb : top;
+        zeros += e == 0.0;
         uint32_t x = (uint32_t)(a ^ b);
-        int32_t sa = a >> 31, sb = b >> 31;  /* branch-free: signs are random in real tensors */
+        xor[r] = x;
+        ndiff += x != 0;
+        int32_t sa = a >> 31, sb = b >> 31;  /* ordered patterns, branch-free: signs are random */
         int64_t d = (int64_t)((a ^ (sa & 0x7FFFFFFF)) - sa) - (int64_t)((b ^ (sb & 0x7FFFFFFF)) - sb);
         uint32_t u = (uint32_t)((d ^ (d >> 63)) - (d >> 63));
-        ulp[i] = u;
-        top = u > top ? u : top;
-        if (x) {
-            ndiff++;
-            hist[0][x & 255]++; hist[1][(x >> 8) & 255]++; hist[2][(x >> 16) & 255]++; hist[3][x >> 24]++;
-        }
-        if ((a & EXP) == EXP && (golden_finite || (b & EXP) != EXP)) nonfinite++;
+        ulp[r] = u;
+        utop = u > utop ? u : utop;
+        nonfinite += (a & EXP) == EXP && (golden_finite || (b & EXP) != EXP);
     }
-    for (int k = 0; k < 4; k++)
-        for (int v = 1; v < 256; v++)
-            for (int bit = 0; bit < 8; bit++)
-                if ((v >> bit) & 1) out[8 * k + bit] += hist[k][v];
-    out[32] = ndiff; out[33] = nonfinite; out[34] = top;
+    state[0] = top; state[1] = nonfinite; state[2] = utop; state[3] = ndiff; state[4] = zeros;
+}
+
+/* Per bit position, the XOR patterns of a run with that bit set, added to counts. Byte-sliced:
+   (x >> b) & 0x01010101 holds bits b, 8 + b, 16 + b and 24 + b of x in its four bytes, so one
+   32-bit sum counts four positions at once, exactly while a byte's count stays <= 255 (runs of
+   255). Positions set in no pattern of the run are skipped (rounding differences touch the low
+   mantissa bits alone). */
+CLONES static void count_bits(const uint32_t *xor, int64_t n, int64_t *counts) {
+    for (int64_t start = 0; start < n; start += 255) {
+        int64_t end = n - start < 255 ? n : start + 255;
+        uint32_t seen = 0;
+        for (int64_t r = start; r < end; r++) seen |= xor[r];
+        for (int b = 0; b < 8; b++) {
+            if (!((seen >> b) & 0x01010101)) continue;
+            uint32_t four = 0;
+            for (int64_t r = start; r < end; r++) four += (xor[r] >> b) & 0x01010101;
+            for (int k = 0; k < 4; k++) counts[8 * k + b] += (four >> 8 * k) & 255;
+        }
+    }
+}
+
+/* The nonzero values of err[0..n) appended to out in order; their count. */
+static int64_t compact(const double *err, int64_t n, int64_t zeros, double *out) {
+    if (zeros == 0) {
+        memcpy(out, err, n * sizeof(double));
+        return n;
+    }
+    if (zeros == n)
+        return 0;
+    int64_t k = 0;
+    for (int64_t r = 0; r < n; r++) {
+        out[k] = err[r];  /* branch-free: kept only when nonzero */
+        k += err[r] != 0.0;
+    }
+    return k;
+}
+
+/* Candidate c against golden g, float32, both in the matrix view: g is that contiguous matrix,
+   c is read through strides (an NCHW tensor's view: n0 = N blocks of n1 = H*W rows of n2 = C
+   channels) without a transposed copy. err[i] = |c - g| in double (numpy's subtract and abs),
+   nonzero receives err's nonzero values in order (numpy's err[err != 0]), *top is the largest
+   err. From the bit patterns: out[b] counts elements whose bit b differs, out[32] differing
+   elements, out[33] non-finite candidates where golden is finite, out[34] the largest ULP
+   distance (ulp[i]: element i's; ordered patterns: a negative pattern -2^31 + L maps to -L),
+   out[35] nonzero errors, out[36] 1 when every err is finite. */
+void peat_compare(const float *c, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1, int64_t s2,
+                  const float *g, int golden_finite, double *err, double *nonzero, uint32_t *ulp,
+                  int64_t *out, double *top) {
+    int64_t i = 0, nz = 0, ndiff = 0, state[5] = {0, 0, 0, 0, 0};
+    uint32_t xor[CHUNK];
+    for (int64_t p = 0; p < n0; p++) {
+        for (int64_t q = 0; q < n1; q++) {
+            const float *row = c + p * s0 + q * s1;
+            for (int64_t r = 0; r < n2; r += CHUNK) {
+                int64_t m = n2 - r < CHUNK ? n2 - r : CHUNK;
+                compare_run(row + r * s2, s2, g + i, m, golden_finite, err + i, ulp + i, xor, state);
+                ndiff += state[3];
+                nz += compact(err + i, m, state[4], nonzero + nz);
+                count_bits(xor, m, out);
+                i += m;
+            }
+        }
+    }
+    memcpy(top, &state[0], 8);
+    out[32] = ndiff; out[33] = state[1]; out[34] = state[2]; out[35] = nz; out[36] = *top <= DBL_MAX;
+}
+
+/* The Detector's sets S (err > tau32) and G (err > bound[i], or > bound[0] alone when
+   per_element is 0) as 0/1 bytes, their sizes in counts[0..1], and in *ratio the largest
+   finite err / bound[i] (0 when none is finite). Quotients are >= 0 or NaN: the largest is
+   found on their bit patterns (an integer maximum, which vectorises), non-finite ones as 0. */
+static inline void beyond_run(const double *err, int64_t n, double tau32, const double *bound, const int per_element,
+                              uint8_t *over32, uint8_t *gross, int64_t *counts, int64_t *top) {
+    int64_t n32 = 0, ngross = 0, best = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double e = err[i], b = bound[per_element ? i : 0], q = e / b;
+        int64_t qb;
+        memcpy(&qb, &q, 8);
+        qb = q <= DBL_MAX ? qb : 0;  /* false for inf and NaN */
+        best = qb > best ? qb : best;
+        uint8_t s = e > tau32, g = e > b;
+        over32[i] = s;
+        gross[i] = g;
+        n32 += s;
+        ngross += g;
+    }
+    counts[0] = n32; counts[1] = ngross;
+    *top = best;
+}
+
+CLONES void peat_beyond(const double *err, int64_t n, double tau32, const double *bound, int per_element,
+                        uint8_t *over32, uint8_t *gross, int64_t *counts, double *ratio) {
+    int64_t top;
+    if (per_element)  /* two calls with a constant flag: each loop specialised */
+        beyond_run(err, n, tau32, bound, 1, over32, gross, counts, &top);
+    else
+        beyond_run(err, n, tau32, bound, 0, over32, gross, counts, &top);
+    memcpy(ratio, &top, 8);
+}
+
+/* Sums down the columns of a rows x cols matrix m, each adding the rows in order, as numpy's
+   sum over axis 0 does (for two or more columns): total[j] over all rows, bands[b * cols + j]
+   over rows [b * tile, (b + 1) * tile), blocks[k * cols + j] over rows [edges[k], edges[k + 1])
+   for k < nblocks. The outputs start zeroed; m holds no -0.0. */
+static inline void add_row(const double *restrict row, int64_t cols, double *restrict total, double *restrict band,
+                           double *restrict block) {
+    for (int64_t j = 0; j < cols; j++) {
+        total[j] += row[j];
+        band[j] += row[j];
+        if (block) block[j] += row[j];
+    }
+}
+
+CLONES void peat_column_sums(const double *m, int64_t rows, int64_t cols, int64_t tile, const int64_t *edges,
+                             int64_t nblocks, double *total, double *bands, double *blocks) {
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        while (k < nblocks && r >= edges[k + 1]) k++;
+        double *band = bands + r / tile * cols;
+        if (nblocks)  /* two calls: the test on block leaves each loop */
+            add_row(m + r * cols, cols, total, band, blocks + k * cols);
+        else
+            add_row(m + r * cols, cols, total, band, 0);
+    }
+}
+
+/* out[i] = (x[i] - mean)^2, numpy's subtract then multiply (no fused multiply-add). */
+CLONES void peat_squared_deviations(const double *x, int64_t n, double mean, double *out) {
+    for (int64_t i = 0; i < n; i++) {
+        double d = x[i] - mean;
+        out[i] = d * d;
+    }
+}
+
+/* Set elements of a rows x cols 0/1 mask none of whose 8 neighbours is set: each is an
+   8-connected component of its own, so their count is a lower bound of the components'. */
+static inline int set_at(const uint8_t *row, int64_t c, int64_t cols) { return c >= 0 && c < cols && row[c]; }
+
+static int64_t isolated_at(const uint8_t *up, const uint8_t *row, const uint8_t *down, int64_t c, int64_t cols) {
+    int near = set_at(row, c - 1, cols) | set_at(row, c + 1, cols);
+    for (int64_t d = -1; d <= 1; d++) near |= set_at(up, c + d, cols) | set_at(down, c + d, cols);
+    return row[c] && !near;
+}
+
+CLONES int64_t peat_isolated(const uint8_t *m, int64_t rows, int64_t cols, const uint8_t *zeros) {
+    int64_t count = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = m + r * cols, *up = r ? row - cols : zeros, *down = r + 1 < rows ? row + cols : zeros;
+        for (int64_t c = 1; c + 1 < cols; c++)  /* the inner columns, branch-free (it vectorises) */
+            count += row[c] & !(row[c - 1] | row[c + 1] | up[c - 1] | up[c] | up[c + 1] | down[c - 1] | down[c] |
+                                down[c + 1]);
+        count += isolated_at(up, row, down, 0, cols);
+        if (cols > 1) count += isolated_at(up, row, down, cols - 1, cols);
+    }
+    return count;
+}
+
+/* For each period k in 2..kmax, the largest of the k residue-class sums of mass[0..n), each
+   summed in index order (as numpy's mass.reshape(-1, k).sum(0) plus the remainder): best[k]. */
+void peat_periods(const double *mass, int64_t n, int64_t kmax, double *classes, double *best) {
+    for (int64_t k = 2; k <= kmax; k++) {
+        for (int64_t j = 0; j < k; j++) classes[j] = 0.0;
+        for (int64_t i = 0; i < n; i += k) {
+            int64_t m = n - i < k ? n - i : k;
+            for (int64_t j = 0; j < m; j++) classes[j] += mass[i + j];
+        }
+        double m = classes[0];
+        for (int64_t j = 1; j < k; j++) m = classes[j] > m ? classes[j] : m;
+        best[k] = m;
+    }
 }
 """
 # -ffp-contract=off: no fused multiply-add, so every machine that runs this object rounds alike.
@@ -134,9 +325,22 @@ def _library():
             lib = ctypes.CDLL(str(_build()))
             lib.peat_moments.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
             lib.peat_moments.restype = None
-            lib.peat_bitdiff.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                         ctypes.c_void_p, ctypes.c_void_p]
-            lib.peat_bitdiff.restype = None
+            lib.peat_compare.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_int,
+                                         *[ctypes.c_void_p] * 5]
+            lib.peat_compare.restype = None
+            lib.peat_periods.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_void_p]
+            lib.peat_periods.restype = None
+            lib.peat_beyond.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_int,
+                                        *[ctypes.c_void_p] * 4]
+            lib.peat_beyond.restype = None
+            lib.peat_column_sums.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64,
+                                             *[ctypes.c_void_p] * 3]
+            lib.peat_column_sums.restype = None
+            lib.peat_squared_deviations.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p]
+            lib.peat_squared_deviations.restype = None
+            lib.peat_isolated.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+            lib.peat_isolated.restype = ctypes.c_int64
         except (OSError, subprocess.SubprocessError):
             lib = None  # no compiler or no writable cache: torch or numpy do the work
         _LIB.append(lib)
@@ -179,17 +383,114 @@ def stats(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     return np.array([mean, var ** 0.5, lo, hi, max(abs(lo), abs(hi)), 0.0])
 
 
-def bit_diff(candidate: np.ndarray, golden: np.ndarray, golden_finite: bool) -> tuple[np.ndarray, np.ndarray] | None:
-    """How the float32 patterns ``candidate`` differ from ``golden`` (flat int32 arrays of the
-    same size): (counts, ulp). counts[b] for b in 0..31 is the number of elements whose bit b
-    differs, then differing elements, non-finite candidates where golden is finite, and the
-    largest ULP distance; ulp holds every element's ULP distance (uint32). None without the
+def compare(candidate: torch.Tensor, golden: np.ndarray, golden_finite: bool) -> dict | None:
+    """A candidate against golden in one pass (``peat_compare``): ``candidate`` a float32 CPU
+    tensor, ``golden`` the contiguous float32 matrix of its matrix view (``peat.errors.matrix``).
+    Returns err (|candidate - golden| in float64, that matrix's shape), nonzero (err's nonzero
+    values in order), top (err's largest value), finite (every err finite), ulp (every
+    element's ULP distance, uint32, in matrix order) and counts (per bit position the elements
+    whose bit differs, then differing elements, non-finite candidates where golden is finite,
+    the largest ULP distance). None without the C loop, or for a tensor it does not take."""
+    lib = _library()
+    if lib is None or candidate.dtype != torch.float32 or candidate.device.type != "cpu" or not golden.size:
+        return None
+    view = _strided_matrix(candidate)
+    if view is None:
+        return None
+    golden = np.ascontiguousarray(golden, dtype=np.float32)
+    n = golden.size
+    err, nonzero, ulp = np.empty(golden.shape), np.empty(n), np.empty(n, dtype=np.uint32)
+    counts, top = np.zeros(37, dtype=np.int64), np.zeros(1)
+    lib.peat_compare(view.data_ptr(), *view.shape, *view.stride(), golden.ctypes.data, int(golden_finite),
+                     err.ctypes.data, nonzero.ctypes.data, ulp.ctypes.data, counts.ctypes.data, top.ctypes.data)
+    return {"err": err, "nonzero": nonzero[:counts[35]], "top": float(top[0]), "finite": bool(counts[36]),
+            "ulp": ulp, "counts": counts[:35]}
+
+
+def _strided_matrix(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s matrix view as a 3-d strided view (blocks, rows per block, columns) of its own
+    memory: an NCHW tensor as (N, H*W, C), anything else as (1, rows, last dimension). None
+    when the memory does not allow such a view."""
+    if t.dim() == 4:
+        n, c, h, w = t.shape
+        view = t.movedim(1, -1)
+        try:
+            return view.view(n, h * w, c)
+        except RuntimeError:  # H and W not mergeable in this layout
+            return None
+    t = t.contiguous()
+    return t.reshape(1, -1, t.shape[-1] if t.dim() else 1)
+
+
+def class_maxima(mass: np.ndarray, kmax: int) -> np.ndarray | None:
+    """For each period k in 2..kmax (entries 0 and 1 unused), the largest residue-class sum of
+    ``mass`` (float64), each class summed in index order; None without the C loop."""
+    lib = _library()
+    if lib is None:
+        return None
+    mass = np.ascontiguousarray(mass, dtype=np.float64)
+    best, classes = np.zeros(kmax + 1), np.empty(max(kmax, 1))
+    lib.peat_periods(mass.ctypes.data, mass.size, kmax, classes.ctypes.data, best.ctypes.data)
+    return best
+
+
+def beyond(err: np.ndarray, tau32: float, bound: np.ndarray | float) -> tuple | None:
+    """(err > tau32, err > bound, the sizes of both, the largest finite err / bound or 0) in one
+    pass; ``err`` a float64 array, ``bound`` a number or an array like it. None without the
     C loop."""
     lib = _library()
     if lib is None:
         return None
-    candidate, golden = (np.ascontiguousarray(a, dtype=np.int32) for a in (candidate, golden))
-    counts, ulp = np.zeros(35, dtype=np.int64), np.empty(candidate.size, dtype=np.uint32)
-    lib.peat_bitdiff(candidate.ctypes.data, golden.ctypes.data, candidate.size, int(golden_finite),
-                     ulp.ctypes.data, counts.ctypes.data)
-    return counts, ulp
+    err = np.ascontiguousarray(err, dtype=np.float64)
+    per_element = isinstance(bound, np.ndarray)
+    bound = np.ascontiguousarray(bound, dtype=np.float64)
+    if per_element and bound.shape != err.shape:
+        return None
+    over32, gross = np.empty(err.shape, dtype=bool), np.empty(err.shape, dtype=bool)
+    counts, ratio = np.zeros(2, dtype=np.int64), np.zeros(1)
+    lib.peat_beyond(err.ctypes.data, err.size, float(tau32), bound.ctypes.data, int(per_element),
+                    over32.ctypes.data, gross.ctypes.data, counts.ctypes.data, ratio.ctypes.data)
+    return over32, gross, int(counts[0]), int(counts[1]), float(ratio[0])
+
+
+def column_sums(m: np.ndarray, tile: int, edges: np.ndarray | None) -> tuple | None:
+    """Sums down the columns of a float64 matrix (>= 0, two or more columns), adding its rows in
+    order as numpy's ``m.sum(0)`` does, in one pass: over all rows, over each band of ``tile``
+    rows, and over each block of rows between consecutive ``edges`` (or None). None without
+    the C loop."""
+    lib = _library()
+    rows, cols = m.shape
+    if lib is None or cols < 2:  # numpy sums a single column pairwise, not row by row
+        return None
+    m = np.ascontiguousarray(m, dtype=np.float64)
+    total, bands = np.zeros(cols), np.zeros((-(-rows // tile), cols))
+    nblocks = 0 if edges is None else len(edges) - 1
+    blocks = np.zeros((max(nblocks, 1), cols))
+    edges = np.ascontiguousarray(edges if edges is not None else [0], dtype=np.int64)
+    lib.peat_column_sums(m.ctypes.data, rows, cols, tile, edges.ctypes.data, nblocks, total.ctypes.data,
+                         bands.ctypes.data, blocks.ctypes.data)
+    return total, bands, (blocks if nblocks else None)
+
+
+def squared_deviations(x: np.ndarray, mean: float) -> np.ndarray:
+    """(x - mean) ** 2 of a contiguous float64 array, one pass (numpy: a subtraction and a
+    multiplication, the same roundings)."""
+    lib = _library()
+    if lib is None or x.dtype != np.float64 or not x.flags.c_contiguous:
+        spread = x - mean
+        spread *= spread
+        return spread
+    out = np.empty_like(x)
+    lib.peat_squared_deviations(x.ctypes.data, x.size, float(mean), out.ctypes.data)
+    return out
+
+
+def isolated(mask: np.ndarray) -> int:
+    """How many set elements of a 2-d boolean mask have no set neighbour among their 8: a lower
+    bound of its 8-connected components (0 without the C loop, which bounds them too)."""
+    lib = _library()
+    if lib is None or mask.ndim != 2 or not mask.size:
+        return 0
+    mask = np.ascontiguousarray(mask, dtype=bool)
+    zeros = np.zeros(mask.shape[1], dtype=np.uint8)  # the rows beyond the edges
+    return int(lib.peat_isolated(mask.ctypes.data, mask.shape[0], mask.shape[1], zeros.ctypes.data))
