@@ -192,6 +192,18 @@ def test_a_kernels_own_timeout_overrides_playbacks(context, tmp_path):
     assert outcomes == {"default": "timeout", "patient": "ok"}
 
 
+def test_a_kernel_that_does_not_load_fails_its_verdict_not_the_job(context, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def forward(x, weight, bias)\n    return x\n")  # missing colon
+    playback.run_job("tiny", "cpu", "broken", {"op": "linear", "impl": str(broken)}, context,
+                     tmp_path / "b.parquet", tmp_path / "b.json", errors_=["rv:2"],
+                     settings={"computations": ["forward"], "max_samples_per_layer": 1}, rules={})
+    record = json.loads((tmp_path / "b.json").read_text())
+    assert record["outcome"]["status"] == "crash" and "import failed: SyntaxError" in record["outcome"]["message"]
+    got = detect.run_job(tmp_path / "b.parquet", tmp_path / "b.json", tmp_path / "v.json")
+    assert got["verdict"] == "fail" and got["error_model"] == "crash"
+
+
 def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(context, tmp_path):
     # Split-K tiles need a reduction to split: on a norm layer the injection itself raises.
     kernel = kernels.load("peat.alt_kernels.welford_norm", "layer_norm")
