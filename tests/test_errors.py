@@ -107,6 +107,21 @@ def test_element_errors_on_a_non_contiguous_output(t, spec, n):
     assert out.shape == transposed.shape and int(changed(out, transposed).sum()) == n
 
 
+
+def test_random_value_statistics_equal_those_of_the_finite_values_alone():
+    """The mean and std drawn from are those of the finite values, in order, as one contiguous
+    float64 vector: bit for bit, whatever the output's dtype, strides or non-finite values (a
+    strided float64 view summed in place rounds its mean differently)."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(1000, 301, generator=g, dtype=torch.float64) * 1e3
+    holed = wide.float().clone()
+    holed[3, 5], holed[7, 1] = float("nan"), -float("inf")
+    for t in (wide[:, 1::2], wide.reshape(-1)[::3], wide.t(), holed, holed.t(), wide.half(), wide.bfloat16(),
+              torch.tensor([2.5]), torch.empty(3, 0), torch.full((4,), float("nan"))):
+        finite = t.double()[torch.isfinite(t)]
+        expected = (float(finite.mean()), float(finite.std()) if finite.numel() > 1 else 0.0) if finite.numel() else (0.0, 1.0)
+        assert errors._finite_stats(t) == (expected[0], expected[1] or 1.0)
+
 # -- bit flips -----------------------------------------------------------------------------
 def xor_masks(out, t):
     mask = changed(out, t)

@@ -161,7 +161,8 @@ def _flat_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_stats(t: torch.Tensor) -> tuple[float, float]:
-    finite = t.detach().double().reshape(-1)
+    # Contiguous: a strided float64 view would be summed in another order than the masked copy below.
+    finite = t.detach().double().contiguous().view(-1)
     mean = float(finite.mean()) if finite.numel() else math.nan
     if not math.isfinite(mean):  # float32 values cannot overflow a float64 sum: some are NaN or inf
         finite = finite[torch.isfinite(finite)]
