@@ -204,6 +204,21 @@ def test_a_kernel_that_does_not_load_fails_its_verdict_not_the_job(context, tmp_
     assert got["verdict"] == "fail" and got["error_model"] == "crash"
 
 
+@pytest.mark.parametrize("body, error", [("def forward(x, weight, bias)\n", "SyntaxError"),
+                                         ("raise RuntimeError('needs a GPU')\n", "RuntimeError: needs a GPU")])
+def test_an_importable_kernel_module_that_fails_to_load_fails_its_verdict_not_the_job(context, tmp_path, monkeypatch,
+                                                                                       body, error):
+    # Named by its import path: validation finds the module without running it, playback runs it.
+    name = f"peat_test_broken_{error[:3].lower()}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert kernels.source_files(name)
+    playback.run_job("tiny", "cpu", "broken", {"op": "linear", "impl": name}, context, tmp_path / "b.parquet",
+                     tmp_path / "b.json", errors_=[], settings={"computations": ["forward"], "max_samples_per_layer": 1},
+                     rules={})
+    record = json.loads((tmp_path / "b.json").read_text())
+    assert record["outcome"]["status"] == "crash" and error in record["outcome"]["message"]
+
 def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(context, tmp_path):
     # Split-K tiles need a reduction to split: on a norm layer the injection itself raises.
     kernel = kernels.load("peat.alt_kernels.welford_norm", "layer_norm")

@@ -230,6 +230,8 @@ def _import(impl: str):
         module = importlib.import_module(impl)
     except ImportError as err:
         raise PeatError(f"kernel impl {impl!r}: cannot import ({err})") from None
+    except Exception as err:  # the module's own code is at fault, as for a .py file
+        raise PeatError(f"kernel impl {impl!r}: import failed: {type(err).__name__}: {err}") from None
     return module, source_of(impl)
 
 
