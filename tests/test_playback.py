@@ -521,11 +521,13 @@ def test_allclose_settled_from_the_scores_equals_torch_allclose():
 def _score_cases():
     """(candidate, golden) pairs that reach every branch of the scores: dense rounding noise with
     exact elements, sparse and gross faults, NaN/inf on either side, a 4-d tensor (strided
-    matrix view), a single column (numpy adds it pairwise), a tall matrix (downsampled rows)."""
+    matrix view), a single column (numpy adds it pairwise), a tall matrix (downsampled rows), a
+    batch of one (a column-major matrix view) with magnitudes so far apart that sums round."""
     g = torch.Generator().manual_seed(5)
     out = []
+    wide = torch.randn(1, 16, 6, 6, generator=g) * 2.0 ** torch.randint(-40, 20, (1, 16, 6, 6), generator=g)
     for golden in (torch.randn(6, 20, 5, 7, generator=g), torch.randn(1000, 3, generator=g) * 1e3,
-                   torch.randn(700, 1, generator=g), torch.randn(37, generator=g)):
+                   torch.randn(700, 1, generator=g), torch.randn(37, generator=g), wide):
         noise = golden * (1 + 3e-7 * torch.randn(golden.shape, generator=g))
         noise.view(-1)[::3] = golden.view(-1)[::3]  # exact elements: zero errors among the rest
         sparse = golden.clone()

@@ -293,7 +293,9 @@ def spatial(m, top: float | None = None) -> dict:
     periodicity, tile concentration and a downsampled error map (``map``, flattened, shape in
     ``map_rows`` x ``map_cols``). Non-finite errors carry no mass here. ``top``: the matrix's
     largest value, when known."""
-    m = np.asarray(m, dtype=np.float64)
+    # Row-major whatever the layout (abs_error's of an N = 1 NCHW tensor is column-major): numpy's sums
+    # down and across the matrix round alike then, and as tensor_stats.column_sums does.
+    m = np.ascontiguousarray(m, dtype=np.float64)
     m = m.reshape(-1, m.shape[-1] if m.ndim else 1)
     if not math.isfinite(m.max(initial=0.0) if top is None else top):
         m = np.nan_to_num(m, nan=0.0, posinf=0.0)
