@@ -387,6 +387,24 @@ def test_memory_limit_holds_for_each_call_in_a_shared_child():
     assert [o.status for o in outcomes] == ["ok", "oom", "ok"]
 
 
+def _fork_then_die(*args, **kwargs):
+    import os
+
+    if os.fork() == 0:  # a helper process (a fork-started worker pool): it inherits the result pipe
+        parent = os.getppid()
+        while os.getppid() == parent:
+            time.sleep(0.05)
+        time.sleep(10)  # outlives the kernel a while, then goes
+        os._exit(0)
+    os._exit(5)
+
+
+def test_a_kernel_that_dies_is_a_crash_even_when_a_process_it_forked_holds_the_pipe():
+    outcomes = kernels.run_isolated_many([kernels.Call(_fork_then_die), kernels.Call(_value, (1,))], timeout=5)
+    assert [(o.status, o.message) for o in outcomes] == [("crash", "exited with code 5 without a result"), ("ok", "")]
+    assert outcomes[0].seconds < 4
+
+
 @pytest.mark.parametrize("func, status, message", [
     (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 1 s"),
     (_wrong_shape, "shape_mismatch", "returned (6, 47)")])

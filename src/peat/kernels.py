@@ -444,7 +444,7 @@ def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> l
     outcomes, whole = [], False
     try:
         for call in calls:
-            payload, status = _receive(parent, timeout)
+            payload, status = _receive(parent, proc, timeout)
             seconds, start = time.perf_counter() - start, time.perf_counter()
             if status == "timeout":
                 outcomes.append(Outcome("timeout", f"no result after {timeout:g} s (killed)", seconds=seconds))
@@ -465,11 +465,18 @@ def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> l
     return outcomes
 
 
-def _receive(conn, timeout: float) -> tuple[object, str]:
-    """The child's next payload (None: it died), and "timeout" when none came in time."""
+def _receive(conn, proc, timeout: float) -> tuple[object, str]:
+    """The child's next payload (None: it died), and "timeout" when none came in time.
+
+    The child's exit ends the wait too: a process the kernel forked inherits the pipe (and
+    the child's sentinel), so no end of file comes when the child dies."""
+    deadline = time.monotonic() + timeout
     try:
-        if not conn.poll(timeout):
-            return None, "timeout"
+        while not conn.poll(max(0.0, min(0.1, deadline - time.monotonic()))):
+            if not proc.is_alive():  # what it sent before it ended is in the pipe
+                return (conn.recv(), "ok") if conn.poll(0) else (None, "died")
+            if time.monotonic() >= deadline:
+                return None, "timeout"
         return conn.recv(), "ok"
     except (EOFError, OSError):
         return None, "died"
