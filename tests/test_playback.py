@@ -609,3 +609,16 @@ def test_isolated_elements_bound_the_components_from_below():
             around = ndimage.convolve(mask.astype(np.int16), np.ones((3, 3), np.int16), mode="constant")
             assert tensor_stats.isolated(mask) == np.count_nonzero(mask & (around == 1))
             assert tensor_stats.isolated(mask) <= ndimage.label(mask, structure=np.ones((3, 3)))[1]
+
+
+def test_scores_of_a_candidate_shaped_unlike_golden_raise_with_and_without_the_c_loops(monkeypatch):
+    """tensor_stats.compare walks the candidate's elements through golden's buffers: a candidate of
+    another shape (here as many elements, which reads in bounds; more would write past them) is
+    numpy's broadcast error on either path, not scored."""
+    from peat import scores, tensor_stats
+
+    golden = torch.randn(10, 10)
+    for lib in (tensor_stats._library(), None):
+        monkeypatch.setattr(tensor_stats, "_LIB", [lib])
+        with pytest.raises(ValueError, match="broadcast"):
+            scores.tensor_scores(torch.randn(5, 20), golden, golden.double())
