@@ -192,32 +192,24 @@ def test_a_kernels_own_timeout_overrides_playbacks(context, tmp_path):
     assert outcomes == {"default": "timeout", "patient": "ok"}
 
 
-def test_a_kernel_that_does_not_load_fails_its_verdict_not_the_job(context, tmp_path):
-    broken = tmp_path / "broken.py"
-    broken.write_text("def forward(x, weight, bias)\n    return x\n")  # missing colon
-    playback.run_job("tiny", "cpu", "broken", {"op": "linear", "impl": str(broken)}, context,
-                     tmp_path / "b.parquet", tmp_path / "b.json", errors_=["rv:2"],
-                     settings={"computations": ["forward"], "max_samples_per_layer": 1}, rules={})
-    record = json.loads((tmp_path / "b.json").read_text())
-    assert record["outcome"]["status"] == "crash" and "import failed: SyntaxError" in record["outcome"]["message"]
-    got = detect.run_job(tmp_path / "b.parquet", tmp_path / "b.json", tmp_path / "v.json")
-    assert got["verdict"] == "fail" and got["error_model"] == "crash"
-
-
-@pytest.mark.parametrize("body, error", [("def forward(x, weight, bias)\n", "SyntaxError"),
+@pytest.mark.parametrize("importable", [False, True], ids=["file", "module"])
+@pytest.mark.parametrize("body, error", [("def forward(x, weight, bias)\n    return x\n", "SyntaxError"),
                                          ("raise RuntimeError('needs a GPU')\n", "RuntimeError: needs a GPU")])
-def test_an_importable_kernel_module_that_fails_to_load_fails_its_verdict_not_the_job(context, tmp_path, monkeypatch,
-                                                                                       body, error):
-    # Named by its import path: validation finds the module without running it, playback runs it.
+def test_a_kernel_that_does_not_load_fails_its_job_with_one_line(context, tmp_path, monkeypatch, body, error,
+                                                                  importable):
+    # A bad file (issue: reliability): one line naming it, no output a later job could take for a result.
     name = f"peat_test_broken_{error[:3].lower()}"
     (tmp_path / f"{name}.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert kernels.source_files(name)
-    playback.run_job("tiny", "cpu", "broken", {"op": "linear", "impl": name}, context, tmp_path / "b.parquet",
-                     tmp_path / "b.json", errors_=[], settings={"computations": ["forward"], "max_samples_per_layer": 1},
-                     rules={})
-    record = json.loads((tmp_path / "b.json").read_text())
-    assert record["outcome"]["status"] == "crash" and error in record["outcome"]["message"]
+    impl = name if importable else str(tmp_path / f"{name}.py")
+    assert kernels.source_files(impl)  # validation finds it without running it
+    with pytest.raises(PeatError) as err:
+        playback.run_job("tiny", "cpu", "broken", {"op": "linear", "impl": impl}, context, tmp_path / "b.parquet",
+                         tmp_path / "b.json", errors_=[], settings={"computations": ["forward"]}, rules={})
+    message = str(err.value)
+    assert "\n" not in message and name in message and error in message
+    assert not (tmp_path / "b.parquet").exists() and not (tmp_path / "b.json").exists()
+
 
 def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(context, tmp_path):
     # Split-K tiles need a reduction to split: on a norm layer the injection itself raises.

@@ -311,24 +311,6 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
     return rows
 
 
-def _loaded(name: str, spec: dict) -> kernels.Kernel:
-    """The configured kernel; one whose own source fails to load (a syntax error, a failing
-    import or compile, another OP) raises that error in every computation instead, so that it
-    is the kernel's outcome (a crash in the record, a failed verdict), as in candidate training,
-    and not a failed workflow job."""
-    from .candidate import build
-
-    try:
-        return build(name, spec)
-    except PeatError as err:
-        failure = err  # ``err`` itself is unbound once the except block ends
-
-    def fail(*args, **kwargs):
-        raise failure
-
-    return kernels.Kernel(name, spec["op"], fail, fail, fail, custom=kernels.COMPUTATIONS)
-
-
 def _jsonable(attrs: dict) -> dict:
     return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in attrs.items()}
 
@@ -348,6 +330,7 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
     The context must carry this workflow's ``config_hash`` and the running torch version.
     ``propagate_from`` (model spec, data and checkpoint paths) enables the later observing points.
     """
+    from .candidate import build
     from .device import for_vendor, seed_everything
 
     seed_everything(seed, threads)
@@ -355,7 +338,7 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
     expect = {"model": model, "torch_version": str(torch.__version__)}
     if config_hash is not None:
         expect["config_hash"] = config_hash
-    plan = Plan(context=Path(context), kernel=_loaded(kernel_name, kspec), layers=kspec.get("layers"),
+    plan = Plan(context=Path(context), kernel=build(kernel_name, kspec), layers=kspec.get("layers"),
                 errors=list(errors_), computations=tuple(settings.get("computations", kernels.COMPUTATIONS)),
                 max_samples=settings.get("max_samples_per_layer"), seed=seed,
                 timeout=kspec.get("timeout", settings.get("timeout", 60.0)),  # a slow kernel may ask for more
