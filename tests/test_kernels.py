@@ -405,6 +405,45 @@ def test_a_kernel_that_dies_is_a_crash_even_when_a_process_it_forked_holds_the_p
     assert outcomes[0].seconds < 4
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # killed, not yet reaped by its new parent
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_child_does_not_outlive_a_parent_killed_while_it_runs(tmp_path):
+    """A playback job killed (SIGTERM) while a probe hangs leaves no child running on, holding its memory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    told = tmp_path / "child.pid"
+    script = ("import os, time, pathlib\nfrom peat import kernels\n"
+              "def hang():\n    pathlib.Path(os.environ['TOLD']).write_text(str(os.getpid()))\n    time.sleep(60)\n"
+              "kernels.run_isolated_many([kernels.Call(hang)], timeout=60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], env=os.environ | {"TOLD": str(told)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (told.exists() and told.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(told.read_text())
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = not _gone(child)
+    finally:
+        parent.kill()
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive
+
+
 @pytest.mark.parametrize("func, status, message", [
     (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 1 s"),
     (_wrong_shape, "shape_mismatch", "returned (6, 47)")])

@@ -354,9 +354,10 @@ class Outcome:
         return {"status": self.status, "message": self.message, "seconds": self.seconds}
 
 
-def _child(conn, calls, memory_mb):
+def _child(conn, calls, memory_mb, parent):
     import resource
 
+    _die_with(parent)
     torch.set_num_threads(1)
     for func, args, kwargs in calls:
         if memory_mb:
@@ -374,6 +375,19 @@ def _child(conn, calls, memory_mb):
             payload = _failure(err)
         conn.send(payload)
     conn.close()
+
+
+def _die_with(parent: int) -> None:
+    """Linux kills this child when its parent goes (a job killed while a kernel runs): it would
+    run on otherwise, a hung kernel for ever, or blocked on a result that nobody reads."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it went before that
+        os._exit(1)
 
 
 def _failure(err: BaseException) -> tuple[str, str]:
@@ -437,8 +451,8 @@ def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> l
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     start = time.perf_counter()
-    proc = ctx.Process(target=_child, args=(child, [(c.func, c.args, c.kwargs) for c in calls], memory_mb),
-                       daemon=True)
+    proc = ctx.Process(target=_child, args=(child, [(c.func, c.args, c.kwargs) for c in calls], memory_mb,
+                                            os.getpid()), daemon=True)
     proc.start()
     child.close()
     outcomes, whole = [], False
