@@ -211,6 +211,18 @@ def test_a_kernel_that_does_not_load_fails_its_job_with_one_line(context, tmp_pa
     assert not (tmp_path / "b.parquet").exists() and not (tmp_path / "b.json").exists()
 
 
+def test_probes_run_in_process_leave_a_stateful_kernel_as_they_found_it(context, monkeypatch):
+    """Under CUDA the probes run in this process (no fork after CUDA starts): they must not
+    advance a faulty kernel's draws, or its table would differ from the one a forked probe gives."""
+    make = lambda: errors.faulty(kernels.golden("linear"), "rv:2", "forward", seed=5)  # noqa: E731
+    forked, _ = replay(context, kernel=make(), errors=[], computations=("forward",))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    inline, _ = replay(context, kernel=make(), errors=[], computations=("forward",))
+    assert (forked.loc[forked["case"] == "kernel", "err_max"] > 0).all()  # the fault is there
+    pd.testing.assert_frame_equal(forked, inline)
+
+
 def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(context, tmp_path):
     # Split-K tiles need a reduction to split: on a norm layer the injection itself raises.
     kernel = kernels.load("peat.alt_kernels.welford_norm", "layer_norm")

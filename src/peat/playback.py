@@ -246,7 +246,9 @@ def probe(plan: Plan, timer: Timer, layers: list[str]) -> dict[tuple[str, str], 
     outcomes = {key: kernels.Outcome("ok", "golden fallback") for key in first}
     own = [key for key in first if key[1] in plan.kernel.custom]
     with timer("probe"):
-        calls = [kernels.Call(kernels.call, (plan.kernel, computation, *first[layer, computation]),
+        # A replica: where the probes run in this process (CUDA), a faulty kernel's draws must not move.
+        calls = [kernels.Call(kernels.call, (errors.replica(plan.kernel, computation), computation,
+                                             *first[layer, computation]),
                               expect=kernels.expected(computation, *first[layer, computation]))
                  for layer, computation in own]
         isolated = kernels.run_isolated_many(calls, timeout=plan.timeout, memory_mb=plan.memory_mb)
