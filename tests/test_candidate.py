@@ -160,6 +160,13 @@ def test_config_names_models_that_would_silently_get_no_jobs():
     with pytest.raises(PeatError, match=r"config key 'rfi\.models': unknown model 'resnet_18'; defined: resnet18, "):
         candidate.check(bad)
     bad = copy.deepcopy(config)
+    bad["rfi"]["models"] = ["gpt2"]  # a model, but not one lane_fc runs on
+    with pytest.raises(PeatError, match=r"config key 'rfi\.models': none of them runs rfi kernel 'lane_fc' "
+                                        r"\(it applies to resnet18\)"):
+        candidate.check(bad)
+    bad["rfi"]["models"] = ["gpt2", "resnet18"]
+    candidate.check(bad)
+    bad = copy.deepcopy(config)
     bad["kernels"]["im2col"]["models"] = ["resnet18", "gpt2"]
     with pytest.raises(PeatError, match=r"config key 'kernels\.im2col\.models': model 'gpt2' \(gpt2\) has no conv2d layer"):
         candidate.check(bad)

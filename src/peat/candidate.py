@@ -65,11 +65,16 @@ def check(config: dict) -> None:
         models_for(config, name)
     for spec in config.get("errors", []):
         errors.parse(spec)
-    _known_models(config, config.get("rfi", {}).get("models") or [], "rfi.models")
+    chosen = config.get("rfi", {}).get("models") or []
+    _known_models(config, chosen, "rfi.models")
     for name in config.get("rfi", {}).get("kernels", []):
         if name not in config.get("kernels", {}):
             raise PeatError(f"config key 'rfi.kernels': unknown kernel {name!r}; defined: "
                             f"{', '.join(config.get('kernels', {})) or 'none'}")
+        applies = models_for(config, name)
+        if chosen and not set(applies) & set(chosen):  # it would get no RFI job, and no word
+            raise PeatError(f"config key 'rfi.models': none of them runs rfi kernel {name!r} "
+                            f"(it applies to {', '.join(applies) or 'no model'})")
 
 
 def build(name: str, spec: dict) -> kernels.Kernel:
