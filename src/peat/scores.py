@@ -75,7 +75,7 @@ def difference(candidate: torch.Tensor, gold: Golden) -> Diff:
     and ``abs_error``'s rules where a difference is not finite."""
     candidate = candidate.detach().float().cpu()
     found = tensor_stats.compare(candidate, gold.matrix, gold.finite)
-    bits = bit_scores(candidate, gold) if found is None else _bit_scores_of(found["counts"], found["ulp"])
+    bits = _bits_found(candidate, gold, found)
     if found is None or not found["finite"]:
         err = abs_error(candidate, None, gold)
         return Diff(err, float(err.max(initial=0.0)), None, bits)
@@ -315,7 +315,11 @@ def bit_scores(candidate: torch.Tensor, gold: Golden) -> dict:
     histogram, from the float32 bit patterns (``peat.tensor_stats.compare``'s one pass, or
     numpy's)."""
     candidate = candidate.detach().float().cpu()
-    found = tensor_stats.compare(candidate, gold.matrix, gold.finite)
+    return _bits_found(candidate, gold, tensor_stats.compare(candidate, gold.matrix, gold.finite))
+
+
+def _bits_found(candidate: torch.Tensor, gold: Golden, found: dict | None) -> dict:
+    """``bit_scores`` from what ``tensor_stats.compare`` found (None: without the C loop)."""
     if found is None:
         return _bit_scores_numpy(candidate.contiguous().view(torch.int32).reshape(-1).numpy(), gold)
     return _bit_scores_of(found["counts"], found["ulp"])
