@@ -130,7 +130,15 @@ def round_to(t: torch.Tensor, precision: str) -> torch.Tensor:
 
 # -- element errors ------------------------------------------------------------------------
 def _choose(n: int, k: int, generator) -> torch.Tensor:
-    return torch.randperm(n, generator=generator)[:k]  # on the CPU: same draws on every device
+    """``k`` distinct positions out of ``n``, uniformly, drawn on the CPU (same draws on every device)."""
+    if 8 * k >= n:
+        return torch.randperm(n, generator=generator)[:k]
+    # Floyd's algorithm: k draws instead of a permutation of all n (5 ms for a million elements).
+    chosen: dict[int, None] = {}
+    for j in range(n - k, n):
+        t = int(torch.randint(j + 1, (1,), generator=generator))
+        chosen[j if t in chosen else t] = None
+    return torch.tensor(list(chosen), dtype=torch.long)
 
 
 def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
