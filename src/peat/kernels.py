@@ -176,6 +176,54 @@ def load(impl: str, op: str, name: str | None = None) -> Kernel:
     return Kernel(name=name, op=op, **(GOLDEN[op] | funcs), custom=tuple(funcs), source=source)
 
 
+def shipped(impl: str) -> bool:
+    """Golden or one of peat's own modules: code this project tests, loaded without a child."""
+    return impl == "golden" or impl.startswith("peat.")
+
+
+# Compiling a C++ source takes about a minute on 2 cores (longer on a busy machine) and happens in
+# the loading child, so it gets at least this long: a job's timeout is meant for kernel calls.
+CPP_BUILD_TIMEOUT = 1800.0
+
+
+def check_loads(impl: str, op: str, *, timeout: float) -> None:
+    """Load a user kernel once in a forked child: module-level code that segfaults, exits or hangs
+    would take the job down (or hang it for ever) with no word; here it fails with one line naming
+    the kernel, as a kernel that raises on import does. The caller then loads it as usual."""
+    if shipped(impl):
+        return
+    if impl.endswith(CPP_SUFFIXES):
+        timeout = max(timeout, CPP_BUILD_TIMEOUT)
+    outcome = run_isolated(_load_error, impl, op, timeout=timeout)
+    if outcome.ok and not outcome.value:
+        return
+    if outcome.ok:  # load raised: its own one-line message
+        raise PeatError(outcome.value)
+    what = (f"loading the kernel timed out after {timeout:g} s" if outcome.status == "timeout"
+            else f"{outcome.message.removesuffix(' without a result')} while loading the kernel")
+    raise PeatError(f"{_label(impl)}: {what}")
+
+
+def _load_error(impl: str, op: str) -> str:
+    """Child body of ``check_loads``: "" when ``impl`` loads, else the one line saying why not."""
+    try:
+        load(impl, op)
+    except PeatError as err:
+        return str(err)
+    except BaseException as err:  # sys.exit() at module level, which load's handlers let through
+        return _import_failed(impl, err)
+    return ""
+
+
+def _label(impl: str) -> str:
+    """How load's messages name a kernel: a file by its path, a module by its import path."""
+    return impl if impl.endswith(".py") or impl.endswith(CPP_SUFFIXES) else f"kernel impl {impl!r}"
+
+
+def _import_failed(impl: str, err: BaseException) -> str:
+    return f"{_label(impl)}: import failed: {type(err).__name__}: {err}"
+
+
 def source_of(impl: str) -> str | None:
     """The file a kernel spec refers to, without importing it (for workflow inputs)."""
     if impl == "golden":
@@ -224,14 +272,14 @@ def _import(impl: str):
         try:
             spec.loader.exec_module(module)
         except Exception as err:  # the user's file is at fault: say where
-            raise PeatError(f"{impl}: import failed: {type(err).__name__}: {err}") from None
+            raise PeatError(_import_failed(impl, err)) from None
         return module, impl
     try:
         module = importlib.import_module(impl)
     except ImportError as err:
         raise PeatError(f"kernel impl {impl!r}: cannot import ({err})") from None
     except Exception as err:  # the module's own code is at fault, as for a .py file
-        raise PeatError(f"kernel impl {impl!r}: import failed: {type(err).__name__}: {err}") from None
+        raise PeatError(_import_failed(impl, err)) from None
     return module, source_of(impl)
 
 
@@ -294,7 +342,7 @@ def arguments(op: str, computation: str, sample: dict, attrs: dict) -> tuple[lis
 
 def _cast(value, dtype):
     if torch.is_tensor(value) and value.is_floating_point():
-        return value.detach().to(dtype).clone()  # clone: kernels may write in place (running stats)
+        return value.detach().to(dtype, copy=True)  # a copy: kernels may write in place (running stats)
     return value
 
 
