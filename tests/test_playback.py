@@ -489,6 +489,28 @@ def test_float64_reference_runs_from_the_layer_on_the_golden_input():
     assert not torch.equal(got, model64(x.double()))  # not the whole network in float64
 
 
+@pytest.mark.parametrize("size, conv", [
+    (1, dict(kernel_size=3, padding=1)),                    # 1x1 maps: one GEMM over the batch
+    (4, dict(kernel_size=3, stride=2, padding=1, bias=False)),
+    (5, dict(kernel_size=(3, 1), dilation=2, padding=(1, 0), stride=(3, 4))),
+    (8, dict(kernel_size=3, padding=1)),                    # larger maps: PyTorch's own
+    (2, dict(kernel_size=1, groups=2)),                     # grouped: PyTorch's own
+])
+def test_float64_copy_convolves_like_pytorch_in_float64(size, conv):
+    from peat.propagate import _float64
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 6, **conv), nn.ReLU())
+    x = torch.randn(3, 4, size, size, dtype=torch.float64)
+    got = _float64(model)(x)
+    want = nn.functional.relu(nn.functional.conv2d(x, model[0].weight.double(),
+                                                   None if model[0].bias is None else model[0].bias.double(),
+                                                   model[0].stride, model[0].padding, model[0].dilation, model[0].groups))
+    assert got.shape == want.shape and got.dtype == torch.float64 and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-13, atol=1e-13)
+    assert model[0].weight.dtype == torch.float32  # the float32 network is left as it was
+
+
 def test_prefix_refuses_to_replay_a_skipped_random_draw():
     from peat.propagate import Prefix, PrefixMismatch
 

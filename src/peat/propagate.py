@@ -24,12 +24,14 @@ input and the input recorded at that step (0 when the rebuilt state is exact).
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from . import checkpoint, errors, kernels, scores
 from .evidence import envelopes
@@ -40,6 +42,7 @@ from .train import Run, _subset, epoch_batches
 
 REFERENCES = ("fp16", "bf16", "tf32")
 KEEP_MODELS = 4  # rebuilt networks kept (float32 and float64 pair per step): steps recur across layers
+GEMM_MAP = 4  # float64 convolutions with output maps this small run as one GEMM (see _float64)
 
 
 @dataclass
@@ -82,7 +85,7 @@ class Propagator:
         """
         if step not in self._models:
             model = self.model_at(step)
-            self._models[step] = (model, copy.deepcopy(model).double())
+            self._models[step] = (model, _float64(model))
             while len(self._models) > KEEP_MODELS:
                 self._models.popitem(last=False)
         self._models.move_to_end(step)
@@ -219,6 +222,34 @@ class Propagator:
         return [{**base, "fop": fop, "tensor": tensor, "case": case,
                  **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)}
                 for case, seen in runs.items()]
+
+
+def _float64(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``model``, for the reference run.
+
+    On the CPU, PyTorch convolves float64 one sample at a time; where the output map is small
+    (ResNet's last stages) that is a matrix-vector product per sample, 2-6x slower than one GEMM
+    over the batch, and the reference run then costs more than all the float32 runs of a step.
+    Those convolutions run as one GEMM: float64 either way, far below float32's rounding.
+    """
+    twin = copy.deepcopy(model).double()
+    for module in twin.modules():
+        if type(module) is torch.nn.Conv2d and module.padding_mode == "zeros" and not isinstance(module.padding, str):
+            module.forward = functools.partial(_conv64, module)
+    return twin
+
+
+def _conv64(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    n, _, h, w = x.shape if x.dim() == 4 else (0, 0, 0, 0)
+    k, s, p, d = conv.kernel_size, conv.stride, conv.padding, conv.dilation
+    ho, wo = ((size + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i, size in enumerate((h, w)))
+    if not n or ho * wo > GEMM_MAP or conv.groups != 1 or x.device.type != "cpu" or x.dtype != torch.float64:
+        return conv._conv_forward(x, conv.weight, conv.bias)
+    cols = F.unfold(x, k, dilation=d, padding=p, stride=s)  # (n, C*kh*kw, ho*wo)
+    out = cols.transpose(1, 2).reshape(n * ho * wo, -1) @ conv.weight.reshape(conv.out_channels, -1).t()
+    if conv.bias is not None:
+        out += conv.bias
+    return out.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous()
 
 
 @contextmanager
