@@ -464,6 +464,44 @@ def test_prefix_replay_equals_the_whole_forward():
     assert "forward" not in model[1].relu.__dict__  # the modules are restored
 
 
+class _Spoiler(nn.Module):
+    """Writes into its input in place after L (``b``): on replay, into a record."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        out = self.b(x)
+        x.mul_(2)
+        return out + x
+
+
+def test_replayed_records_are_not_copied_and_a_forward_writing_into_one_invalidates_the_prefix():
+    from peat.propagate import Prefix
+
+    def replays(model, times):
+        torch.manual_seed(0)
+        x = torch.randn(5, 8)
+        prefix = Prefix(model, "1.b")
+        with torch.no_grad():
+            with prefix.recording():
+                golden = model(x)
+            outs = []
+            for _ in range(times):
+                with prefix.replaying():
+                    outs.append(model(x))
+        return prefix, golden, outs
+
+    torch.manual_seed(0)
+    prefix, golden, outs = replays(nn.Sequential(nn.Linear(8, 8), _Block(), nn.Linear(8, 4)), 3)
+    assert prefix.valid and all(torch.equal(out, golden) for out in outs)  # `out += x`: not a record
+    torch.manual_seed(0)
+    prefix, golden, (out,) = replays(nn.Sequential(nn.Linear(8, 8), _Spoiler(), nn.Linear(8, 4)), 1)
+    assert torch.equal(out, golden)  # this forward is still golden's ...
+    assert not prefix.valid  # ... but the record is spoilt: no more replays
+
+
 def test_float64_reference_runs_from_the_layer_on_the_golden_input():
     """The later observing points' fp64 reference: the golden float32 prefix, cast, then every
     module from L on in float64."""

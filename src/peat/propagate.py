@@ -285,10 +285,12 @@ class Prefix:
     The candidates' forwards differ from golden only from L on, so every module call that
     finishes before L starts returns what it returned in the golden forward. Recording keeps
     the outputs of the outermost such calls (tensor outputs only; their own sub-calls then
-    never run). Replaying returns copies of them (later in-place ops must not touch the
-    record) and checks, as L starts, that the random state and L's input are bitwise the
-    golden ones: a skipped module that drew random numbers (dropout) would shift later draws,
-    and then the caller runs the whole forward instead.
+    never run). Replaying returns them as they are (copying every one costs more than the
+    skipped modules save in deep layers) and checks, as L starts, that the random state and L's
+    input are bitwise the golden ones: a skipped module that drew random numbers (dropout) would
+    shift later draws, and then the caller runs the whole forward instead. A forward that writes
+    into a returned record in place (its version counter moves) still computes what golden did,
+    but the record is spoilt: the prefix is then no longer valid, and later forwards run whole.
     """
 
     def __init__(self, model: torch.nn.Module, layer: str, dtype: torch.dtype | None = None):
@@ -303,13 +305,14 @@ class Prefix:
         """This recorded prefix, replayed in a copy of the model that computes in ``dtype``."""
         twin = Prefix(model, self.layer, dtype)
         twin.outputs, twin.rng, twin.input = self.outputs, self.rng, self.input
+        # Its outputs are copies, so it never spoils the shared records (see _replayed).
         twin.recorded, twin.valid = self.recorded, self.valid
         return twin
 
     def _replayed(self, kept: torch.Tensor) -> torch.Tensor:
         if self.dtype is not None and kept.is_floating_point():
             return kept.to(self.dtype, copy=True)
-        return kept.clone()
+        return kept
 
     @contextmanager
     def recording(self):
@@ -358,6 +361,8 @@ class Prefix:
     @contextmanager
     def replaying(self):
         patched = {name: self.modules[name].__dict__.get("forward") for name in self.outputs}
+        handed = []  # (record, its version) of every record returned uncopied
+
 
         def forward(name, original):
             calls = [0]
@@ -365,7 +370,12 @@ class Prefix:
             def replay(*args, **kwargs):
                 calls[0] += 1
                 kept = self.outputs[name].get(calls[0] - 1)
-                return original(*args, **kwargs) if kept is None else self._replayed(kept)
+                if kept is None:
+                    return original(*args, **kwargs)
+                out = self._replayed(kept)
+                if out is kept:
+                    handed.append((kept, kept._version))
+                return out
             return replay
 
         def check(module, inputs):
@@ -379,6 +389,8 @@ class Prefix:
             yield
         finally:
             hook.remove()
+            if any(kept._version != version for kept, version in handed):
+                self.valid = False
             for name, own in patched.items():
                 if own is None:
                     del self.modules[name].forward
