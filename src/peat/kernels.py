@@ -374,10 +374,13 @@ def applies(computation: str, sample: dict) -> bool:
 
 
 def expected(computation: str, sample: dict, attrs: dict | None = None) -> torch.Tensor:
-    """The golden result of ``computation`` on this sample: the recorded one, else golden's
-    (computed from the recorded inputs; needs the layer's ``attrs``)."""
+    """A tensor of the shape and dtype of golden's result of ``computation`` on this sample: the
+    recorded result, else golden's on meta tensors (no data, nothing computed; needs ``attrs``)."""
     target = TARGET[computation]
-    return sample[target] if target in sample else call(golden(attrs["op"]), computation, sample, attrs)
+    if target in sample:
+        return sample[target]
+    shapes = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in sample.items()}
+    return call(golden(attrs["op"]), computation, shapes, attrs)
 
 
 # -- running a kernel in a child process -------------------------------------------------------
