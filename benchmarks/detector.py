@@ -239,7 +239,7 @@ def report(frame: pd.DataFrame, out: str | Path, **meta) -> dict:
     write_csv(out / "cases.csv", frame)
     write_csv(out / "confusion.csv", confusion)
     write_csv(out / "metrics.csv", per_class)
-    write_json(out / "summary.json", detect.json_safe(summary))
+    write_json(out / "summary.json", summary)
     figure(confusion, out / "confusion.png")
     return summary
 

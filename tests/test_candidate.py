@@ -102,9 +102,8 @@ def test_compare_lines_up_curves():
     assert len(crashed) == 3 and crashed["loss_candidate"].isna().all()
 
 
-def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
-    """A crash leaves the candidate curve empty, NaN after the merge: outcome.json said
-    nonfinite_loss: true, the flag meant for a kernel whose training went NaN."""
+def train_crashing_kernel(digits, tmp_path) -> dict:
+    """Candidate training of a kernel that raises on its first call; outcome.json is in tmp_path/out."""
     golden = tmp_path / "golden"
     golden.mkdir()
     pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
@@ -112,9 +111,27 @@ def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
     path = tmp_path / "raises.py"
     path.write_text("def forward(x, weight, bias):\n    raise RuntimeError('boom')\n")
     spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
-    record = candidate.train_candidate("resnet18", spec, "raises", {"op": "linear", "impl": str(path), "layers": ["fc"]},
-                                       digits, golden, tmp_path / "out", seed=0)
+    return candidate.train_candidate("resnet18", spec, "raises", {"op": "linear", "impl": str(path), "layers": ["fc"]},
+                                     digits, golden, tmp_path / "out", seed=0)
+
+
+def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
+    """A crash leaves the candidate curve empty, NaN after the merge: outcome.json said
+    nonfinite_loss: true, the flag meant for a kernel whose training went NaN."""
+    record = train_crashing_kernel(digits, tmp_path)
     assert record["status"] == "crash" and record["nonfinite_loss"] is False
+
+
+def test_a_crashed_kernels_outcome_is_strict_json(digits, tmp_path):
+    """The crash's missing candidate losses were written as a bare NaN, which jq and
+    JavaScript's JSON.parse reject; they are null."""
+    train_crashing_kernel(digits, tmp_path)
+
+    def no_constants(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    saved = json.loads((tmp_path / "out" / "outcome.json").read_text(), parse_constant=no_constants)
+    assert saved["status"] == "crash" and saved["final_val_loss_candidate"] is None
 
 
 def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):

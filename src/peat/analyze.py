@@ -27,7 +27,6 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from .detect import json_safe  # noqa: E402
 from .io import atomic_path, open_h5, write_csv, write_json  # noqa: E402
 
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
@@ -224,7 +223,7 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
                    "repeated_blocks": repeated_blocks(layers), "forward_backward": forward_backward(layers),
                    "propagation": propagation(table)}
     write_csv(out / "layers.csv", layers)
-    write_json(out / "summary.json", json_safe(summary))
+    write_json(out / "summary.json", summary)
     figures(table, out, dpi)
     return summary
 

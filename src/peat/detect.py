@@ -51,14 +51,13 @@ the footprint exact.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from .io import PeatError, write_json
+from .io import PeatError, json_safe, write_json
 
 CLASSES = ("non_finite", "block_structured", "periodic_lane", "bit_flip", "random_zero", "random_value",
            "reduced_precision", "none")
@@ -211,19 +210,6 @@ def _evidence(own: pd.DataFrame, table: pd.DataFrame, rules: Rules) -> dict:
                    for comp, rows in by_spec.groupby("computation", sort=False)}
             for spec, by_spec in faults.groupby("case", sort=True)}
     return ev
-
-
-def json_safe(obj):
-    """``obj`` with NaN/inf floats replaced by None (JSON has no NaN)."""
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj
 
 
 def rules_from(section: dict | None) -> Rules:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -31,8 +32,9 @@ def atomic_path(path: str | os.PathLike):
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
+    """Strict JSON (``jq``, ``JSON.parse``): NaN/inf become null, as a bare NaN would fail those readers."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
+        tmp.write_text(json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def write_csv(path: str | os.PathLike, frame) -> None:
@@ -40,14 +42,27 @@ def write_csv(path: str | os.PathLike, frame) -> None:
         frame.to_csv(tmp, index=False)
 
 
-def _jsonable(value):
-    if hasattr(value, "item"):
-        return value.item()
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+def json_safe(obj):
+    """``obj`` as plain JSON values, NaN/inf floats as None (JSON has no NaN).
+
+    Done before encoding, not in ``json.dumps(default=)``: floats inside an array or a numpy
+    scalar would reach the encoder unconverted.
+    """
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, float):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, (str, int, type(None))):  # bool is an int
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist"):  # numpy scalars and arrays, tensors
+        return json_safe(obj.tolist())
+    if hasattr(obj, "item"):
+        return json_safe(obj.item())
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
 def open_h5(path: str | os.PathLike, mode: str = "r") -> h5py.File:
