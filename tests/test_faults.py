@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from conftest import snakemake
-from peat import checkpoint, kernels, provenance
+from peat import candidate, checkpoint, kernels, playback, provenance
 from peat.io import PeatError
 
 # A reduced config: one tiny GPT-2, one recorded linear layer, forward playback only, no
@@ -174,6 +174,55 @@ def test_kernel_file_with_syntax_error_is_one_line_naming_it(tmp_path):
     with pytest.raises(PeatError) as err:
         kernels.load(str(bad), "linear")
     assert str(err.value) == f"{bad}: import failed: SyntaxError: expected ':' (bad.py, line 1)"
+
+
+# Module-level code that would take the job's process down, hang it, or raise on import:
+# name -> (source, what the one line says after the kernel's name).
+LOAD_FAULTS = {
+    "segv": ("import ctypes\nctypes.string_at(0)  # null read\n", "killed by SIGSEGV while loading the kernel"),
+    "exits": ("import os\nos._exit(3)\n", "exited with code 3 while loading the kernel"),
+    "hangs": ("import time\ntime.sleep(600)\n", "loading the kernel timed out after 2 s"),
+    "sys_exit": ("import sys\nsys.exit(3)\n", "import failed: SystemExit: 3"),
+    "syntax": ("def forward(x, weight, bias)\n    return x\n",
+               "import failed: SyntaxError: expected ':' (peat_test_load_syntax.py, line 1)"),
+}
+
+
+def _run_job(job: str, impl: str, work: Path, timeout: float) -> None:
+    """A playback, candidate-training or RFI job on kernel ``impl``, writing under ``work``."""
+    kspec = {"op": "linear", "impl": impl, "timeout": timeout, "train_timeout": timeout}
+    # Neither context, data nor golden run exists: the kernel must fail before any is read.
+    if job == "playback":
+        playback.run_job("tiny", "cpu", "k", kspec, work / "context.h5", work / "k.parquet", work / "k.json",
+                         errors_=[], settings={"computations": ["forward"]}, rules={})
+    else:
+        candidate.train_candidate("resnet18", {"arch": "resnet18"}, "k", kspec, work / "data.h5", work / "golden",
+                                  work / "out", schedule=None if job == "candidate" else "f0.5")
+
+
+@pytest.mark.parametrize("importable", [False, True], ids=["file", "module"])
+@pytest.mark.parametrize("job", ["playback", "candidate", "rfi"])
+@pytest.mark.parametrize("fault", LOAD_FAULTS)
+def test_kernel_that_does_not_load_fails_its_job_with_one_line_and_writes_nothing(tmp_path, monkeypatch, fault,
+                                                                                  job, importable):
+    source, what = LOAD_FAULTS[fault]
+    name = f"peat_test_load_{fault}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    impl = name if importable else str(tmp_path / f"{name}.py")
+    work = tmp_path / "job"
+    work.mkdir()
+    with pytest.raises(PeatError) as err:
+        _run_job(job, impl, work, timeout=2 if fault == "hangs" else 60)  # a busy machine may take seconds
+    label = f"kernel impl {name!r}" if importable else impl
+    assert str(err.value) == f"{label}: {what}"
+    assert list(work.iterdir()) == []  # no output, not even a partial one
+
+
+def test_shipped_kernels_load_without_a_child(monkeypatch):
+    monkeypatch.setattr(kernels, "run_isolated", lambda *a, **k: pytest.fail("forked for a shipped kernel"))
+    for impl in ("golden", "peat.alt_kernels.im2col"):
+        kernels.check_loads(impl, "conv2d", timeout=1)
 
 
 def test_provenance_stamp_is_stable_and_flat():

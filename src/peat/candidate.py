@@ -6,7 +6,8 @@ candidate training routes them for the whole run; RFI only during part of it (th
 against golden on the same inputs at every routed call, and keeps training on the result so
 that the growth of errors over consecutive calls can be analysed. Training runs in a child
 process (``kernels.run_isolated``): a kernel that raises, segfaults or hangs gives an
-``outcome.json`` with its status instead of a failed workflow.
+``outcome.json`` with its status instead of a failed workflow. A kernel that does not load
+(``kernels.check_loads``) fails its job instead, with one line, as in playback.
 """
 
 from __future__ import annotations
@@ -211,6 +212,9 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
                     schedule: str | None = None) -> dict:
     """Candidate training (``schedule`` None) or one RFI case; writes outcome.json and compare.csv."""
     out_dir, golden_dir = Path(out_dir), Path(golden_dir)
+    # A kernel that does not load fails the job with one line and writes nothing, as in playback
+    # (the training child below would record it as a crash, and downstream jobs would run on it).
+    kernels.check_loads(kspec.get("impl", "golden"), kspec["op"], timeout=kspec.get("train_timeout", 3600))
     # A rerun means the kernel changed: never resume from what an older version left behind.
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)

@@ -335,6 +335,9 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
     from .candidate import build
     from .device import for_vendor, seed_everything
 
+    timeout = kspec.get("timeout", settings.get("timeout", 60.0))  # a slow kernel may ask for more
+    # First, before CUDA starts (no fork after that) and before anything is read or written.
+    kernels.check_loads(kspec.get("impl", "golden"), kspec["op"], timeout=timeout)
     seed_everything(seed, threads)
     device = for_vendor(vendor)
     expect = {"model": model, "torch_version": str(torch.__version__)}
@@ -343,8 +346,7 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
     plan = Plan(context=Path(context), kernel=build(kernel_name, kspec), layers=kspec.get("layers"),
                 errors=list(errors_), computations=tuple(settings.get("computations", kernels.COMPUTATIONS)),
                 max_samples=settings.get("max_samples_per_layer"), seed=seed,
-                timeout=kspec.get("timeout", settings.get("timeout", 60.0)),  # a slow kernel may ask for more
-                memory_mb=settings.get("memory_mb"),
+                timeout=timeout, memory_mb=settings.get("memory_mb"),
                 expect=expect, meta={"model": model, "vendor": vendor, "kernel": kernel_name},
                 rules=detect.rules_from(rules), device=device)
     if propagate_from is not None and settings.get("propagate", True):
