@@ -422,6 +422,11 @@ SPECIAL = {
     "nan": torch.tensor([1.0, float("nan"), 3.0]),
     "inf": torch.tensor([1.0, float("-inf"), float("inf")]),
     "strided": torch.randn(40, 30, generator=_G).t(),
+    # float32 squares of these deviations underflow to 0 (or overflow): std was 0 (or inf)
+    "tiny": torch.randn(1000, generator=_G) * 1e-25,
+    "tiny3": torch.tensor([1e-25, 3e-25, -2e-25]),
+    "subnormal": torch.randn(1000, generator=_G) * 1e-40,
+    "huge": torch.randn(1000, generator=_G) * 1e25,
 }
 
 
@@ -434,8 +439,21 @@ def test_one_pass_summary_statistics_agree_with_torch(name):
     d = t.double()
     if torch.isfinite(d).all() and d.numel() > 1:
         # float lanes summed within blocks: about 1e-6 of the spread, like torch's float32 sum
-        np.testing.assert_allclose(got[:2], [d.mean().item(), d.std().item()], rtol=1e-6, atol=1e-6 * d.std().item())
+        exact = [d.mean().item(), d.std().item()]
+        np.testing.assert_allclose(got[:2], exact, rtol=1e-6, atol=1e-6 * exact[1])
+        # the torch ops' std: float32 (subnormal below 2^-126) from a float32 mean (off by 2e-5 of
+        # the std when |mean| >> std, as in 'offset')
+        assert want[1] == pytest.approx(exact[1], rel=5e-5, abs=2.0 ** -149)
     assert got[5] == (~torch.isfinite(t)).sum().item()
+
+
+@pytest.mark.parametrize("spread", [0.0, 2.0 ** -149, 1e-40, 1e-25, 2.0 ** -40, 1e-5, 1.0, 2.0 ** 40, 1e25, 3e38,
+                                    float("inf"), float("nan")])
+def test_the_gpu_scale_of_deviations_is_the_cpu_one(spread):
+    """stats_torch scales tiny or huge deviations without reading the tensor on a GPU: by
+    ``_scale_torch``, which must pick the power of two ``_scale`` picks."""
+    got = tensor_stats._scale_torch(torch.tensor(spread, dtype=torch.float32)).item()
+    assert got == tensor_stats._scale(float(np.float32(spread)))
 
 
 def test_summary_statistics_fall_back_to_torch_without_a_compiler(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import subprocess
 import tempfile
@@ -43,11 +44,10 @@ SOURCE = r"""
 #include <string.h>
 #define LANES 16
 #define BLOCK 1024
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-/* AVX2 where the CPU has it (picked at load time); same lanes, same roundings as the default. */
-__attribute__((target_clones("avx2", "default")))
-#endif
-void peat_moments(const float *x, int64_t n, double *out) {
+/* d = (x - shift) * scale: scale is a power of two (exact) that brings tiny or huge spreads
+   near 1, where float squares neither underflow nor overflow; 1 in the common case, where
+   peat_moments runs a copy of the loop without the multiplication (scaled a constant 0). */
+static inline void moments_run(const float *x, int64_t n, float scale, const int scaled, double *out) {
     const float shift = n ? x[0] : 0.0f;
     float lo[LANES], hi[LANES];
     double total = 0.0, squares = 0.0;
@@ -58,7 +58,7 @@ void peat_moments(const float *x, int64_t n, double *out) {
         int64_t end = i + BLOCK <= n ? i + BLOCK : n - (n - i) % LANES;
         for (; i < end; i += LANES) {
             for (int j = 0; j < LANES; j++) {
-                float v = x[i + j], d = v - shift;
+                float v = x[i + j], d = scaled ? (v - shift) * scale : v - shift;
                 s[j] += d;
                 q[j] += d * d;
                 lo[j] = v < lo[j] ? v : lo[j];
@@ -69,7 +69,7 @@ void peat_moments(const float *x, int64_t n, double *out) {
     }
     for (; i < n; i++) {
         float v = x[i];
-        double d = (double)v - shift;
+        double d = ((double)v - shift) * scale;
         total += d;
         squares += d * d;
         lo[0] = v < lo[0] ? v : lo[0];
@@ -78,6 +78,17 @@ void peat_moments(const float *x, int64_t n, double *out) {
     float l = lo[0], h = hi[0];
     for (int j = 1; j < LANES; j++) { l = lo[j] < l ? lo[j] : l; h = hi[j] > h ? hi[j] : h; }
     out[0] = total; out[1] = squares; out[2] = l; out[3] = h; out[4] = shift;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* AVX2 where the CPU has it (picked at load time); same lanes, same roundings as the default. */
+__attribute__((target_clones("avx2", "default")))
+#endif
+void peat_moments(const float *x, int64_t n, float scale, double *out) {
+    if (scale == 1.0f)
+        moments_run(x, n, 1.0f, 0, out);
+    else
+        moments_run(x, n, scale, 1, out);
 }
 
 /* peat_compare works through runs of at most CHUNK elements: first the element-wise part
@@ -323,7 +334,7 @@ def _library():
     if not _LIB:
         try:
             lib = ctypes.CDLL(str(_build()))
-            lib.peat_moments.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            lib.peat_moments.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
             lib.peat_moments.restype = None
             lib.peat_compare.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_int,
                                          *[ctypes.c_void_p] * 5]
@@ -357,12 +368,32 @@ def stats_torch(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().float()
     # sum and a norm are an order of magnitude faster than torch.std_mean on CPU.
     mean = t.sum() / t.numel()
-    std = torch.linalg.vector_norm(t - mean) / max(t.numel() - 1, 1) ** 0.5
     lo, hi = torch.aminmax(t)
+    deviations = t - mean
+    # Float squares of tiny or huge deviations under- or overflow: scale them near 1 first. On CPU
+    # the scale is read (waiting for nothing) and the common case skips that pass; reading it on
+    # a GPU would wait for the device, so there every tensor is scaled.
+    if t.device.type == "cpu":
+        scale = _scale(max(hi.item() - mean.item(), mean.item() - lo.item()))
+    else:
+        scale = _scale_torch(torch.maximum(hi - mean, mean - lo))
+    rescale = t.device.type != "cpu" or scale != 1.0
+    if rescale:
+        deviations.mul_(scale)
+    std = torch.linalg.vector_norm(deviations) / max(t.numel() - 1, 1) ** 0.5
+    if rescale:  # apart: float32 scale * sqrt(n - 1) may overflow
+        std = std / scale
     absmax = torch.maximum(lo.abs(), hi.abs())
     # One cheap reduction in the common case: the sum of finite tensors is finite.
     bad = (~torch.isfinite(t)).sum().float() if not torch.isfinite(mean) else torch.zeros((), device=t.device)
     return torch.stack([mean, std, lo, hi, absmax, bad])
+
+
+def _scale_torch(spread: torch.Tensor) -> torch.Tensor:
+    """``_scale`` of a float32 0-d tensor, without reading it (a GPU's would wait for the device)."""
+    inside = ~((spread > 0) & (spread < _SPREAD[0]) | (spread > _SPREAD[1]) & torch.isfinite(spread))
+    power = torch.ldexp(torch.ones_like(spread), -torch.frexp(spread).exponent.clamp(-126, 126))
+    return torch.where(inside, torch.ones_like(spread), power)
 
 
 def stats(t: torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -372,15 +403,35 @@ def stats(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     t = t.detach()
     if lib is None or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() or not t.numel():
         return stats_torch(t)
-    raw = np.empty(5)
-    lib.peat_moments(t.data_ptr(), t.numel(), raw.ctypes.data)
-    total, squares, lo, hi, shift = raw
-    if not np.isfinite(total + squares):  # inf/NaN inside (or float overflow): the torch ops say which
+    total, squares, lo, hi, shift = _moments(lib, t, 1.0)
+    scale = _scale(max(hi - shift, shift - lo))
+    if scale != 1.0:  # rare: a second pass, rather than a slower first one for every tensor
+        total, squares, *_ = _moments(lib, t, scale)
+    if not np.isfinite(total + squares):  # inf/NaN inside: the torch ops say which
         return stats_torch(t)
     n = t.numel()
-    mean = shift + total / n
-    var = max(squares - total * total / n, 0.0) / max(n - 1, 1)
+    mean = shift + total / scale / n
+    var = max(squares - total * total / n, 0.0) / max(n - 1, 1) / (scale * scale)
     return np.array([mean, var ** 0.5, lo, hi, max(abs(lo), abs(hi)), 0.0])
+
+
+def _moments(lib, t: torch.Tensor, scale: float) -> np.ndarray:
+    """``peat_moments``: the sum and the sum of squares of (t - t[0]) * scale, min, max, t[0]."""
+    raw = np.empty(5)
+    lib.peat_moments(t.data_ptr(), t.numel(), scale, raw.ctypes.data)
+    return raw
+
+
+# Float squares of deviations below 2^-63 are subnormal (0 below 2^-75), above 2^64 infinite:
+# spreads outside [2^-40, 2^40] are scaled to about 1, by 2^-126..2^126 (normal float32 values).
+_SPREAD = (2.0 ** -40, 2.0 ** 40)
+
+
+def _scale(spread: float) -> float:
+    """1, or the power of two that brings a tiny or huge ``spread`` (finite, > 0) near 1."""
+    if not (0.0 < spread < _SPREAD[0] or _SPREAD[1] < spread < math.inf):
+        return 1.0
+    return math.ldexp(1.0, -min(max(math.frexp(spread)[1], -126), 126))
 
 
 def compare(candidate: torch.Tensor, golden: np.ndarray, golden_finite: bool) -> dict | None:
