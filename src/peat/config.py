@@ -81,9 +81,23 @@ def _cross_check(config: dict) -> None:
             raise PeatError(f"config key 'models.{name}.init_from': {base!r} is a {models[base]['arch']}, "
                             f"not a {model['arch']}")
         _check_schedule(name, model)
+    _check_init_cycles(models)
     ref = config.get("reference_vendor", "cpu")
     if ref not in config["vendors"]:
         raise PeatError(f"config key 'reference_vendor': {ref!r} is not in 'vendors' ({', '.join(config['vendors'])})")
+
+
+def _check_init_cycles(models: dict) -> None:
+    """No models that start from each other (a -> b -> a): Snakemake would stop at its own cyclic
+    dependency error, which names no config key. Every init_from is a known model by now."""
+    for name in models:
+        chain, base = [name], models[name].get("init_from")
+        while base is not None and base not in chain:
+            chain.append(base)
+            base = models[base].get("init_from")
+        if base == name:
+            raise PeatError(f"config key 'models.{name}.init_from': models start from each other in a cycle "
+                            f"({' -> '.join(chain + [name])})")
 
 
 def _check_schedule(name: str, model: dict) -> None:
