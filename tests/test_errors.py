@@ -251,6 +251,28 @@ def test_a_replica_repeats_the_next_injection_without_advancing():
     assert errors.replica(plain, "forward").forward is plain.forward
 
 
+@pytest.mark.parametrize("spec", ["rv:3", "rz:1", "nan:1", "bit_flip:exponent", "lane:4", "tile:2", "tile:2:splitk"])
+def test_injecting_into_the_base_kernels_result_equals_calling_the_faulty_kernel(spec):
+    x, w = torch.randn(6, 10, generator=gen(10)), torch.randn(9, 10, generator=gen(11))
+    base = kernels.golden("linear")
+    called, injected = (errors.faulty(base, spec, seed=3) for _ in range(2))
+    assert errors.reuses(injected, "forward", base)
+    for scale in (1, 2):  # a stale tile holds the previous call's result: the state carries over
+        args = [x * scale, w, None]
+        want = called.forward(*args)
+        got = errors.inject(injected, "forward", base.forward(*args), args, {})
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bit for bit, NaN included
+
+
+def test_only_errors_in_the_result_of_that_very_kernel_are_reused():
+    base = kernels.golden("linear")
+    assert not errors.reuses(errors.faulty(base, "bf16"), "forward", base)  # on its operands: calls it
+    assert not errors.reuses(base, "forward", base)
+    assert not errors.reuses(errors.faulty(base, "rv:1", "input_grad"), "forward", base)
+    other = errors.faulty(base, "tile:4", seed=1)
+    assert not errors.reuses(errors.faulty(other, "rv:1"), "forward", base)
+
+
 @pytest.mark.parametrize("spec", ["fp8", "rv", "rv:0", "lane:0", "tile:x", "bit_flip:32", "bit_flip:exponent:0", "nan:-1"])
 def test_bad_specs_name_the_spec(spec):
     with pytest.raises(PeatError, match=re.escape(repr(spec))):

@@ -232,16 +232,30 @@ def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(conte
     got = detect.run_job(tmp_path / "t.parquet", tmp_path / "t.json", tmp_path / "v.json")
     assert got["verdict"] == "pass" and got["error_model"] == "none"
     assert got["evidence"]["pseudo_errors"] == {"rv:2": {"forward": "random_value"}}
-    # The kernel's own code failing inside an injected case is still the kernel's crash.
+    # The kernel's own code failing inside an injected case is still the kernel's crash (an error
+    # on the operands calls the kernel again; one in its result reuses the kernel case's result).
     flaky = tmp_path / "flaky.py"
     flaky.write_text("import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
                      "    if len(CALLS) == 2:\n        raise ValueError('second call')\n"
                      "    return torch.nn.functional.linear(x, weight, bias)\n")
-    table, record = replay(context, kernel=kernels.load(str(flaky), "linear"), errors=["rv:2"], layers=["4"],
+    table, record = replay(context, kernel=kernels.load(str(flaky), "linear"), errors=["bf16"], layers=["4"],
                            computations=("forward",), max_samples=1)
     playback.write(table, record, tmp_path / "f.parquet", tmp_path / "f.json")
     got = detect.run_job(tmp_path / "f.parquet", tmp_path / "f.json", tmp_path / "v.json")
     assert got["verdict"] == "fail" and "second call" in got["evidence"]["outcome"]["message"]
+
+
+def test_variants_injecting_into_results_reuse_the_kernels_result(context, tmp_path):
+    counting = tmp_path / "counting.py"
+    counting.write_text("import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                        "    return torch.nn.functional.linear(x, weight, bias)\n")
+    kernel = kernels.load(str(counting), "linear")
+    table, _ = replay(context, kernel=kernel, errors=["rv:2", "lane:4", "bf16"], layers=["4"],
+                      computations=("forward",), max_samples=2)
+    module = kernel.forward.__globals__
+    assert len(module["CALLS"]) == 2 * 2  # per sample: the kernel case and bf16 (on its operands)
+    assert set(table["case"]) >= {"kernel", "rv:2", "lane:4", "bf16"} and "status" not in table  # no failed row
+    assert set(table.loc[table["case"] == "rv:2", "error_model"]) == {"random_value"}
 
 
 def test_analyzer_tables_and_figures(context, tmp_path):

@@ -310,6 +310,21 @@ def _injecting(func, model: ErrorModel, generator: torch.Generator, op: str, com
     return wrapped
 
 
+def reuses(kernel, computation: str, base) -> bool:
+    """Whether ``kernel`` is ``base`` with an error injected into its result (not its operands):
+    then ``inject`` gives what it returns from ``base``'s own result, without calling ``base``."""
+    func = kernel.computation(computation)
+    model = getattr(func, "error", None)
+    return model is not None and not model.on_operands and func.inner is base.computation(computation)
+
+
+def inject(kernel, computation: str, result: torch.Tensor, args, kwargs) -> torch.Tensor:
+    """What a call of ``kernel`` (see ``reuses``) on operands ``args, kwargs`` returns when its
+    base returns ``result`` there: the same draws, and the same state left for the next call."""
+    func = kernel.computation(computation)
+    return func.error.apply(result, func.generator, operands=(*func.where, args, kwargs))
+
+
 def replica(kernel, computation: str):
     """A copy of ``kernel`` whose next ``computation`` call injects exactly what the next call of
     ``kernel`` will (the same draws, the same stale tile) without advancing ``kernel``: the same

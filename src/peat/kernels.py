@@ -354,10 +354,14 @@ def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torc
     func = kernel.computation(computation)
     if not applies(computation, sample):
         raise PeatError(f"{kernel.name}: sample at step {sample.get('step')} has no input gradient (first layer)")
-    args, kwargs = arguments(kernel.op, computation, sample, attrs)
-    args = [_cast(a, dtype) for a in args]
-    kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+    args, kwargs = operands(kernel.op, computation, sample, attrs, dtype)
     return func(*args, **kwargs)
+
+
+def operands(op: str, computation: str, sample: dict, attrs: dict, dtype=torch.float32) -> tuple[list, dict]:
+    """The arguments ``call`` passes: ``arguments``, floating ones as fresh copies in ``dtype``."""
+    args, kwargs = arguments(op, computation, sample, attrs)
+    return [_cast(a, dtype) for a in args], {k: _cast(v, dtype) for k, v in kwargs.items()}
 
 
 def applies(computation: str, sample: dict) -> bool:
