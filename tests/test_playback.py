@@ -380,6 +380,23 @@ def test_later_observing_points_see_the_fault_seen_at_the_output(golden_run):
     assert len(stale) == 2 and (stale["err_max"] > 0).all()
 
 
+def test_downstream_variants_injecting_into_results_reuse_the_kernels_output_there(golden_run, tmp_path):
+    from peat.propagate import Propagator
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+    prop = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=1)
+    counting = tmp_path / "counting.py"
+    counting.write_text("import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                        "    return torch.nn.functional.linear(x, weight, bias)\n")
+    kernel = kernels.load(str(counting), "linear")
+    table, _ = replay(context, kernel=kernel, errors=["rv:2", "lane:4"], layers=["transformer.h.0.mlp.c_fc"],
+                      computations=("forward",), max_samples=1, propagate=prop)
+    assert len(kernel.forward.__globals__["CALLS"]) == 2  # at the output and downstream, once each
+    loss = table[table["fop"] == "loss"].set_index("case")
+    assert (loss.loc[["rv:2", "lane:4"], "err_max"] > loss.loc["kernel", "err_max"]).all()  # carried downstream
+
+
 def test_a_kernel_failing_downstream_is_a_row_not_a_failed_job(golden_run, tmp_path):
     from peat.propagate import Propagator
 
