@@ -397,6 +397,33 @@ def test_downstream_variants_injecting_into_results_reuse_the_kernels_output_the
     assert (loss.loc[["rv:2", "lane:4"], "err_max"] > loss.loc["kernel", "err_max"]).all()  # carried downstream
 
 
+def test_downstream_twins_of_variants_on_a_faulty_kernels_operands_repeat_their_own_call(golden_run, monkeypatch):
+    """A faulty kernel (a config ``error:``) draws at every call, and a variant on its operands
+    calls it after the kernel case: its downstream twin, copied before the kernel case's call,
+    drew what the kernel case drew instead of what the variant's output rows saw."""
+    from peat.propagate import Propagator
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+    prop = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=None)
+    kernel = errors.faulty(kernels.golden("linear"), "lane:4", seed=7)
+    seen, real = {}, kernels.call  # (case, step) -> L's output, at the output and downstream
+
+    def spying(kernel, computation, sample, attrs, dtype=torch.float32):
+        out = real(kernel, computation, sample, attrs, dtype)
+        if "lane" in kernel.name:
+            seen.setdefault((kernel.name, int(sample["step"])), []).append(out.clone())
+        return out
+
+    monkeypatch.setattr(kernels, "call", spying)
+    replay(context, kernel=kernel, errors=["bf16", "fp16"], layers=["transformer.h.0.mlp.c_fc"],
+           computations=("forward",), propagate=prop)
+    for step in (0, 3):  # rebuilt exactly: L's input downstream is the recorded one
+        for case in ("golden+lane:4", "golden+lane:4+bf16", "golden+lane:4+fp16"):
+            output, downstream = seen[case, step]
+            assert torch.equal(output, downstream), (case, step)
+
+
 def test_a_kernel_failing_downstream_is_a_row_not_a_failed_job(golden_run, tmp_path):
     from peat.propagate import Propagator
 

@@ -301,6 +301,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                 if reusable and errors.reuses(kernel, computation, plan.kernel):
                     candidates[case] = _injected(timer, kernel, computation, candidates["kernel"], sample, attrs)
                 else:
+                    if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
+                        twins[case] = errors.replica(kernel, computation)
                     candidates[case] = _call(timer, kernel, computation, sample, attrs)
             except Exception as err:  # a kernel failing later than its probe: a row saying so
                 status = "not_applicable" if isinstance(err, errors.NotApplicable) else "crash"
