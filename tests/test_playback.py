@@ -560,6 +560,45 @@ def test_replayed_records_are_not_copied_and_a_forward_writing_into_one_invalida
     assert not prefix.valid  # ... but the record is spoilt: no more replays
 
 
+class _Masked(nn.Module):
+    """A mask (a bool record) computed before L (``b``) and flipped in place after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sign, self.b = _Sign(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        mask = self.sign(x)
+        out = self.b(x)
+        mask.logical_not_()
+        return out * mask
+
+
+class _Sign(nn.Module):
+    def forward(self, x):
+        return x > 0
+
+
+def test_the_float64_replay_never_spoils_the_shared_records():
+    """The float64 twin's records are copies, floats or not: its forward wrote into an uncopied
+    bool record, and the next float32 replay (still valid) started from the flipped mask."""
+    import copy
+
+    from peat.propagate import Prefix
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), _Masked()), torch.randn(5, 8)
+    model64 = copy.deepcopy(model).double()
+    prefix = Prefix(model, "1.b")
+    with torch.no_grad():
+        with prefix.recording():
+            golden = model(x)
+        with prefix.on(model64, torch.float64).replaying():
+            model64(x.double())
+        with prefix.replaying():
+            assert torch.equal(model(x), golden)
+
+
 def test_float64_reference_runs_from_the_layer_on_the_golden_input():
     """The later observing points' fp64 reference: the golden float32 prefix, cast, then every
     module from L on in float64."""

@@ -319,8 +319,8 @@ class Prefix:
         return twin
 
     def _replayed(self, kept: torch.Tensor) -> torch.Tensor:
-        if self.dtype is not None and kept.is_floating_point():
-            return kept.to(self.dtype, copy=True)
+        if self.dtype is not None:  # a twin (see on): copies, whatever their dtype
+            return kept.to(self.dtype, copy=True) if kept.is_floating_point() else kept.clone()
         return kept
 
     @contextmanager
