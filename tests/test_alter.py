@@ -485,6 +485,16 @@ def test_h5diff_statistics(tmp_path):
     assert A.diff(a, b)["only_in_a"] == ["/only_a"]
 
 
+def test_h5diff_sees_a_low_bit_flip_of_a_large_int64(tmp_path):
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    for path, value in ((a, 2**60 + 1), (b, 2**60)):  # equal once rounded to float64
+        with h5py.File(path, "w") as f:
+            f["n"] = np.array([value, 7], np.int64)
+    row = A.diff(a, b)["datasets"][0]
+    assert row["differing"] == 1 and row["bits"] == {"63": 1}  # bit 0 is printed MSB-first as 63
+    assert row["euclidean"] == 1.0 and row["max_rel"] == pytest.approx(2.0 ** -60, rel=1e-9, abs=0)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(count=st.integers(0, 200), seed=st.integers(0, 2**31), region=st.sampled_from(A.CLI_REGIONS),
        burst=st.integers(1, 3), sign=st.booleans(), finite=st.booleans())

@@ -727,9 +727,12 @@ def diff(a, b, *, positions: bool = False) -> dict:
 
 
 def _diff_row(entry: Entry, ra: np.ndarray, rb: np.ndarray, where: np.ndarray) -> dict:
+    # Integers in extended precision: float64 rounds int64 above 2^53, so a low-bit flip there
+    # would show no difference (x86's long double holds 64 bits of mantissa).
+    wide = np.longdouble if np.dtype(entry.dtype).kind in "iu" else np.float64
     with np.errstate(invalid="ignore"):  # signalling NaNs made by flips
-        va = _values(ra[where], entry.dtype, entry.layout).astype(np.float64)
-        vb = _values(rb[where], entry.dtype, entry.layout).astype(np.float64)
+        va = _values(ra[where], entry.dtype, entry.layout).astype(wide)
+        vb = _values(rb[where], entry.dtype, entry.layout).astype(wide)
     finite = np.isfinite(va) & np.isfinite(vb)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         delta = np.abs(vb[finite] - va[finite])
