@@ -249,16 +249,17 @@ def _float64(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _conv64(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    n, _, h, w = x.shape if x.dim() == 4 else (0, 0, 0, 0)
-    k, s, p, d = conv.kernel_size, conv.stride, conv.padding, conv.dilation
-    ho, wo = ((size + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i, size in enumerate((h, w)))
-    if not n or ho * wo > GEMM_MAP or conv.groups != 1 or x.device.type != "cpu" or x.dtype != torch.float64:
-        return conv._conv_forward(x, conv.weight, conv.bias)
-    cols = F.unfold(x, k, dilation=d, padding=p, stride=s)  # (n, C*kh*kw, ho*wo)
-    out = cols.transpose(1, 2).reshape(n * ho * wo, -1) @ conv.weight.reshape(conv.out_channels, -1).t()
-    if conv.bias is not None:
-        out += conv.bias
-    return out.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous()
+    if x.dim() == 4 and len(x) and conv.groups == 1 and x.device.type == "cpu" and x.dtype == torch.float64:
+        n, _, h, w = x.shape
+        k, s, p, d = conv.kernel_size, conv.stride, conv.padding, conv.dilation
+        ho, wo = ((size + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i, size in enumerate((h, w)))
+        if ho * wo <= GEMM_MAP:
+            cols = F.unfold(x, k, dilation=d, padding=p, stride=s)  # (n, C*kh*kw, ho*wo)
+            out = cols.transpose(1, 2).reshape(n * ho * wo, -1) @ conv.weight.reshape(conv.out_channels, -1).t()
+            if conv.bias is not None:
+                out += conv.bias
+            return out.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous()
+    return conv._conv_forward(x, conv.weight, conv.bias)
 
 
 @contextmanager
@@ -371,7 +372,6 @@ class Prefix:
     def replaying(self):
         patched = {name: self.modules[name].__dict__.get("forward") for name in self.outputs}
         handed = []  # (record, its version) of every record returned uncopied
-
 
         def forward(name, original):
             calls = [0]
