@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import h5py
@@ -399,6 +400,35 @@ def test_a_module_called_twice_in_a_step_records_its_first_call(tmp_path, derive
     assert not torch.allclose(sample["dW"], fc.weight.grad)
 
 
+class WithEmptyLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.empty = torch.nn.Linear(4, 2), torch.nn.Linear(4, 0)  # width 0: a fully pruned head
+
+    def forward(self, x):
+        return self.fc(x) + self.empty(x).sum()
+
+
+def test_a_layer_of_width_zero_is_summarised_as_nan_and_refused_for_recording(tmp_path):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: initialising a zero-element tensor is a no-op
+        model = WithEmptyLayer()
+    prof = Profiler(tmp_path / "context.h5", ["fc"], every=1)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(3, 4)).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    with h5py.File(tmp_path / "context.h5") as f:
+        rows = f["summaries"][f["summaries"]["layer"] == b"empty"]
+    assert len(rows) == 3 and all(np.isnan(rows[s]).all() for s in ("mean", "std", "min", "max", "absmax"))
+    assert (rows["nonfinite"] == 0).all()
+    with pytest.raises(PeatError, match=r"^config key 'record.layers': layer 'empty' has a weight of shape \(0, 4\)"):
+        Profiler(tmp_path / "other.h5", ["*"]).attach(model)
+    assert not list(tmp_path.rglob("other*"))
+
+
 def test_a_forward_between_steps_is_not_recorded(tmp_path):
     """A forward in training mode after a recorded step's end_step (the batch accuracy after the
     update) raised KeyError: the Profiler still thought it was recording."""
@@ -450,6 +480,11 @@ def test_one_pass_summary_statistics_agree_with_torch(name):
         # the std when |mean| >> std, as in 'offset')
         assert want[1] == pytest.approx(exact[1], rel=5e-5, abs=2.0 ** -149)
     assert got[5] == (~torch.isfinite(t)).sum().item()
+
+
+def test_summary_statistics_of_an_empty_tensor_are_nan_with_none_bad():
+    row = np.asarray(tensor_stats.stats(torch.zeros(0, 8)), dtype=np.float64)
+    assert np.isnan(row[:5]).all() and row[5] == 0
 
 
 @pytest.mark.parametrize("spread", [0.0, 2.0 ** -149, 1e-40, 1e-25, 2.0 ** -40, 1e-5, 1.0, 2.0 ** 40, 1e25, 3e38,

@@ -97,6 +97,10 @@ def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layer
             examples = ", ".join(list(layers)[:6])
             raise PeatError(f"config key '{key}': {pattern!r} matches no conv/linear/norm layer; layers are e.g. {examples}")
         chosen.update({n: layers[n] for n in hits})
+    for name, module in chosen.items():
+        if module.weight is not None and not module.weight.numel():
+            raise PeatError(f"config key '{key}': layer {name!r} has a weight of shape {tuple(module.weight.shape)}, "
+                            "no element to replay")
     return {n: layers[n] for n in layers if n in chosen}
 
 

@@ -366,6 +366,8 @@ def compiled() -> bool:
 def stats_torch(t: torch.Tensor) -> torch.Tensor:
     """mean, std, min, max, absmax, non-finite count, as a float32 tensor on ``t``'s device."""
     t = t.detach().float()
+    if not t.numel():  # a layer of width 0 (a pruned head, say): no value to summarise, none bad
+        return torch.tensor([math.nan] * 5 + [0.0], device=t.device)
     # sum and a norm are an order of magnitude faster than torch.std_mean on CPU.
     mean = t.sum() / t.numel()
     lo, hi = torch.aminmax(t)
