@@ -459,6 +459,12 @@ def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(out), "--scale", "-2", "--no-sign-change"]) == 2
 
 
+def test_a_negative_seed_fails_with_one_line(mixed, tmp_path, capsys):
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "peat alter: error: --seed -1: must be >= 0"
+    assert not (tmp_path / "o.h5").exists()
+
+
 def test_unwritable_outputs_fail_with_one_line(mixed, tmp_path, capsys):
     under_a_file = mixed / "o.h5"  # its parent is the input file, not a directory
     for argv in (["alter", str(mixed), str(under_a_file)],

@@ -359,6 +359,8 @@ class Plan:
             raise PeatError(f"--bits {self.bits[0]}-{self.bits[1]}: need 0 <= A <= B <= 63 (bit 0 = sign)")
         if self.burst < 1:
             raise PeatError(f"--burst {self.burst}: must be >= 1")
+        if self.seed < 0:  # numpy's generators take no negative seed
+            raise PeatError(f"--seed {self.seed}: must be >= 0")
         if self.mask is not None and (self.burst != 1 or not self.mask or set(self.mask) - {"0", "1"} or "1" not in self.mask):
             raise PeatError(f"--mask {self.mask!r}: a string of 0 and 1 with at least one 1, not combined with --burst")
         if self.scale is not None and (self.mask is not None or self.burst != 1 or self.bits or self.region):
