@@ -491,6 +491,13 @@ def test_h5diff_statistics(tmp_path):
     assert A.diff(a, b)["only_in_a"] == ["/only_a"]
 
 
+def test_h5diff_summary_counts_only_differing_datasets_with_all(mixed, tmp_path, capsys):
+    run_alter(mixed, tmp_path / "o.h5", count=3, select=["model/conv1.weight"])
+    for flag in ([], ["--all"]):
+        assert main(["h5diff", str(mixed), str(tmp_path / "o.h5"), *flag]) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == "1 dataset(s) differ, 13 identical"
+
+
 def test_h5diff_sees_a_low_bit_flip_of_a_large_int64(tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     for path, value in ((a, 2**60 + 1), (b, 2**60)):  # equal once rounded to float64

@@ -770,7 +770,7 @@ def format_table(result: dict, all_rows: bool = False) -> str:
         lines.append(f"{r['dataset']:48s} {r['dtype']:8s} {r['differing']:>10d} {_fmt(r['max_rel'])} "
                      f"{_fmt(r['mean_rel'])} {_fmt(r['euclidean'])}  {bits}")
     same = sum(1 for r in result["datasets"] if r.get("differing") == 0)
-    lines.append(f"{len(rows)} dataset(s) differ, {same} identical"
+    lines.append(f"{len(result['datasets']) - same} dataset(s) differ, {same} identical"
                  + (f"; only in A: {', '.join(result['only_in_a'])}" if result["only_in_a"] else "")
                  + (f"; only in B: {', '.join(result['only_in_b'])}" if result["only_in_b"] else ""))
     return "\n".join(lines)
