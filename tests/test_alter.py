@@ -498,6 +498,16 @@ def test_h5diff_summary_counts_only_differing_datasets_with_all(mixed, tmp_path,
         assert capsys.readouterr().out.splitlines()[-1] == "1 dataset(s) differ, 13 identical"
 
 
+def test_h5diff_table_shows_the_nonfinite_values_of_b(tmp_path, capsys):
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    with h5py.File(a, "w") as f:
+        f["x"] = np.ones(4, np.float32)
+    run_alter(a, b, count=3, bits=(1, 1))  # the exponent MSB of 1.0: inf
+    assert main(["h5diff", str(a), str(b)]) == 0
+    header, row = capsys.readouterr().out.splitlines()[:2]
+    assert header.split()[6] == "nonfinite" and row.split()[6] == "3"
+
+
 def test_h5diff_sees_a_low_bit_flip_of_a_large_int64(tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     for path, value in ((a, 2**60 + 1), (b, 2**60)):  # equal once rounded to float64

@@ -761,14 +761,15 @@ def _num(x):
 
 def format_table(result: dict, all_rows: bool = False) -> str:
     rows = [r for r in result["datasets"] if all_rows or r.get("differing", 1)]
-    lines = [f"{'dataset':48s} {'dtype':8s} {'differing':>10s} {'max_rel':>10s} {'mean_rel':>10s} {'euclidean':>10s}  bits"]
+    lines = [f"{'dataset':48s} {'dtype':8s} {'differing':>10s} {'max_rel':>10s} {'mean_rel':>10s} {'euclidean':>10s} "
+             f"{'nonfinite':>10s}  bits"]
     for r in rows:
         if "status" in r:
             lines.append(f"{r['dataset']:48s} {r['status']}")
             continue
         bits = " ".join(f"{b}:{c}" for b, c in r["bits"].items())
         lines.append(f"{r['dataset']:48s} {r['dtype']:8s} {r['differing']:>10d} {_fmt(r['max_rel'])} "
-                     f"{_fmt(r['mean_rel'])} {_fmt(r['euclidean'])}  {bits}")
+                     f"{_fmt(r['mean_rel'])} {_fmt(r['euclidean'])} {r['nonfinite_new']:>10d}  {bits}")
     same = sum(1 for r in result["datasets"] if r.get("differing") == 0)
     lines.append(f"{len(result['datasets']) - same} dataset(s) differ, {same} identical"
                  + (f"; only in A: {', '.join(result['only_in_a'])}" if result["only_in_a"] else "")
