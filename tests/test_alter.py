@@ -310,6 +310,14 @@ def test_in_place_alters_only_when_asked(mixed, tmp_path):
     assert stat.S_IMODE(copy.stat().st_mode) == 0o620
 
 
+def test_in_place_through_a_symlink_alters_its_target(mixed, tmp_path):
+    target, link = tmp_path / "epoch003.h5", tmp_path / "latest.h5"
+    target.write_bytes(mixed.read_bytes())
+    link.symlink_to(target.name)
+    A.alter(link, None, A.Plan(count=5), in_place=True)
+    assert link.is_symlink() and sha(target) != sha(mixed)
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 

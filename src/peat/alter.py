@@ -593,7 +593,7 @@ def _prepare_output(src: Path, dst: Path | None, in_place: bool) -> Path:
             raise PeatError("--in-place takes only the input file")
         if not os.access(src, os.W_OK) or not src.stat().st_mode & 0o222:  # root too respects the mode
             raise PeatError(f"{src}: read-only; refusing to alter it in place")
-        return src
+        return src.resolve()  # through a symlink: the renamed copy replaces its target, not the link
     if dst is None:
         raise PeatError("give an output file (or --in-place to alter the input)")
     if dst.exists() and dst.resolve() == src.resolve():
