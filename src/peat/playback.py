@@ -232,11 +232,13 @@ def _to(sample: dict, device: torch.device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in sample.items()}
 
 
-def _samples(plan: Plan, timer: Timer, layer: str) -> tuple[dict, list[dict]]:
-    """The layer's attributes and the samples replayed (on the plan's device)."""
+def _samples(plan: Plan, timer: Timer, layer: str, steps: list[int] | None = None) -> tuple[dict, list[dict]]:
+    """The layer's attributes and the samples replayed (on the plan's device); of ``steps`` alone
+    when given."""
+    if steps is None:
+        steps = subsample(recorded_steps(plan.context, layer), plan.max_samples)
     with timer("io"):  # only the steps replayed are read; golden is computed below anyway, so not derived here
-        attrs, samples = read_layer(plan.context, layer, subsample(recorded_steps(plan.context, layer), plan.max_samples),
-                                    derive=False)
+        attrs, samples = read_layer(plan.context, layer, steps, derive=False)
     # A step at which the layer did not run (a conditional branch, an idle expert) holds its weights only.
     return attrs, [_to(s, plan.device) for s in samples if s.get("A") is not None]
 
@@ -248,11 +250,15 @@ def probe(plan: Plan, timer: Timer, layers: list[str]) -> dict[tuple[str, str], 
     first samples are held meanwhile."""
     first = {}
     for layer in layers:
-        attrs, samples = _samples(plan, timer, layer)
-        for computation in plan.computations:
-            sample = next((s for s in samples if kernels.applies(computation, s)), None)
-            if sample is not None:
-                first[layer, computation] = (sample, attrs)
+        found = {}  # read step by step until each computation has a sample: usually the first serves all
+        for step in subsample(recorded_steps(plan.context, layer), plan.max_samples):
+            attrs, samples = _samples(plan, timer, layer, [step])
+            for computation in plan.computations:
+                if samples and computation not in found and kernels.applies(computation, samples[0]):
+                    found[computation] = (samples[0], attrs)
+            if len(found) == len(plan.computations):
+                break
+        first |= {(layer, c): found[c] for c in plan.computations if c in found}
     outcomes = {key: kernels.Outcome("ok", "golden fallback") for key in first}
     own = [key for key in first if key[1] in plan.kernel.custom]
     with timer("probe"):
