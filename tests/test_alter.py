@@ -483,6 +483,14 @@ def test_unwritable_outputs_fail_with_one_line(mixed, tmp_path, capsys):
         assert err.startswith(f"peat {argv[0]}: error:") and str(mixed) in err and "\n" not in err
 
 
+def test_a_log_that_cannot_be_written_leaves_no_output(mixed, tmp_path):
+    before = sha(mixed)
+    for out, in_place in ((tmp_path / "o.h5", False), (None, True)):
+        with pytest.raises(OSError):
+            A.alter(mixed, out, A.Plan(count=5), in_place=in_place, log=mixed / "log.json")
+    assert not (tmp_path / "o.h5").exists() and sha(mixed) == before  # in place: the input is unaltered
+
+
 def test_h5diff_statistics(tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     with h5py.File(a, "w") as f:

@@ -634,16 +634,16 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
         done = apply(edits, storage)
         storage.close()
         t_flip = time.perf_counter()
-    t_rename = time.perf_counter()
-    rows = records(done) if (log is not None or keep_records) else None
-    if log is not None:
-        write_json(log, {"tool": "peat alter", "format": 1, "input": str(src), "bit_numbering": BIT_NUMBERING,
-                         "plan": asdict(plan) if replay is None else {"replay": str(replay)},
-                         "scale": plan.scale if replay is None else _log_scale(replay), "injections": rows})
+        rows = records(done) if (log is not None or keep_records) else None
+        if log is not None:  # before the rename: a log that cannot be written leaves no output without it
+            write_json(log, {"tool": "peat alter", "format": 1, "input": str(src), "bit_numbering": BIT_NUMBERING,
+                             "plan": asdict(plan) if replay is None else {"replay": str(replay)},
+                             "scale": plan.scale if replay is None else _log_scale(replay), "injections": rows})
+        t_log = time.perf_counter()
     t_end = time.perf_counter()
     n = int(sum(len(e.positions) for e in edits))
     timings = {"select": t_select - t0, "copy": t_copy - t_select, "flip": t_flip - t_copy,
-               "rename": t_rename - t_flip, "log": t_end - t_rename, "total": t_end - t0}
+               "rename": t_end - t_log, "log": t_log - t_flip, "total": t_end - t0}
     return Result(n, len({e.entry.path for e in edits}), len(chosen), timings, rows)
 
 
