@@ -434,6 +434,18 @@ def test_replay_on_a_file_of_another_dtype_or_rank_fails_with_one_line(tmp_path,
     with pytest.raises(PeatError, match=r"log .* cannot be applied to /w"):
         A.alter(again, tmp_path / "r.h5", A.Plan(), replay=log)
 
+def test_replaying_a_scale_log_on_other_values_warns(mixed, tmp_path, capsys):
+    log, other = tmp_path / "scale.json", tmp_path / "other.h5"
+    run_alter(mixed, tmp_path / "o.h5", log=log, count=5, scale=3.0, select=["model/conv1.weight"])
+    other.write_bytes(mixed.read_bytes())
+    with h5py.File(other, "r+") as f:
+        f["model/conv1.weight"][...] += 1
+    A.alter(other, tmp_path / "r.h5", A.Plan(), replay=log)
+    assert "5 value(s) of /model/conv1.weight" in capsys.readouterr().err
+    A.alter(mixed, tmp_path / "r.h5", A.Plan(), replay=log)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_log_without_bits_or_named_as_the_checkpoint_fails_with_one_line(mixed, tmp_path):
     log = tmp_path / "log.json"
     run_alter(mixed, tmp_path / "o.h5", log=log, count=3)

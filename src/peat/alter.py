@@ -681,13 +681,13 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
         positions = np.ravel_multi_index(index.T, entry.shape) if entry.shape else np.zeros(len(group), np.int64)
         if scale is not None:
             edits.append(Edit(entry, positions, scale=scale))
-            continue
-        bits = [r["bit"] if isinstance(r["bit"], list) else [r["bit"]] for r in group]
-        if any(not 0 <= b < entry.layout.width for bs in bits for b in bs):
-            raise PeatError(f"{source}: log {log} cannot be applied to {name}: it flips bits beyond the "
-                            f"{entry.layout.width} bits of {entry.layout.name}")
-        xor = np.array([sum(1 << (entry.layout.width - 1 - b) for b in bs) for bs in bits], np.uint64)
-        edits.append(Edit(entry, positions, xor=xor))
+        else:
+            bits = [r["bit"] if isinstance(r["bit"], list) else [r["bit"]] for r in group]
+            if any(not 0 <= b < entry.layout.width for bs in bits for b in bs):
+                raise PeatError(f"{source}: log {log} cannot be applied to {name}: it flips bits beyond the "
+                                f"{entry.layout.width} bits of {entry.layout.name}")
+            xor = np.array([sum(1 << (entry.layout.width - 1 - b) for b in bs) for bs in bits], np.uint64)
+            edits.append(Edit(entry, positions, xor=xor))
         _warn_if_different(storage, entry, positions, group, source, log)
     return edits
 
@@ -697,7 +697,7 @@ def _warn_if_different(storage, entry, positions, group, source, log) -> None:
     differ = sum(1 for h, r in zip(have, group) if h != r["old"] and not (h == r["old"] == "nan"))
     if differ:
         print(f"peat alter: warning: {differ} value(s) of {entry.path} in {source} differ from the 'old' values "
-              f"in {log}; the same bits are flipped anyway", file=sys.stderr)
+              f"in {log}; they are altered the same way anyway", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
