@@ -280,6 +280,20 @@ def test_scale_factor_is_not_rounded_to_the_dtype_first(tmp_path):
         assert [r["new"] for r in rows] == [float(dtype(r["old"] * factor)) for r in rows]
 
 
+@pytest.mark.parametrize("old,factor,new", [
+    (1.0, 1 + 2**-8 + 2**-30, 1 + 2**-7),  # just past the halfway point 1 + 2^-8: rounds up
+    (1 + 2**-7, (1 + 3 * 2**-8 - 2**-30) / (1 + 2**-7), 1 + 2**-7),  # just short of 1 + 3 * 2^-8: stays
+    (-1.0, 1 + 2**-8 + 2**-30, -(1 + 2**-7)),
+    (3e38, 1.5, "inf"),
+])
+def test_bfloat16_scale_rounds_once_to_nearest(tmp_path, old, factor, new):
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f["w_bf16"] = _bf16([old])
+    rows = run_alter(src, tmp_path / "o.h5", count=1, scale=factor).records
+    assert rows[0]["new"] == new
+
+
 def test_amounts(mixed, tmp_path):
     n = next(e.size for e in A.scan(mixed) if e.path == "/model/conv1.weight")
     rows = run_alter(mixed, tmp_path / "o.h5", fraction=0.25, select=["model/conv1.weight"]).records

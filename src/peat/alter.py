@@ -516,6 +516,17 @@ def _bf16_round(x: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint32).view(np.float32)
 
 
+def _f32_round_to_odd(x: np.ndarray) -> np.ndarray:
+    """float64 -> float32 rounded to odd, so that rounding it again to bfloat16 is exact: rounding to
+    nearest twice turns a float64 just past a bfloat16 halfway point into a float32 tie, then the wrong way."""
+    f = x.astype(np.float32)
+    back = f.astype(np.float64)
+    inexact = np.isfinite(x) & (back != x)
+    u = f.view(np.uint32)
+    u = np.where(inexact & (np.abs(back) > np.abs(x)), u - np.uint32(1), u)  # truncate toward zero
+    return np.where(inexact, u | np.uint32(1), u).astype(np.uint32).view(np.float32)
+
+
 def apply(edits: list[Edit], storage: Storage) -> list[dict]:
     """Apply edits in place through ``storage``; return per-dataset columns for the log."""
     done = []
@@ -537,7 +548,7 @@ def _scaled(old: np.ndarray, entry: Entry, factor: float) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         wide = _values(old, entry.dtype, entry.layout).astype(np.float64) * factor
         if entry.layout.name == "bfloat16":
-            return (_bf16_round(wide).view(np.uint32) >> np.uint32(16)).astype(old.dtype)
+            return (_bf16_round(_f32_round_to_odd(wide)).view(np.uint32) >> np.uint32(16)).astype(old.dtype)
         return wide.astype(entry.dtype).view(old.dtype)
 
 
