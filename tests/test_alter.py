@@ -107,6 +107,8 @@ def test_scan_reads_every_numeric_dataset_with_its_layout_and_class(mixed):
     ("updater/model:main/predictor/conv1/W", {}, "weight"),
     ("updater/model:main/predictor/conv1/b", {}, "bias"),
     ("updater/model:main/predictor/bn1/gamma", {}, "norm_weight"),
+    ("updater/model:main/predictor/bn1/avg_var", {}, "norm_stats"),
+    ("updater/model:main/predictor/bn1/N", {}, "norm_stats"),
     ("updater/optimizer:main/predictor/conv1/W/msg", {}, "optimizer"),
     ("step", {}, "other"),
     ("layers/dense_1/vars/0", {}, "weight"),  # Keras 3 .weights.h5: variables by position

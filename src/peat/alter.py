@@ -168,7 +168,10 @@ def location_class(path: str, attrs) -> str:
         if leaf == "bias":
             return "bias"
         return "weight" if leaf == "weight" else "other"
-    if leaf in ("gamma", "beta") or any(_NORM.search(p) for p in owner):
+    in_norm = any(_NORM.search(p) for p in owner)
+    if leaf == "n" and in_norm:  # Chainer's batch count, its num_batches_tracked
+        return "norm_stats"
+    if leaf in ("gamma", "beta") or in_norm:
         return "norm_weight"
     if any(_EMBED.search(p) for p in owner) or leaf in ("embeddings", "embedding"):
         return "embedding"
