@@ -468,7 +468,8 @@ def test_a_log_without_bits_or_named_as_the_checkpoint_fails_with_one_line(mixed
     data = json.loads(log.read_text())
     del data["injections"][1]["bit"]
     log.write_text(json.dumps(data))
-    with pytest.raises(PeatError, match=r"log.json: injection 1 lacks one of dataset, index, bit"):
+    with pytest.raises(PeatError, match=r"log.json: injection 1 needs dataset \(a path\), index \(a list of integers\), "
+                                         r"bit \(an integer or a list of them\)$"):
         A.alter(mixed, tmp_path / "r.h5", A.Plan(), replay=log)
     before = sha(mixed)
     with pytest.raises(PeatError, match="that is the checkpoint itself"):
@@ -477,6 +478,31 @@ def test_a_log_without_bits_or_named_as_the_checkpoint_fails_with_one_line(mixed
 
 
 # --- command line -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("index", 5, "injection 0 needs dataset"),  # a hand-written index of a 1-D dataset, not in a list
+    ("index", ["3"], "injection 0 needs dataset"),
+    ("bit", None, "injection 0 needs dataset"),
+    ("bit", 1.0, "injection 0 needs dataset"),
+    ("dataset", ["/x"], "injection 0 needs dataset"),
+    ("scale", "2", "scale '2' is not a number"),
+    ("injections", {"dataset": "/x"}, "injections is not a list"),
+])
+def test_a_malformed_hand_written_log_fails_with_one_line(tmp_path, field, value, message):
+    src, log = tmp_path / "in.h5", tmp_path / "log.json"
+    with h5py.File(src, "w") as f:
+        f["x"] = np.ones(8, np.float32)
+    data = {"injections": [{"dataset": "/x", "index": [3], "bit": 1}]}
+    (data if field in ("scale", "injections") else data["injections"][0])[field] = value
+    log.write_text(json.dumps(data))
+    with pytest.raises(PeatError, match=f"log.json: {message}"):
+        A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log)
+    assert not (tmp_path / "o.h5").exists()
+    data["injections"] = [{"dataset": "/x", "index": [3], "bit": [1, 2]}]
+    data.pop("scale", None)
+    log.write_text(json.dumps(data))
+    assert A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log).flips == 1
 
 
 def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):

@@ -672,10 +672,14 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
         rows, scale = data["injections"], data.get("scale")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise PeatError(f"{log}: not a peat alter injection log ({type(err).__name__}: {err})") from None
-    need = ("dataset", "index") if scale is not None else ("dataset", "index", "bit")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise PeatError(f"{log}: scale {scale!r} is not a number")
+    if not isinstance(rows, list):
+        raise PeatError(f"{log}: injections is not a list")
     for i, row in enumerate(rows):
-        if not isinstance(row, dict) or any(key not in row for key in need):
-            raise PeatError(f"{log}: injection {i} lacks one of {', '.join(need)}")
+        if not _well_formed(row, bit=scale is None):
+            raise PeatError(f"{log}: injection {i} needs dataset (a path), index (a list of integers)"
+                            + ("" if scale is not None else ", bit (an integer or a list of them)"))
     by_path = {e.path: e for e in entries}
     groups: dict[str, list[dict]] = {}
     for row in rows:
@@ -706,9 +710,19 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
     return edits
 
 
+def _well_formed(row, bit: bool) -> bool:
+    """Whether a (perhaps hand-written) log row has the fields a replay reads, of the right types."""
+    def ints(v):
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+    return (isinstance(row, dict) and isinstance(row.get("dataset"), str) and ints(row.get("index"))
+            and (not bit or ints(row.get("bit")) and row["bit"] != [] or ints([row.get("bit")])))
+
+
 def _warn_if_different(storage, entry, positions, group, source, log) -> None:
     have = _jsonable_values(storage.raw(entry)[positions], entry)
-    differ = sum(1 for h, r in zip(have, group) if h != r["old"] and not (h == r["old"] == "nan"))
+    # A hand-written log may leave out the old values: nothing to compare then.
+    differ = sum(1 for h, r in zip(have, group) if "old" in r and h != r["old"] and not (h == r["old"] == "nan"))
     if differ:
         print(f"peat alter: warning: {differ} value(s) of {entry.path} in {source} differ from the 'old' values "
               f"in {log}; they are altered the same way anyway", file=sys.stderr)
