@@ -112,6 +112,28 @@ def test_call_leaves_recorded_running_stats_alone(context):
     assert torch.equal(samples[0]["running_mean"], before)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_replayed_batch_norm_updates_running_stats_as_training_did(tmp_path, momentum):
+    """With ``momentum=None`` (a cumulative average) the factor changes every step: golden's
+    replay raised on the -1 the context held for it, having no float to pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.Flatten(), nn.Linear(144, 2))
+    prof = Profiler(tmp_path / "context.h5", ["1"], every=1)
+    prof.attach(model)
+    for step in range(4):
+        prof.begin_step(step, 1)
+        model(torch.randn(5, 3, 8, 8)).square().sum().backward()
+        prof.end_step()
+    prof.close()
+    attrs, samples = read_layer(tmp_path / "context.h5", "1", derive=False)
+    for sample, after in zip(samples, samples[1:]):  # each step's running statistics, before it
+        args, kwargs = kernels.arguments("batch_norm", "forward", sample, attrs)
+        kwargs |= {k: kwargs[k].clone() for k in ("running_mean", "running_var")}
+        kernels.golden("batch_norm").forward(*args, **kwargs)
+        assert torch.equal(kwargs["running_mean"], after["running_mean"]), sample["step"]
+        assert torch.equal(kwargs["running_var"], after["running_var"]), sample["step"]
+
+
 def cumulative_bn(model):
     model.bn.momentum = None
 

@@ -320,8 +320,10 @@ def _norm_hp(op: str, sample: dict, attrs: dict, computation: str) -> dict:
     hp = {"running_mean": sample.get("running_mean"), "running_var": sample.get("running_var"),
           "training": bool(sample.get("training", True)), "eps": float(attrs["eps"])}
     if computation == "forward":
-        momentum = float(sample.get("momentum", attrs.get("momentum", 0.1)))  # a routed call's own momentum
-        hp["momentum"] = None if momentum < 0 else momentum
+        # A routed call's own momentum, or a cumulative average's factor at the recorded step;
+        # -1 (cumulative, from a context without that factor) updates no statistic: no output reads it.
+        momentum = float(sample.get("momentum", attrs.get("momentum", 0.1)))
+        hp["momentum"] = max(momentum, 0.0)
     return hp
 
 

@@ -11,7 +11,7 @@ Everything goes to one self-describing HDF5 file:
 
     /layers/<module name>/            attrs: op, module_type, hyper-parameters
     /layers/<module name>/<step>/     A, W, B, dO [, O, dA, dW, dB] [, running_mean, running_var];
-                                      attrs step, epoch, training, input_grad
+                                      attrs step, epoch, training, input_grad [, momentum]
     /summaries                        table: step, epoch, layer, tensor, mean, std, ...
     root attrs                        model, vendor, torch_version, config_hash, dtype, derived, ...
 
@@ -76,6 +76,15 @@ def hyper_params(module: nn.Module) -> dict:
     if op == "layer_norm":
         return {"eps": module.eps, "normalized_shape": list(module.normalized_shape)}
     return {"transposed": op == "linear" and not isinstance(module, nn.Linear)}
+
+
+def _cumulative_momentum(module: nn.Module) -> dict:
+    """``{"momentum": 1/n}`` for a batch norm that averages cumulatively (``momentum=None``), read
+    after its forward has counted this batch as the n-th; else nothing (``hyper_params`` holds it)."""
+    if op_of(module) == "batch_norm" and module.momentum is None and module.training \
+            and module.num_batches_tracked is not None:
+        return {"momentum": 1.0 / float(module.num_batches_tracked)}
+    return {}
 
 
 def _conv_padding(module: nn.Conv2d) -> list[int] | None:
@@ -148,7 +157,9 @@ class Profiler:
         self._pending: dict[tuple[str, str], np.ndarray | torch.Tensor] = {}
         self._names = {name: name.encode() for name in self.all_layers}
         self._captured: dict[str, dict] = {}
-        self._input_grad: dict[str, bool] = {}  # whether the recorded layer's input needed a gradient
+        # Per recorded layer, attributes of this step's sample: whether its input needed a gradient,
+        # and a cumulative batch norm's averaging factor (it changes every step).
+        self._step_attrs: dict[str, dict] = {}
         # Layers fed the same tensor (llama's gate_proj and up_proj) share one copy and one dataset
         # (an HDF5 hard link). This step's: input identity -> (input, copy); id(copy) -> (copy, dataset),
         # holding the tensors so that no id or address is reused before the step is written.
@@ -292,7 +303,7 @@ class Profiler:
                 if same not in self._inputs:  # x is kept too, so no other tensor gets its memory this step
                     self._inputs[same] = (x, x.detach().clone())
                 cap["A"] = self._inputs[same][1]
-                self._input_grad[name] = bool(inputs[0].requires_grad)
+                self._step_attrs[name] = {"input_grad": bool(inputs[0].requires_grad)} | _cumulative_momentum(module)
                 if self.derived:
                     cap["O"] = out.detach().clone()
                 # A hook registered before an in-place change of `out` still sees the
@@ -349,7 +360,7 @@ class Profiler:
                 cap["dB"] = _bias_grad(attrs["op"], cap["dO"], attrs)
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
         group.attrs.update(step=self.step, epoch=self.epoch, training=module.training,
-                           input_grad=self._input_grad.pop(name, False))
+                           **{"input_grad": False} | self._step_attrs.pop(name, {}))
         for key, tensor in cap.items():
             if tensor is None:
                 continue
