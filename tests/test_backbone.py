@@ -68,6 +68,9 @@ BAD_CONFIGS = [
     (lambda c: c["models"]["resnet18"]["record"].update(epochs=[5]), "models.resnet18.record.epochs", "epoch 5 is past"),
     (lambda c: c["models"]["gpt2"]["optimizer"].update(momentum=0.9), "models.gpt2.optimizer.momentum",
      "adamw takes no momentum"),
+    # Error specs the schema's pattern lets through but that do not fit a float32 named no key.
+    (lambda c: c["kernels"]["lane_fc"].update(error="bit_flip:signx2"), "kernels.lane_fc.error", "does not fit"),
+    (lambda c: c.update(errors=["fp16", "bit_flip:exponentx9"]), "errors.1", "does not fit"),
 ]
 
 
