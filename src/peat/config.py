@@ -10,6 +10,10 @@ import jsonschema
 import yaml
 
 from .io import PeatError
+from .models import IMAGE_ARCHS
+
+# Sources prepared as images (peat.data.prepare); the others are byte-level text.
+IMAGE_SOURCES = ("digits", "cifar10")
 
 
 def _key(path) -> str:
@@ -71,6 +75,7 @@ def _cross_check(config: dict) -> None:
                 f"config key 'models.{name}.dataset': unknown dataset {model['dataset']!r}; "
                 f"defined: {', '.join(datasets)}"
             )
+        _check_kind(name, model, datasets[model["dataset"]])
         base = model.get("init_from")
         if base is not None and base not in models:
             raise PeatError(f"config key 'models.{name}.init_from': unknown model {base!r}; defined: {', '.join(models)}")
@@ -85,6 +90,16 @@ def _cross_check(config: dict) -> None:
     ref = config.get("reference_vendor", "cpu")
     if ref not in config["vendors"]:
         raise PeatError(f"config key 'reference_vendor': {ref!r} is not in 'vendors' ({', '.join(config['vendors'])})")
+
+
+def _check_kind(name: str, model: dict, dataset: dict) -> None:
+    """An image model on an image dataset, a language model on text: the golden job failed on a KeyError."""
+    kind = "image" if dataset["source"] in IMAGE_SOURCES else "text"
+    wants = "image" if model["arch"] in IMAGE_ARCHS else "text"
+    if kind != wants:
+        kinds = {"image": "an image", "text": "a text"}
+        raise PeatError(f"config key 'models.{name}.dataset': {model['dataset']!r} is {kinds[kind]} dataset; "
+                        f"{model['arch']} needs {kinds[wants]} one")
 
 
 def _check_init_cycles(models: dict) -> None:
