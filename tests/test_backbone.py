@@ -77,6 +77,8 @@ BAD_CONFIGS = [
     # Failed only in the golden training job, with a KeyError or transformers' ValueError.
     (lambda c: c["models"]["gpt2"].update(dataset="digits"), "models.gpt2.dataset",
      "'digits' is an image dataset; gpt2 needs a text one"),
+    (lambda c: c["models"]["gpt2"]["size"].update(heads=3), "models.gpt2.size.heads",
+     "3 heads do not divide the hidden size 32"),
 ]
 
 

@@ -124,6 +124,10 @@ def _check_schedule(name: str, model: dict) -> None:
         late = [e for e in epochs or [] if e > last]
         if late:
             raise PeatError(f"config key 'models.{name}.{key}': epoch {late[0]} is past the last epoch ({last})")
+    size = model.get("size") or {}
+    hidden, heads = size.get("hidden", 64), size.get("heads", 4)  # peat.models' defaults
+    if model["arch"] not in IMAGE_ARCHS and hidden % heads:
+        raise PeatError(f"config key 'models.{name}.size.heads': {heads} heads do not divide the hidden size {hidden}")
     optimizer = model.get("optimizer") or {}
     if optimizer.get("name") == "adamw" and "momentum" in optimizer:
         raise PeatError(f"config key 'models.{name}.optimizer.momentum': adamw takes no momentum (sgd does)")
