@@ -79,6 +79,8 @@ BAD_CONFIGS = [
      "'digits' is an image dataset; gpt2 needs a text one"),
     (lambda c: c["models"]["gpt2"]["size"].update(heads=3), "models.gpt2.size.heads",
      "3 heads do not divide the hidden size 32"),
+    (lambda c: c["models"]["resnet18"].update(max_train_samples=16), "models.resnet18.batch_size",
+     "32 is more than max_train_samples (16)"),
 ]
 
 

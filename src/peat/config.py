@@ -124,6 +124,10 @@ def _check_schedule(name: str, model: dict) -> None:
         late = [e for e in epochs or [] if e > last]
         if late:
             raise PeatError(f"config key 'models.{name}.{key}': epoch {late[0]} is past the last epoch ({last})")
+    limit = model.get("max_train_samples")
+    if limit is not None and model["batch_size"] > limit:  # no full batch: the training would stop at once
+        raise PeatError(f"config key 'models.{name}.batch_size': {model['batch_size']} is more than "
+                        f"max_train_samples ({limit})")
     size = model.get("size") or {}
     hidden, heads = size.get("hidden", 64), size.get("heads", 4)  # peat.models' defaults
     if model["arch"] not in IMAGE_ARCHS and hidden % heads:
