@@ -81,6 +81,8 @@ BAD_CONFIGS = [
      "3 heads do not divide the hidden size 32"),
     (lambda c: c["models"]["resnet18"].update(max_train_samples=16), "models.resnet18.batch_size",
      "32 is more than max_train_samples (16)"),
+    # An empty text failed in data preparation naming 'seq_len'.
+    (lambda c: c["datasets"]["pydoc"].update(part=[0.5, 0.2]), "datasets.pydoc.part", "start 0.5 is not below end 0.2"),
 ]
 
 

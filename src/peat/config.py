@@ -69,6 +69,9 @@ def _cross_check(config: dict) -> None:
                 raise PeatError(f"config key 'datasets.{name}.path' is missing (source {spec['source']} reads local files)")
             if not Path(path).expanduser().exists():
                 raise PeatError(f"config key 'datasets.{name}.path': {path} does not exist")
+        part = spec.get("part")
+        if part and part[0] >= part[1]:  # an empty text failed in data preparation, naming seq_len
+            raise PeatError(f"config key 'datasets.{name}.part': start {part[0]:g} is not below end {part[1]:g}")
     for name, model in models.items():
         if model["dataset"] not in datasets:
             raise PeatError(
