@@ -537,6 +537,12 @@ def test_unwritable_outputs_fail_with_one_line(mixed, tmp_path, capsys):
         assert err.startswith(f"peat {argv[0]}: error:") and str(mixed) in err and "\n" not in err
 
 
+def test_an_output_directory_fails_with_one_line_naming_it(mixed, tmp_path, capsys):
+    assert main(["alter", str(mixed), str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"peat alter: error: {tmp_path}: is a directory; name the output file"
+    assert sorted(tmp_path.iterdir()) == [mixed]
+
+
 def test_a_log_that_cannot_be_written_leaves_no_output(mixed, tmp_path):
     before = sha(mixed)
     for out, in_place in ((tmp_path / "o.h5", False), (None, True)):

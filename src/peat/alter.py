@@ -612,6 +612,8 @@ def _prepare_output(src: Path, dst: Path | None, in_place: bool) -> Path:
         raise PeatError("give an output file (or --in-place to alter the input)")
     if dst.exists() and dst.resolve() == src.resolve():
         raise PeatError(f"{dst}: output is the input file; use --in-place to alter it")
+    if dst.is_dir():  # else the rename fails after all the work, naming only the temporary copy
+        raise PeatError(f"{dst}: is a directory; name the output file")
     return dst
 
 
