@@ -191,6 +191,23 @@ def test_report_dpi_sets_every_figure_of_the_page(workflow_run, tmp_path):
 
 
 @pytest.mark.xdist_group("workflow")
+@pytest.mark.parametrize("kernel, setting, rerun, kept", [
+    ("im2col", {"timeout": 120}, "playback", "candidate_train"),
+    ("welford_ln", {"train": True}, "candidate_train", "playback"),
+    ("lane_fc", {"train_timeout": 7200}, "rfi", "playback"),
+])
+def test_a_kernel_setting_of_one_stage_reruns_only_that_stage(workflow_run, tmp_path, kernel, setting, rerun, kept):
+    """The whole kernel spec was a param of its trainings and of its playback: raising a kernel's
+    playback timeout reran its candidate training (a whole training), train: true its playback."""
+    config = yaml.safe_load((REPO / "config/test.yaml").read_text())
+    config["kernels"][kernel].update(setting)
+    path = tmp_path / "kernel.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    plan = _planned_jobs(snakemake(workflow_run, "-n", "--rerun-triggers", "params", configfile=path).stdout)
+    assert rerun in plan and kept not in plan, plan
+
+
+@pytest.mark.xdist_group("workflow")
 def test_snakemake_report(workflow_run):
     out = workflow_run / REPORT / "snakemake-report.html"
     snakemake(workflow_run, "--report", str(out))

@@ -133,9 +133,23 @@ def kernel_sources(wildcards):
     return source_files(KERNELS[wildcards.kernel]["impl"])
 
 
+def kernel_spec(kernel, other_stage):
+    # Only the keys a stage reads are its params: a playback timeout reran the candidate
+    # training (a whole training), train: true reran the playback. models and train only
+    # choose which jobs exist; other_stage is the other stage's own setting.
+    return {
+        key: value
+        for key, value in KERNELS[kernel].items()
+        if key not in ("models", "train", other_stage)
+    }
+
+
 def kernel_hash(wildcards):
     return config_hash(
-        {"model": model_hash(wildcards.model), "kernel": KERNELS[wildcards.kernel]}
+        {
+            "model": model_hash(wildcards.model),
+            "kernel": kernel_spec(wildcards.kernel, "timeout"),
+        }
     )
 
 
@@ -153,7 +167,7 @@ def routed_inputs():
 def routed_params():
     return {
         "spec": lambda w: config["models"][w.model],
-        "kernel": lambda w: KERNELS[w.kernel],
+        "kernel": lambda w: kernel_spec(w.kernel, "timeout"),
         "seed": config["seed"],
         "config_hash": kernel_hash,
     }

@@ -19,7 +19,7 @@ rule playback:
         **VENDOR_RESOURCES,
     params:
         spec=lambda w: config["models"][w.model],
-        kernel=lambda w: KERNELS[w.kernel],
+        kernel=lambda w: kernel_spec(w.kernel, "train_timeout"),
         errors=config["errors"],
         settings=PLAYBACK,
         rules=DETECT,
