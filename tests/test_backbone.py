@@ -122,6 +122,12 @@ def test_model_and_dataset_names_with_regex_characters(tmp_path):
     assert "results/golden/gpt2+ln/cpu/context.h5" in dry and "results/data/py+doc.h5" in dry
 
 
+def test_a_tiny_rfi_fraction_has_its_job(tmp_path):
+    """Below 1e-4 the case name is f5e-05, which the case wildcard did not match: the dry run
+    died with MissingInputException instead of planning the runtime-FI training."""
+    dry = snakemake(tmp_path, "-n", configfile=write_config(tmp_path, lambda c: c["rfi"].update(fractions=[0.00005])))
+    assert "results/rfi/resnet18/cpu/lane_fc/f5e-05/outcome.json" in dry.stdout
+
 # -- data ----------------------------------------------------------------------------------
 
 def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):

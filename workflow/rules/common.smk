@@ -75,7 +75,7 @@ wildcard_constraints:
     vendor="|".join(VENDORS),
     dataset="|".join(map(re.escape, config["datasets"])),
     kernel="|".join(KERNELS) or "no-kernel-configured",
-    case=r"f[0-9.]+|every[0-9]+",
+    case=r"f[0-9.]+(e-[0-9]+)?|every[0-9]+",  # rfi_cases: f{fraction:g} is 5e-05 below 1e-4
     epoch=r"\d+",
     cls="|".join(peat.alter.CLASSES),
 
