@@ -12,6 +12,8 @@ process (``kernels.run_isolated``): a kernel that raises, segfaults or hangs giv
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import shutil
 from pathlib import Path
 
@@ -63,7 +65,8 @@ def check(config: dict) -> None:
             kernels.source_files(spec.get("impl", "golden"))
         except PeatError as err:
             raise PeatError(f"config key 'kernels.{name}.impl': {err}") from None
-        models_for(config, name)
+        for model in models_for(config, name):
+            _check_recorded(config, name, model)
     for i, spec in enumerate(config.get("errors", [])):
         _parse(spec, f"errors.{i}")
     chosen = config.get("rfi", {}).get("models") or []
@@ -76,6 +79,16 @@ def check(config: dict) -> None:
         if chosen and not set(applies) & set(chosen):  # it would get no RFI job, and no word
             raise PeatError(f"config key 'rfi.models': none of them runs rfi kernel {name!r} "
                             f"(it applies to {', '.join(applies) or 'no model'})")
+
+
+def _check_recorded(config: dict, name: str, model: str) -> None:
+    """A layer a kernel names outright (no glob) must be one its model records: playback replays
+    recorded layers only, and failed on it after golden training."""
+    recorded = config["models"][model]["record"]["layers"]
+    for layer in config["kernels"][name].get("layers") or []:
+        if not re.search(r"[*?[]", layer) and not any(fnmatch.fnmatchcase(layer, g) for g in recorded):
+            raise PeatError(f"config key 'kernels.{name}.layers': {layer!r} is not among the layers model "
+                            f"{model!r} records (models.{model}.record.layers: {', '.join(recorded)})")
 
 
 def _parse(spec: str, key: str) -> None:
