@@ -731,6 +731,20 @@ def test_flips_in_a_tied_embedding_survive_loading(tmp_path):
     assert torch.equal(resumed.transformer.wpe.weight, -golden.transformer.wpe.weight)
 
 
+def test_selecting_a_tied_weight_by_its_link_names_the_dataset_to_select(tmp_path):
+    import torch
+
+    from peat import checkpoint, models
+
+    spec, attrs = {"arch": "gpt2", "size": {"hidden": 16, "layers": 1, "heads": 2}}, {"vocab_size": 50, "seq_len": 8}
+    model = models.build(spec, attrs, 0)
+    checkpoint.save(tmp_path / "g.h5", model, torch.optim.SGD(model.parameters(), lr=0.1), step=0, epoch=0, meta={})
+    with pytest.raises(PeatError, match=r"'model/lm_head\.weight' names model/lm_head\.weight, a link to "
+                                        r"model/transformer\.wte\.weight .*: select model/transformer\.wte\.weight$"):
+        A.alter(tmp_path / "g.h5", tmp_path / "a.h5", A.Plan(select=["model/lm_head.weight"], count=1))
+    assert not (tmp_path / "a.h5").exists()
+
+
 def test_a_damaged_golden_checkpoint_fails_the_cells_instead_of_reading_as_not_applicable(mixed, tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes()[:2000])

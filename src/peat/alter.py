@@ -232,6 +232,15 @@ def scan(path: str | os.PathLike) -> list[Entry]:
     return sorted(entries, key=lambda e: e.path)
 
 
+def soft_links(path: str | os.PathLike) -> dict[str, str]:
+    """Soft links in the file (``/name`` -> ``/target``); ``scan`` lists their targets once."""
+    links = {}
+    with open_h5(path) as f:
+        f.visititems_links(lambda name, link: links.update({"/" + name: link.path})
+                           if isinstance(link, h5py.SoftLink) else None)
+    return links
+
+
 def _offset(ds: h5py.Dataset) -> int | None:
     plist = ds.id.get_create_plist()
     if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
@@ -308,6 +317,11 @@ def select(entries: list[Entry], patterns: list[str], classes: list[str], source
             except re.error as err:
                 raise PeatError(f"--select {pattern!r}: bad regular expression ({err})") from None
         if not any(_match(pattern, e.path) for e in entries):
+            links = {name: target for name, target in soft_links(source).items() if _match(pattern, name)}
+            if links:  # a tied weight's second name (peat checkpoints: GPT-2's lm_head.weight)
+                name, target = next(iter(links.items()))
+                raise PeatError(f"{source}: {pattern!r} names {name.lstrip('/')}, a link to {target.lstrip('/')} "
+                                f"(one tensor under two names): select {target.lstrip('/')}")
             close = difflib.get_close_matches(pattern.removeprefix("re:").lstrip("/"), names, n=5, cutoff=0.3)
             hint = f"closest: {', '.join(close)}" if close else f"datasets: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
             raise PeatError(f"{source}: no numeric dataset matches {pattern!r}; {hint}")
