@@ -516,6 +516,11 @@ def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     assert sum(r.get("differing", 0) for r in result["datasets"]) == 20 == len(injections)
     assert main(["alter", str(mixed), str(tmp_path / "r.h5"), "--replay", str(log)]) == 0
     assert sha(tmp_path / "r.h5") == sha(out)
+    capsys.readouterr()
+    for option in (["--seed", "4"], ["--no-sign-change"], ["--no-nonfinite"]):  # the log decided them
+        assert main(["alter", str(mixed), str(tmp_path / "r2.h5"), "--replay", str(log), *option]) == 2
+        assert "--replay repeats a log: do not combine it" in capsys.readouterr().err
+    assert not (tmp_path / "r2.h5").exists()
     assert main(["alter", str(mixed), str(out), "--bits", "3-1"]) == 2
     assert main(["alter", str(mixed), str(out), "--count", "1", "--fraction", "0.1"]) == 2
     assert main(["alter", str(mixed), str(out), "--scale", "-2", "--no-sign-change"]) == 2

@@ -861,7 +861,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-sign-change", action="store_true", help="never flip the sign bit")
     g.add_argument("--no-nonfinite", action="store_true", help="never produce NaN or Inf")
     g = p.add_argument_group("reproducibility and output")
-    g.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    g.add_argument("--seed", type=int, metavar="S", help="random seed (default 0)")
     g.add_argument("--log", metavar="LOG.json", help="write the injection log (dataset, index, bit, old, new)")
     g.add_argument("--replay", metavar="LOG.json", help="apply the injections of a log instead of drawing new ones")
     g.add_argument("--in-place", action="store_true", help="alter the input file itself")
@@ -872,11 +872,13 @@ def cli_alter(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.replay is not None and (args.select or args.classes or args.count is not None or args.fraction is not None
                                     or args.probability is not None or args.region or args.bits or args.mask
-                                    or args.scale is not None or args.burst != 1):
-        raise PeatError("--replay repeats a log: do not combine it with selection or corruption options")
+                                    or args.scale is not None or args.burst != 1 or args.no_sign_change
+                                    or args.no_nonfinite or args.seed is not None):
+        raise PeatError("--replay repeats a log: do not combine it with selection, corruption or seed options")
     plan = Plan(select=args.select, classes=args.classes, count=args.count, fraction=args.fraction,
                 probability=args.probability, region=args.region, bits=args.bits, burst=args.burst, mask=args.mask,
-                scale=args.scale, sign_change=not args.no_sign_change, nonfinite=not args.no_nonfinite, seed=args.seed)
+                scale=args.scale, sign_change=not args.no_sign_change, nonfinite=not args.no_nonfinite,
+                seed=0 if args.seed is None else args.seed)
     result = alter(args.input, args.output, plan, in_place=args.in_place, log=args.log, replay=args.replay)
     t = result.timings
     print(f"peat alter: {result.flips} value(s) altered in {result.datasets} of {result.eligible_datasets} "
