@@ -10,7 +10,8 @@ rule bench:
         "logs/bench.log",
     conda:
         "../../envs/peat.yaml"
-    threads: workflow.cores
+    # Read when the job is made: `snakemake --report` takes no --cores, and workflow.cores raised.
+    threads: lambda wildcards: workflow.cores
     resources:
         **CPU_RESOURCES,
     params:
