@@ -51,6 +51,7 @@ BAD_CONFIGS = [
     (lambda c: c["models"]["resnet18"].update(dataset="nope"), "models.resnet18.dataset", "unknown dataset 'nope'"),
     (lambda c: c.update(vendors=["intel"]), "vendors.0", "allowed: cpu, nvidia, amd"),
     (lambda c: c["models"]["resnet18"].update(epochs="two"), "models.resnet18.epochs", "is not of type 'integer'"),
+    (lambda c: c["models"]["resnet18"].update(epochs=2.0), "models.resnet18.epochs", "2.0 is not of type 'integer'"),
     (lambda c: c["models"]["resnet18"].pop("record"), "models.resnet18.record", "is missing"),
     (lambda c: c.pop("datasets"), "datasets", "is missing"),
     (lambda c: c["datasets"].update(cifar={"source": "cifar10", "path": "/no/such/dir"}),

@@ -57,7 +57,10 @@ def _with_defaults(cls):
                     instance[name] = json.loads(json.dumps(sub["default"]))
         yield from validate_properties(validator, properties, instance, schema)
 
-    return jsonschema.validators.extend(cls, {"properties": set_defaults})
+    # JSON Schema counts 2.0 as an integer; YAML loads it as a float, which range() refuses in the job.
+    integers = cls.TYPE_CHECKER.redefine(
+        "integer", lambda checker, instance: isinstance(instance, int) and not isinstance(instance, bool))
+    return jsonschema.validators.extend(cls, {"properties": set_defaults}, type_checker=integers)
 
 
 def _cross_check(config: dict) -> None:
