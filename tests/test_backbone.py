@@ -100,6 +100,17 @@ def test_invalid_config_stops_before_any_job_with_one_line(tmp_path, mutate, key
     assert not (tmp_path / "results").exists()
 
 
+def test_a_key_given_twice_stops_with_one_line(tmp_path):
+    """YAML keeps the last of two equal keys: a copied kernel block left unrenamed replaced the first."""
+    text = TEST_CONFIG.read_text().replace(
+        "kernels:\n", "kernels:\n  im2col: {op: conv2d, impl: peat.alt_kernels.winograd, models: [resnet18]}\n", 1)
+    config = tmp_path / "twice.yaml"
+    config.write_text(text)
+    proc = snakemake(tmp_path, "-n", configfile=config, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "config key 'kernels.im2col' is given twice" in lines[0]
+
 def test_reordered_config_keys_rerun_nothing(tmp_path):
     """Snakemake compares params as text: the same dataset spec with its keys in another order
     (or a default written out) reran data preparation, golden training and everything after it."""

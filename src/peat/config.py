@@ -46,6 +46,26 @@ def validate(config: dict, schema_path: str | Path) -> dict:
     return config
 
 
+def check_unique_keys(path: str | Path) -> None:
+    """No key twice in one mapping of a config file: YAML keeps the last without a word, so a
+    copied model or kernel block left unrenamed silently replaced the first."""
+    _unique_keys(yaml.compose(Path(path).read_text()), [], path)
+
+
+def _unique_keys(node, at: list, path) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            if key.value in seen:
+                raise PeatError(f"config key '{_key([*at, key.value])}' is given twice in {path} "
+                                f"(again at line {key.start_mark.line + 1}); rename or remove one")
+            seen.add(key.value)
+            _unique_keys(value, [*at, key.value], path)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _unique_keys(item, [*at, i], path)
+
+
 def _with_defaults(cls):
     """A validator that also fills in ``default`` values, as Snakemake's validate() does."""
     validate_properties = cls.VALIDATORS["properties"]

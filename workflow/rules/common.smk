@@ -9,7 +9,7 @@ import peat.alter_study
 import peat.report
 import peat.slurm
 from peat.candidate import check as check_kernels, models_for, rfi_cases
-from peat.config import config_hash, validate
+from peat.config import check_unique_keys, config_hash, validate
 from peat.io import PeatError
 from peat.kernels import source_files
 from peat.sdc_drill import check_config as check_sdc, drill_config
@@ -23,6 +23,8 @@ os.environ.update(
 
 # Every config problem stops the workflow here, before any job, with one line naming the key.
 try:
+    for path in workflow.configfiles:
+        check_unique_keys(path)
     validate(
         config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
     )
