@@ -78,6 +78,7 @@ BAD_CONFIGS = [
     # Names that are path parts: braces stopped Snakemake with a WildcardError, ".." wrote outside results/.
     (lambda c: c["models"].update({"a{b}": c["models"].pop("resnet18_parity")}), "models", "'a{b}' does not match"),
     (lambda c: c["models"].update({"..": c["models"].pop("resnet18_parity")}), "models", "'..' does not match"),
+    (lambda c: c.update(name=".."), "name", "'..' does not match"),  # the report went to reports/../
     # Failed only in the golden training job, with a KeyError or transformers' ValueError.
     (lambda c: c["models"]["gpt2"].update(dataset="digits"), "models.gpt2.dataset",
      "'digits' is an image dataset; gpt2 needs a text one"),
