@@ -192,6 +192,20 @@ def test_report_dpi_sets_every_figure_of_the_page(workflow_run, tmp_path):
 
 
 @pytest.mark.xdist_group("workflow")
+def test_changing_threads_reruns_golden_training_and_everything_after(workflow_run, tmp_path):
+    """A CPU sum split over more threads rounds differently, and the jobs ran with Snakemake's
+    threads (capped by --cores) yet no result depended on the setting: a candidate trained with 2
+    threads was compared with a golden training made with 1."""
+    config = yaml.safe_load((REPO / "config/test.yaml").read_text())
+    config["threads"] = 2
+    path = tmp_path / "threads.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    plan = _planned_jobs(snakemake(workflow_run, "-n", "--rerun-triggers", "params", configfile=path).stdout)
+    assert {"golden_train", "candidate_train", "rfi", "playback", "alter_cells", "collate_report"} <= plan, plan
+    assert "prepare_dataset" not in plan, plan
+
+
+@pytest.mark.xdist_group("workflow")
 @pytest.mark.parametrize("kernel, setting, rerun, kept", [
     ("im2col", {"timeout": 120}, "playback", "candidate_train"),
     ("welford_ln", {"train": True}, "candidate_train", "playback"),
@@ -280,6 +294,18 @@ def test_verdicts_link_to_analyzer_figures(tmp_path):
     assert pd.read_csv(tmp_path / "out/verdicts.csv").to_dict("records") == [
         {"model": "gpt2", "vendor": "cpu", "kernel": "k1", "verdict": "fail", "error_model": "bit_flip", "confidence": 0.875,
          "injected": "bit_flip:exponent"}]
+
+
+def test_a_kernel_with_nothing_to_replay_is_not_a_green_pass(tmp_path):
+    """A batch-norm kernel on a model that records no batch-norm layer: the Detector's pass
+    (confidence 0, evidence applicable: false) showed as a green pass row."""
+    verdict = tmp_path / "results/detect/m/cpu/bn_kernel.json"
+    verdict.parent.mkdir(parents=True)
+    verdict.write_text(json.dumps({"verdict": "pass", "error_model": "none", "confidence": 0.0, "layers": [],
+                                   "evidence": {"applicable": False, "reason": "no recorded layer"}}))
+    page = build([verdict], tmp_path / "out", name="t", models=["m"], vendors=["cpu"]).read_text()
+    assert '<tr class="not_applicable">' in page and 'class="pass"' not in page
+    assert pd.read_csv(tmp_path / "out/verdicts.csv")["verdict"].tolist() == ["not_applicable"]
 
 
 def test_benchmark_section_from_make_bench_results(tmp_path):

@@ -29,7 +29,8 @@ SECTIONS = {
         "One row per candidate kernel run on one model and vendor. <b>verdict</b> is the Detector's "
         "pass/fail; <b>error model</b> is the kind of error the Analyzer's evidence looks most like "
         "(none and reduced_precision pass; random_value, random_zero, bit_flip, periodic_lane, "
-        "block_structured, non_finite fail; crash/timeout mean the kernel did not finish); "
+        "block_structured, non_finite fail; crash/timeout mean the kernel did not finish; "
+        "not_applicable: the model records no layer of the kernel's op, so nothing was replayed); "
         "<b>confidence</b> (0..1) is how consistently the tensors of the failing layers point to "
         "that error model. <b>injected</b> names the error a test kernel injects on purpose (config "
         "key kernels.&lt;name&gt;.error), so its row shows whether the Detector recognized it.")),
@@ -233,7 +234,11 @@ def _verdict_row(path: Path, model: str, vendor: str, injected: str) -> dict:
     data = _load_json(path)
     if "verdict" not in data:
         raise PeatError(f"{path}: missing key 'verdict' (not a detector result?)")
-    return {"model": model, "vendor": vendor, "kernel": path.stem, "verdict": data["verdict"],
+    # Nothing replayed (the model records no layer of the kernel's op): the Detector's pass is no
+    # finding, and a green row would read as one.
+    untested = isinstance(data.get("evidence"), dict) and data["evidence"].get("applicable") is False
+    return {"model": model, "vendor": vendor, "kernel": path.stem,
+            "verdict": "not_applicable" if untested else data["verdict"],
             "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan")),
             "injected": injected, **provenance.columns(data)}
 

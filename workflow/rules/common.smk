@@ -118,13 +118,15 @@ def init_checkpoint(wildcards):
 
 
 def model_hash(model):
-    """What a model's golden results depend on: its spec, its dataset and the seed."""
+    """What a model's golden results depend on: its spec, its dataset, the seed and the torch
+    threads (a CPU sum split over more threads rounds differently)."""
     spec = config["models"][model]
     return config_hash(
         {
             "model": spec,
             "dataset": config["datasets"][spec["dataset"]],
             "seed": config["seed"],
+            "threads": config["threads"],
         }
     )
 

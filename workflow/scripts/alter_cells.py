@@ -19,7 +19,7 @@ run_cells(
     golden_metrics=snakemake.input.metrics,
     tolerance=snakemake.params.tolerance,
     run_seed=snakemake.params.seed,
-    threads=snakemake.threads,
+    threads=snakemake.config["threads"],
     config_hash=snakemake.params.config_hash,
     out_csv=snakemake.output.table,
     log_dir=snakemake.output.logs,

@@ -11,7 +11,7 @@ train_model(
     snakemake.output.checkpoints.rsplit("/", 1)[0],
     vendor=snakemake.wildcards.vendor,
     seed=snakemake.params.seed,
-    threads=snakemake.threads,
+    threads=snakemake.config["threads"],
     init=snakemake.input.init[0] if snakemake.input.init else None,
     config_hash=snakemake.params.config_hash,
 )

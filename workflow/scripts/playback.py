@@ -17,7 +17,7 @@ run_job(
     settings=params.settings,
     rules=params.rules,
     seed=params.seed,
-    threads=snakemake.threads,
+    threads=snakemake.config["threads"],
     config_hash=params.config_hash,
     propagate_from=(
         {"spec": params.spec, "data": inp.data, "checkpoints": inp.checkpoints,
