@@ -308,6 +308,16 @@ def test_a_kernel_with_nothing_to_replay_is_not_a_green_pass(tmp_path):
     assert pd.read_csv(tmp_path / "out/verdicts.csv")["verdict"].tolist() == ["not_applicable"]
 
 
+def test_a_model_named_results_under_a_results_folder_keeps_its_row(tmp_path):
+    verdict = tmp_path / "results/work/results/detect/results/cpu/k.json"  # workdir .../results/work, model 'results'
+    verdict.parent.mkdir(parents=True)
+    verdict.write_text(json.dumps({"verdict": "fail", "error_model": "bit_flip", "confidence": 0.5, "layers": []}))
+    build([verdict], tmp_path / "out", name="t", models=["results"], vendors=["cpu"])
+    rows = pd.read_csv(tmp_path / "out/verdicts.csv")
+    assert rows[["model", "vendor", "kernel", "verdict"]].to_dict("records") == [
+        {"model": "results", "vendor": "cpu", "kernel": "k", "verdict": "fail"}]
+
+
 def test_benchmark_section_from_make_bench_results(tmp_path):
     bench = tmp_path / "reports/benchmarks/results.json"
     bench.parent.mkdir(parents=True)

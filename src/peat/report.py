@@ -165,13 +165,20 @@ def _expand(files) -> set[Path]:
     return out
 
 
+# The stage folder under results/ (or reports/) -> the report section its files go to.
+STAGES = {"golden": "golden", "candidate": "candidate", "rfi": "candidate", "analyze": "analyze", "alter": "alter",
+          "sdc": "sdc", "detect": "verdicts", "benchmarks": "benchmarks"}
+
+
 def _parts(path: Path) -> list[str]:
-    """The path from its results/ or reports/ folder on: ['results', stage, ...]."""
+    """The path from its results/ or reports/ folder on: ['results', stage, ...] ([] if none).
+    The last such folder followed by a stage: the working directory may lie under a 'results'
+    folder, and a model or kernel may be named 'results' too."""
     parts = list(path.parts)
-    for anchor in ("results", "reports"):
-        if anchor in parts:
-            return parts[len(parts) - 1 - parts[::-1].index(anchor):]
-    return parts
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] in ("results", "reports") and parts[i + 1] in STAGES:
+            return parts[i:]
+    return []
 
 
 def _classify(path: Path, sections: dict[str, Section], captions: Path | None, dpi: int,
@@ -180,8 +187,7 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
     if len(parts) < 3:
         return
     stage = parts[1]
-    key = {"golden": "golden", "candidate": "candidate", "rfi": "candidate", "analyze": "analyze", "alter": "alter",
-           "sdc": "sdc", "detect": "verdicts", "benchmarks": "benchmarks"}.get(stage)
+    key = STAGES.get(stage)
     if key is None:
         return
     section = sections[key]
