@@ -306,6 +306,15 @@ def test_load_reports_import_errors_with_the_file(tmp_path):
         kernels.load(path, "linear")
 
 
+def test_load_a_file_that_a_plain_import_would_load(tmp_path):
+    """The file's module was not in sys.modules while it ran, as an import puts it: a dataclass
+    under postponed annotations failed with "import failed: AttributeError: 'NoneType' ..."."""
+    path = write(tmp_path, "tiled.py", "from __future__ import annotations\nfrom dataclasses import dataclass\n\n"
+                                       "@dataclass\nclass Tile:\n    size: int = 32\n\n"
+                                       "def forward(x, weight, bias):\n    return x @ weight.t() + bias\n")
+    assert kernels.load(path, "linear").custom == ("forward",)
+
+
 def test_source_files_list_what_should_rerun_jobs():
     assert kernels.source_files("golden") == []
     files = [Path(f).name for f in kernels.source_files("peat.alt_kernels.blocked_gemm")]

@@ -269,9 +269,12 @@ def _import(impl: str):
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
         spec = importlib.util.spec_from_file_location(f"peat_kernel_{path.stem}_{digest}", path)
         module = importlib.util.module_from_spec(spec)
+        # Registered as an import would be: dataclasses, typing and pickle look the module up there.
+        sys.modules[spec.name] = module
         try:
             spec.loader.exec_module(module)
         except Exception as err:  # the user's file is at fault: say where
+            del sys.modules[spec.name]
             raise PeatError(_import_failed(impl, err)) from None
         return module, impl
     try:
