@@ -304,6 +304,10 @@ def test_load_reports_import_errors_with_the_file(tmp_path):
     path = write(tmp_path, "broken.py", "import numpy\nraise ValueError('half written')\n")
     with pytest.raises(PeatError, match=r"broken.py: import failed: ValueError: half written"):
         kernels.load(path, "linear")
+    path = write(tmp_path, "chatty.py", "raise RuntimeError('no device\\nCompile with TORCH_USE_CUDA_DSA')\n")
+    with pytest.raises(PeatError) as err:  # a multi-line message was passed on whole
+        kernels.load(path, "linear")
+    assert str(err.value).endswith("chatty.py: import failed: RuntimeError: no device")
 
 
 def test_load_a_file_that_a_plain_import_would_load(tmp_path):

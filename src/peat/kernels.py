@@ -221,7 +221,7 @@ def _label(impl: str) -> str:
 
 
 def _import_failed(impl: str, err: BaseException) -> str:
-    return f"{_label(impl)}: import failed: {type(err).__name__}: {err}"
+    return f"{_label(impl)}: import failed: {_failure(err)[1]}"  # its first line: torch's errors run on
 
 
 def source_of(impl: str) -> str | None:
