@@ -480,3 +480,17 @@ def test_nonfinite_gradients_on_every_rank_blame_the_run_not_a_rank(tmp_path):
     step, check, suspects, detail = alarm
     assert (step, check, suspects, detail["flags"]) == (1, "nonfinite", [0, 1, 2], [1, 1, 1])
     assert detail["note"].startswith("every rank has non-finite gradients")
+
+
+def test_unknown_drill_on_the_command_line_stops_before_any_rank_trains(tmp_path, monkeypatch, capsys):
+    # It used to be found only by the injected rank, after the drills before it had run: its peers
+    # then failed with 'a peer rank died', exit code 3.
+    from peat.sdc_drill import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    config = _config_file(tmp_path)
+    code = main(["--config", str(config), "--model", "resnet18", "--data", str(tmp_path / "d.h5"),
+                 "--out", str(tmp_path / "out"), "--drills", "clean,nan_grd"])
+    assert code == 2
+    assert "--drills: unknown drill 'nan_grd'; allowed: clean, nan_grad" in capsys.readouterr().err

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             raise PeatError(f"{args.config}: no model {args.model!r}; defined: {', '.join(config['models'])}")
         spec, sdc_cfg = config["models"][args.model], config["sdc"]
         drills = args.drills.split(",") if args.drills else sdc_cfg["drills"]
+        unknown = [d for d in drills if d not in DRILLS + RELIABILITY]
+        if unknown:  # else only the injected rank finds out, mid-launch, and its peers see it die
+            raise PeatError(f"--drills: unknown drill {unknown[0]!r}; allowed: {', '.join(DRILLS + RELIABILITY)}")
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"])
     except PeatError as err:
         print(f"peat sdc drill: error: {err}", file=sys.stderr)
