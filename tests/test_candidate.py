@@ -92,6 +92,21 @@ def test_monitored_kernel_scores_every_call_against_golden():
     assert rows[0]["max"] > 0 and rows[2]["max"] == 0
 
 
+def test_monitored_scores_a_kernel_that_writes_into_its_inputs_on_the_inputs_it_got():
+    """Golden ran after the kernel, on the inputs the kernel had overwritten: a kernel with a
+    correct output that then zeroed its input showed every element changed."""
+    def forward(x, weight, bias):
+        out = nn.functional.linear(x, weight, bias)
+        x.zero_()
+        return out
+
+    golden = kernels.golden("linear")
+    clobbers = kernels.Kernel("clobbers", "linear", forward, golden.input_grad, golden.weight_grad, custom=("forward",))
+    rows = []
+    candidate.monitored(clobbers, "fc", rows, {"step": 0, "epoch": 0}).forward(torch.randn(4, 5) + 3, torch.randn(6, 5), None)
+    assert rows[0]["changed"] == 0 and rows[0]["max"] == 0
+
+
 def test_compare_lines_up_curves():
     golden = pd.DataFrame({"step": [1, 2, 2], "epoch": [1, 1, 1], "split": ["train", "train", "val"],
                            "loss": [2.0, 1.5, 1.6], "accuracy": [0.1, 0.2, 0.3], "perplexity": [float("nan")] * 3})
