@@ -494,3 +494,15 @@ def test_unknown_drill_on_the_command_line_stops_before_any_rank_trains(tmp_path
                  "--out", str(tmp_path / "out"), "--drills", "clean,nan_grd"])
     assert code == 2
     assert "--drills: unknown drill 'nan_grd'; allowed: clean, nan_grad" in capsys.readouterr().err
+
+
+def test_missing_dataset_is_one_line_from_every_rank(tmp_path, monkeypatch, capsys):
+    # It was read after the process group was joined, outside the error handling: a traceback per rank.
+    from peat.sdc_drill import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    code = main(["--config", str(_config_file(tmp_path)), "--model", "resnet18", "--data", str(tmp_path / "nope.h5"),
+                 "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert capsys.readouterr().err == f"peat sdc drill: error: {tmp_path / 'nope.h5'}: no such file\n"

@@ -125,15 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [d for d in drills if d not in DRILLS + RELIABILITY]
         if unknown:  # else only the injected rank finds out, mid-launch, and its peers see it die
             raise PeatError(f"--drills: unknown drill {unknown[0]!r}; allowed: {', '.join(DRILLS + RELIABILITY)}")
+        from .data import load
+
+        data = load(args.data)  # a missing or wrong file: one line, not a traceback from every rank
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"])
     except PeatError as err:
         print(f"peat sdc drill: error: {err}", file=sys.stderr)
         return 2
-    from .data import load
     from .device import seed_everything
 
     seed_everything(config["seed"], config["threads"])
-    data = load(args.data)
     try:
         if args.bench:
             result = benchmark(spec, data, sdc_cfg, config["seed"], device)
