@@ -480,6 +480,10 @@ def test_nonfinite_gradients_on_every_rank_blame_the_run_not_a_rank(tmp_path):
     step, check, suspects, detail = alarm
     assert (step, check, suspects, detail["flags"]) == (1, "nonfinite", [0, 1, 2], [1, 1, 1])
     assert detail["note"].startswith("every rank has non-finite gradients")
+    # The printed / raised line says so too, not only the events file.
+    message = sdc.Event(step, check, suspects, ["n0"], False, detail).message()
+    assert message.endswith("rank(s) [0, 1, 2] on node(s) n0 (NOT localized: every rank has non-finite gradients: "
+                            "the run diverged or the data is bad; no faulty rank)")
 
 
 def test_unknown_drill_on_the_command_line_stops_before_any_rank_trains(tmp_path, monkeypatch, capsys):

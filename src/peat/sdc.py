@@ -65,8 +65,11 @@ class Event:
 
     def message(self) -> str:
         where = "localized" if self.localized else "NOT localized"
+        # The note says why nothing is localized (the run diverged, two replicas, ...): the one line
+        # printed and raised must say it, not only the events file.
+        why = f": {self.detail['note']}" if "note" in self.detail else ""
         return (f"silent data corruption suspected at step {self.step} by check '{self.check}': "
-                f"rank(s) {self.suspect_ranks} on node(s) {', '.join(self.hosts)} ({where})")
+                f"rank(s) {self.suspect_ranks} on node(s) {', '.join(self.hosts)} ({where}{why})")
 
 
 # --- fingerprints -------------------------------------------------------------------------------
