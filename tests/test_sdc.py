@@ -442,6 +442,20 @@ def test_events_file_is_written_into_a_new_folder(one_rank, tmp_path):
     assert json.loads(line)["check"] == "nonfinite" and json.loads(line)["suspect_ranks"] == [0]
 
 
+def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
+    # Policy log without events used to skip the step without a word.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    model.bias.register_hook(lambda g: g * float("nan"))
+    guard = sdc.Guard(DistributedDataParallel(model))
+    guard.begin_step(5)
+    guard.ddp(torch.ones(3, 4)).sum().backward()
+    assert guard.check_gradients() is False
+    assert capsys.readouterr().err == (f"peat sdc: silent data corruption suspected at step 5 by check 'nonfinite': "
+                                       f"rank(s) [0] on node(s) {sdc.node_name()} (localized)\n")
+
+
 def test_policy_raise_at_the_first_step_still_writes_the_drill(digits, tmp_path):
     # The alarm ends the drill before any step finished: no plain step time to compare costs with.
     config = make_config(policy="raise", steps=2, injection_step=0, drills=["nan_grad"])

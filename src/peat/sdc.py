@@ -383,10 +383,12 @@ class Guard:
         event = Event(self.step if step is None else step, check, suspects, hosts, localized, detail, time.time())
         self.alarms.append(event)
         reporter = min(set(range(self.world)) - set(suspects), default=0)
-        if self.events is not None and self.rank == reporter:
-            Path(self.events).parent.mkdir(parents=True, exist_ok=True)  # else the alarm is lost in a crash
-            with open(self.events, "a") as f:
-                f.write(json.dumps(asdict(event), sort_keys=True) + "\n")
+        if self.rank == reporter:
+            if self.events is not None:
+                Path(self.events).parent.mkdir(parents=True, exist_ok=True)  # else the alarm is lost in a crash
+                with open(self.events, "a") as f:
+                    f.write(json.dumps(asdict(event), sort_keys=True) + "\n")
+            # Also without an events file: policy log (the default) must not skip steps silently.
             print(f"peat sdc: {event.message()}", file=sys.stderr, flush=True)
         if self.policy == "raise":
             raise SDCError(event)
