@@ -176,6 +176,39 @@ def test_golden_functions_called_as_a_kernel_are_bit_identical_too(custom):
         assert torch.equal(a, b), name
 
 
+def test_golden_routing_lets_an_in_place_op_follow_a_linear_layer():
+    """F.linear on a 3-D input with a bias returns a view, and autograd forbids in-place ops on a
+    custom Function's output that is one: the routed layer crashed the ReLU(inplace=True) after it."""
+    x, grads = torch.randn(2, 3, 4), []
+    for route in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 2))
+        if route:
+            kernels.route(model, kernels.golden("linear"))
+        model(x).sum().backward()
+        grads.append(model[0].weight.grad)
+    assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("result", ["out.reshape(x.shape)", "x", "x.view(x.shape)"])
+def test_a_kernel_forward_may_return_a_view_or_its_input(result):
+    """A view returned by the kernel's forward (im2col's GEMM result reshaped, an identity kernel's
+    input) crashed the in-place ReLU after the layer: autograd forbids in-place ops on such outputs."""
+    def forward(x, weight, bias, **hp):
+        out = kernels.golden("batch_norm").forward(x, weight, bias, **hp).flatten()
+        return eval(result)
+
+    kernel = dataclasses.replace(kernels.golden("batch_norm"), forward=forward, custom=("forward",))
+    x, grads = torch.randn(2, 3, 6, 6), []
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=inplace), nn.Conv2d(4, 2, 1))
+        kernels.route(model, kernel)
+        model(x).sum().backward()
+        grads.append(model[0].weight.grad)
+    assert torch.equal(*grads)
+
+
 HEAVY_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",
              "native_layer_norm", "native_layer_norm_backward", "mm", "addmm"}
 

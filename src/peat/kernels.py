@@ -649,7 +649,7 @@ class _Routed(torch.autograd.Function):
         else:
             out, stats = _kernel_forward(plan, state, x, weight, bias), ()
         ctx.save_for_backward(x, weight, *stats)
-        return out
+        return _unaliased(out, x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -662,6 +662,19 @@ class _Routed(torch.autograd.Function):
             if need[computation] and computation in plan.own:
                 grads[slot] = _kernel_grad(plan, ctx.state, computation, grad_out, x, weight)
         return None, None, *grads
+
+
+def _unaliased(out: torch.Tensor, *inputs) -> torch.Tensor:
+    """``out`` as a custom Function's output that a later in-place op (ReLU(inplace=True)) may modify.
+
+    Autograd refuses in-place ops on an output that is a view (F.linear's on a 3-D input with a
+    bias, a kernel's reshaped GEMM result) or an input returned as is. A view of the call's own
+    result is detached (no copy); one sharing an input's memory is copied, as writing into it
+    would change that input."""
+    memory = out.untyped_storage().data_ptr()
+    if any(t is not None and t.untyped_storage().data_ptr() == memory for t in inputs):
+        return out.clone()
+    return out.detach() if out._base is not None else out
 
 
 def _golden_forward(op: str, hp: dict, state: dict, x, weight, bias) -> tuple[torch.Tensor, tuple]:
