@@ -524,3 +524,14 @@ def test_missing_dataset_is_one_line_from_every_rank(tmp_path, monkeypatch, caps
                  "--out", str(tmp_path / "out")])
     assert code == 2
     assert capsys.readouterr().err == f"peat sdc drill: error: {tmp_path / 'nope.h5'}: no such file\n"
+
+
+def test_nccl_without_a_gpu_for_the_rank_is_one_line(monkeypatch):
+    from peat.sdc_drill import init_distributed
+
+    local = torch.cuda.device_count()  # one past the last GPU (0 on a CPU-only machine)
+    monkeypatch.setenv("RANK", str(local))
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    with pytest.raises(PeatError, match=rf"config key 'sdc.backend': nccl needs one GPU per rank of a node; "
+                                         rf"local rank {local} sees {local} GPU\(s\)"):
+        init_distributed("nccl", 5)

@@ -101,6 +101,9 @@ def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.de
         raise PeatError("not launched by torchrun or srun (RANK and SLURM_PROCID are unset)")
     use_cuda = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda and device.index >= torch.cuda.device_count():  # else CUDA's own traceback from every rank
+        raise PeatError(f"config key 'sdc.backend': {backend} needs one GPU per rank of a node; local rank "
+                        f"{device.index} sees {torch.cuda.device_count()} GPU(s)")
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
