@@ -161,6 +161,21 @@ def test_golden_routing_is_bit_identical_to_pytorch(variant):
         assert torch.equal(a, b), name
 
 
+def test_golden_routing_of_a_layer_norm_without_affine_is_bit_identical():
+    """Its input grad was computed with a weight of ones, which PyTorch's backward (no weight)
+    rounds differently over a normalized shape of more than one dimension."""
+    torch.manual_seed(0)
+    x, grad_out, grads = torch.randn(4, 4, 6, 6), torch.randn(4, 4, 6, 6), []
+    for route in (False, True):
+        norm = nn.Sequential(nn.LayerNorm([6, 6], elementwise_affine=False))
+        if route:
+            kernels.route(norm, kernels.golden("layer_norm"))
+        leaf = x.clone().requires_grad_()
+        norm(leaf).backward(grad_out)
+        grads.append(leaf.grad)
+    assert torch.equal(*grads)
+
+
 @pytest.mark.parametrize("custom", [("forward",), ("input_grad",), ("weight_grad",), kernels.COMPUTATIONS])
 def test_golden_functions_called_as_a_kernel_are_bit_identical_too(custom):
     """The same golden functions declared as the kernel's own: each goes through the kernel path

@@ -121,7 +121,10 @@ def _ln_forward(x, weight, bias, *, normalized_shape, eps):
 
 def _ln_backward(grad_out, x, weight, normalized_shape, eps, mask, stats=()):
     mean, rstd = stats or torch.ops.aten.native_layer_norm(x, list(normalized_shape), None, None, eps)[1:]
-    if weight is None:
+    if weight is None and not (mask[1] or mask[2]):  # no affine: PyTorch's own call (a weight of ones rounds differently)
+        return torch.ops.aten.native_layer_norm_backward(grad_out, x, list(normalized_shape), mean, rstd, None, None,
+                                                         mask)
+    if weight is None:  # the weight grad alone (playback): the op needs a weight to give one
         weight = torch.ones(list(normalized_shape), dtype=x.dtype, device=x.device)
     return torch.ops.aten.native_layer_norm_backward(grad_out, x, list(normalized_shape), mean, rstd, weight,
                                                      torch.zeros_like(weight), mask)
