@@ -367,6 +367,10 @@ def train():
     if frozen_flip:
         model[0].requires_grad_(False)
     armed = []  # one faulty forward of the last layer on the guard's rank 1
+    faulty_rows = []  # rank 1 computes wrongly on these inputs only, every time (data-dependent fault)
+    if options["data_dependent"] and rank == 1:
+        model[0].register_forward_hook(
+            lambda module, inputs, out: out * 1.01 if any(torch.equal(inputs[0][0], r) for r in faulty_rows) else out)
     if transient_in_subgroup and rank == 1:
         model[3].register_forward_hook(lambda module, inputs, out: out * 1.01 if armed and armed.pop() else out)
     ddp = DistributedDataParallel(model, process_group=group)
@@ -381,6 +385,8 @@ def train():
             return nn.functional.cross_entropy(module(x[part]), y[part])
         guard.begin_step(step)
         armed[:] = [step == 2]
+        if step == 2:
+            faulty_rows.append(x[sdc.shard(idx, 1, world)][0])  # rank 1's own micro-batch of step 2
         optimizer.zero_grad(set_to_none=True)
         (loss_of(ddp, rank) * (float("inf") if options["diverge"] and step == 1 else 1.0)).backward()
         if guard.check_gradients(replay=lambda r: loss_of(guard.module, r)):
@@ -405,7 +411,8 @@ def _run_guarded_loop(tmp_path: Path, world: int = 3, **options) -> list:
     script = tmp_path / "loop.py"
     script.write_text(GUARDED_LOOP)
     options = {"seed_per_rank": False, "global_batch": 12, "audit_every": 1, "frozen_flip": False,
-               "transient_in_subgroup": False, "spectral_norm": False, "diverge": False, **options}
+               "transient_in_subgroup": False, "spectral_norm": False, "diverge": False, "data_dependent": False,
+               **options}
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
                            str(script), json.dumps(options)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -535,3 +542,10 @@ def test_nccl_without_a_gpu_for_the_rank_is_one_line(monkeypatch):
     with pytest.raises(PeatError, match=rf"config key 'sdc.backend': nccl needs one GPU per rank of a node; "
                                          rf"local rank {local} sees {local} GPU\(s\)"):
         init_distributed("nccl", 5)
+
+
+def test_single_failed_audit_blames_a_rank_that_repeats_its_own_fault(tmp_path):
+    # Rank 1 computes its own micro-batch wrongly (and would again on a rerun), its peer's rightly:
+    # only the audit 0 -> 1 fails. A rerun on rank 1 agreed with its own report and blamed rank 0.
+    (alarm,) = _run_guarded_loop(tmp_path, data_dependent=True)
+    assert alarm[:3] == [2, "audit", [1]] and alarm[3]["failed_audits"] == [[0, 1]]

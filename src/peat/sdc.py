@@ -154,7 +154,7 @@ def ring_suspects(failed: list[tuple[int, int]], world: int) -> tuple[list[int],
 
     A rank that computes wrongly fails the audit of its own report and its own audit of the
     next rank; ranks in two failed audits are the suspects. A single failed audit cannot tell
-    auditor from audited (resolved by a rerun, see ``Guard``); with W=2 both audits involve both
+    auditor from audited (resolved by a third rank's replay, see ``Guard``); with W=2 both audits involve both
     ranks, so nothing can be localized.
     """
     if not failed:
@@ -336,8 +336,9 @@ class Guard:
         suspects, localized = ring_suspects(failed, self.world)
         detail = {"failed_audits": failed}
         if len(failed) == 1 and self.world > 2:
-            suspects, localized = self._second_opinion(replay, *failed[0], reported), True
-            detail["rerun"] = "the audited rank reran its own micro-batch"
+            (auditor, audited), third = failed[0], (failed[0][1] + 1) % self.world
+            suspects, localized = self._second_opinion(replay, auditor, audited, third, reported, rng), True
+            detail["rerun"] = f"rank {third} also replayed rank {audited}'s micro-batch"
         self.timers["audit"].append(time.perf_counter() - t0)
         if suspects:
             if not localized:
@@ -347,15 +348,16 @@ class Guard:
     def _unlocalized(self, why: str) -> str:
         return f"{'two replicas' if self.world == 2 else why}: detected but cannot localize"
 
-    def _second_opinion(self, replay, auditor: int, audited: int, reported) -> list[int]:
-        """One failed audit: the audited rank recomputes its own micro-batch. Differing from its own
-        report means its step was wrong once (transient); agreeing means the auditor's replay was.
+    def _second_opinion(self, replay, auditor: int, audited: int, third: int, reported, rng) -> list[int]:
+        """One failed audit: a third rank replays the audited rank's micro-batch too. Agreeing with
+        the audited rank's report means the auditor's replay was wrong; differing means the report was
+        (a transient fault, or one the audited rank repeats on its own data: a rerun there would agree).
         """
         same = torch.tensor([1], device=self.device)
-        if self.rank == audited:
-            same[0] = int(fingerprints_match(self._replay(replay, audited, self._rng), reported[audited], self.tolerance))
-        src = dist.get_global_rank(self.group or dist.group.WORLD, audited)  # broadcast takes a global rank
-        self._collective("audit rerun", dist.broadcast, same, src, group=self.group)
+        if self.rank == third:
+            same[0] = int(fingerprints_match(self._replay(replay, audited, rng[audited]), reported[audited], self.tolerance))
+        src = dist.get_global_rank(self.group or dist.group.WORLD, third)  # broadcast takes a global rank
+        self._collective("audit second opinion", dist.broadcast, same, src, group=self.group)
         return [auditor] if int(same) else [audited]
 
     def _replay(self, replay, rank: int, rng: torch.Tensor) -> torch.Tensor:
