@@ -225,7 +225,7 @@ def test_clean_run_has_no_alarm(drills):
     ("nan_grad", "nonfinite", 0),
     ("lane_fault", "audit", 0),       # injected at step 2, an audit step
     ("weight_flip", "fingerprint", 0),
-    ("transient", "audit", 0),        # one failed audit, resolved by the audited rank's rerun
+    ("transient", "audit", 0),        # one failed audit, settled by a third rank's replay
 ])
 def test_fault_is_detected_on_the_right_rank(drills, drill, check, latency):
     result = drills[drill]
@@ -473,8 +473,8 @@ def test_policy_raise_at_the_first_step_still_writes_the_drill(digits, tmp_path)
 
 
 def test_audit_rerun_in_a_subgroup_names_the_faulty_rank(tmp_path):
-    # Guard ranks 0, 1, 2 are global ranks 1, 2, 3: the rerun's broadcast must come from the
-    # audited rank's global rank.
+    # Guard ranks 0, 1, 2 are global ranks 1, 2, 3: the second opinion's broadcast must come from the
+    # third rank's global rank (guard rank 2, global rank 3).
     (alarm,) = _run_guarded_loop(tmp_path, transient_in_subgroup=True, world=4)
     assert alarm[:3] == [2, "audit", [1]] and alarm[3]["failed_audits"] == [[0, 1]]
 
