@@ -331,6 +331,7 @@ def test_load_file_namespace_and_golden_fallback(tmp_path):
     path = write(tmp_path, "half.py", "def forward(x, weight, bias):\n    return x @ weight.t() * 2\n")
     kernel = kernels.load(path, "linear")
     assert kernel.name == "half" and kernel.custom == ("forward",) and kernel.source == path
+    assert kernels.load("peat.alt_kernels.im2col", "conv2d").name == "im2col"  # was "alt_kernels"
     assert kernel.input_grad is kernels.GOLDEN["linear"]["input_grad"]
     ns = write(tmp_path, "multi.py", "class conv2d:\n    pass\n\nclass linear:\n"
                                      "    def weight_grad(grad_out, x):\n        return grad_out.t() @ x\n")

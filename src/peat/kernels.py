@@ -163,7 +163,8 @@ def golden(op: str) -> Kernel:
 def load(impl: str, op: str, name: str | None = None) -> Kernel:
     """A kernel from ``impl``: "golden", a .py file, a C++ source, or a dotted import."""
     _check_op(op)
-    name = name or Path(impl).stem.split(".")[-1]
+    # A file by its stem; a dotted import by its last part (Path would take ".im2col" for a suffix).
+    name = name or (Path(impl).stem if impl.endswith((".py", *CPP_SUFFIXES)) else impl).split(".")[-1]
     if impl == "golden":
         return dataclasses.replace(golden(op), name=name)
     module, source = _import(impl)
