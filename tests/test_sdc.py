@@ -69,12 +69,12 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def _guarded_step(after_check=None):
+def _guarded_step(after_check=None, **guard_options):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
-    guard = sdc.Guard(DistributedDataParallel(model), policy="log")
+    guard = sdc.Guard(DistributedDataParallel(model), **{"policy": "log", **guard_options})
     if after_check is not None:  # runs after the guard's own check, before the all-reduce
         model[0].weight.register_post_accumulate_grad_hook(after_check)
     guard.begin_step(0)
@@ -88,14 +88,29 @@ def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_r
     monkeypatch.setattr(sdc.Guard, "_all_gather", lambda self, t, what: gathers.append(what) or [t])
     guard, ok = _guarded_step()
     assert ok and guard.alarms == [] and gathers == []  # healthy step: no extra collective
-    def overflow(param):  # after the local check: as if the all-reduce's sum overflowed there
-        param.grad.view(-1)[0] = float("inf")
-
-    guard, ok = _guarded_step(overflow)
+    guard, ok = _guarded_step(_overflow_in_the_sum)
     # Only the reduced gradient is non-finite: the flags are exchanged, no rank is to blame.
     assert not ok and gathers == ["gradient flags"]
     (alarm,) = guard.alarms
     assert alarm.check == "nonfinite" and alarm.localized is False and alarm.detail["flags"] == [0]
+
+
+def _overflow_in_the_sum(param):
+    # After the guard's local check: as if the all-reduce's sum overflowed there.
+    param.grad.view(-1)[0] = float("inf")
+
+
+def test_unlocalized_stop_exits_with_its_own_code_and_drains_nothing(one_rank, tmp_path, capsys):
+    # It exited 75 like a localized stop: the README's batch script requeued a diverging run forever.
+    saved = []
+    with pytest.raises(SystemExit) as stop:
+        _guarded_step(_overflow_in_the_sum, policy="stop", save=saved.append, checkpoint=tmp_path / "stop.pt",
+                      drain_marker=str(tmp_path / "drain-{node}.json"))
+    assert stop.value.code == sdc.EXIT_SDC_UNLOCALIZED == 65
+    assert saved == [tmp_path / "stop.pt"] and list(tmp_path.glob("drain-*")) == []
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"peat sdc: stopping; no faulty node localized among {sdc.node_name()}: a human must read the events; "
+        "do not requeue (exit code 65)")
 
 
 def test_guard_names_the_rank_with_a_nonfinite_gradient(one_rank):

@@ -16,7 +16,8 @@ fingerprints), each naming the suspect rank(s) and their hosts::
     guard.finish()
 
 Every rank takes the same decision from the same all-gathered data, so with policy ``stop``
-all ranks exit with ``EXIT_SDC`` together and no rank is left waiting in a collective.
+all ranks exit together (``EXIT_SDC`` when a faulty rank is localized, else ``EXIT_SDC_UNLOCALIZED``)
+and no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ import torch.distributed as dist
 from .io import PeatError
 
 EXIT_SDC = 75  # EX_TEMPFAIL: "try again later" - requeue the job on healthy nodes
+# Detected, but no rank to blame (a divergence, two replicas): a requeue would only repeat it, so a
+# human must look. 65 (EX_DATAERR) is clear of Python's 1/2/120, torchrun's 1 and signals' 128+N.
+EXIT_SDC_UNLOCALIZED = 65
 POLICIES = ("raise", "log", "stop")
 CHECKS = ("nonfinite", "audit", "fingerprint")
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -406,10 +410,12 @@ class Guard:
         if self.save is not None and self.rank == reporter:
             self.save(self.checkpoint)
         self._collective("stop", dist.barrier, group=self.group)
+        code = exit_code(event)
         advice = (f"drain node(s) {', '.join(event.hosts)} and requeue" if event.localized else
-                  f"no faulty node localized among {', '.join(event.hosts)}: read the events before requeueing")
-        print(f"peat sdc: stopping; {advice} (exit code {EXIT_SDC})", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_SDC)
+                  f"no faulty node localized among {', '.join(event.hosts)}: a human must read the events; "
+                  "do not requeue")
+        print(f"peat sdc: stopping; {advice} (exit code {code})", file=sys.stderr, flush=True)
+        raise SystemExit(code)
 
     # - collectives with clear failures -
 
@@ -434,6 +440,11 @@ class Guard:
     def costs(self) -> dict:
         """Median seconds of each check per step where it ran."""
         return {c: (float(torch.tensor(v).median()) if v else None) for c, v in self.timers.items()}
+
+
+def exit_code(event: Event) -> int:
+    """Policy ``stop``'s exit code for ``event``: requeue only when a faulty rank was localized."""
+    return EXIT_SDC if event.localized else EXIT_SDC_UNLOCALIZED
 
 
 def collective_failure(rank: int, what: str, err: BaseException) -> str:
