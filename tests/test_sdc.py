@@ -113,7 +113,9 @@ def test_unlocalized_stop_exits_with_its_own_code_and_drains_nothing(one_rank, t
         "do not requeue (exit code 65)")
 
 
-def test_guard_names_the_rank_with_a_nonfinite_gradient(one_rank):
+def test_one_rank_with_a_nonfinite_gradient_is_not_localized(one_rank):
+    # It was counted as localized: policy stop drained the node and requeued a diverging run. With no
+    # peer, a faulty device and a diverged run look the same.
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -124,7 +126,8 @@ def test_guard_names_the_rank_with_a_nonfinite_gradient(one_rank):
     guard.ddp(torch.randn(5, 4)).sum().backward()
     assert guard.check_gradients() is False
     (alarm,) = guard.alarms
-    assert (alarm.step, alarm.check, alarm.suspect_ranks, alarm.localized) == (3, "nonfinite", [0], True)
+    assert (alarm.step, alarm.check, alarm.suspect_ranks, alarm.localized) == (3, "nonfinite", [0], False)
+    assert alarm.detail["note"] == "one rank: no peer to tell a faulty device from a diverged run or bad data"
 
 
 def test_majority_outliers():
@@ -475,7 +478,8 @@ def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
     guard.ddp(torch.ones(3, 4)).sum().backward()
     assert guard.check_gradients() is False
     assert capsys.readouterr().err == (f"peat sdc: silent data corruption suspected at step 5 by check 'nonfinite': "
-                                       f"rank(s) [0] on node(s) {sdc.node_name()} (localized)\n")
+                                       f"rank(s) [0] on node(s) {sdc.node_name()} (NOT localized: one rank: no peer "
+                                       f"to tell a faulty device from a diverged run or bad data)\n")
 
 
 def test_policy_raise_at_the_first_step_still_writes_the_drill(digits, tmp_path):

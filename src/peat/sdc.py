@@ -278,12 +278,12 @@ class Guard:
         local = torch.as_tensor(self._bad, device=self.device).to(torch.int64).reshape(1)
         flags = [int(f) for f in self._all_gather(local, "gradient flags")]
         suspects = [r for r, f in enumerate(flags) if f]
-        if suspects and (len(suspects) < self.world or self.world == 1):
+        if suspects and len(suspects) < self.world:
             self._alarm("nonfinite", suspects, True, {"flags": flags})
         elif suspects:  # the same fault on every replica is the run's (divergence, bad data), not a GPU's
-            self._alarm("nonfinite", suspects, False,
-                        {"flags": flags, "note": "every rank has non-finite gradients: the run diverged or the "
-                                                 "data is bad; no faulty rank"})
+            note = ("one rank: no peer to tell a faulty device from a diverged run or bad data" if self.world == 1
+                    else "every rank has non-finite gradients: the run diverged or the data is bad; no faulty rank")
+            self._alarm("nonfinite", suspects, False, {"flags": flags, "note": note})
         else:  # finite local gradients whose sum overflowed in the all-reduce: no rank to blame
             self._alarm("nonfinite", list(range(self.world)), False,
                         {"flags": flags, "note": "only the all-reduced gradient is non-finite (overflow in the sum)"})
