@@ -526,6 +526,22 @@ def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(out), "--scale", "-2", "--no-sign-change"]) == 2
 
 
+def test_cli_counts_only_the_datasets_that_can_take_the_corruption(mixed, tmp_path, capsys):
+    # --scale acts on floats only: the two integer counters are selected but cannot take it.
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--select", "counters/*", "--select",
+                 "model/conv1.weight", "--scale", "2", "--count", "3"]) == 0
+    assert "3 value(s) altered in 1 of 1 selected dataset(s) that can take it" in capsys.readouterr().out
+
+
+def test_fraction_rounds_halves_up(mixed, tmp_path):
+    # 0.5 x 5 = 2.5 values: round() would give 2 (half to even); a user reading "round" expects 3.
+    five = tmp_path / "five.h5"
+    with h5py.File(five, "w") as f:
+        f.create_dataset("w", data=np.arange(1, 6, dtype=np.float32))
+    assert run_alter(five, tmp_path / "o.h5", fraction=0.5).flips == 3
+    assert run_alter(five, tmp_path / "o.h5", fraction=0.3).flips == 2  # 1.5 -> 2; round() agrees here
+
+
 def test_a_negative_seed_fails_with_one_line(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--seed", "-1"]) == 2
     assert capsys.readouterr().err.strip() == "peat alter: error: --seed -1: must be >= 0"

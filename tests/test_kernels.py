@@ -228,6 +228,42 @@ def test_a_kernel_forward_may_return_a_view_or_its_input(returned):
     assert torch.equal(*grads)
 
 
+def layout_spy(seen: set) -> list[kernels.Kernel]:
+    """Golden kernels of every op that note (op, computation, (shape, strides) of each tensor argument)."""
+    def spy(op, computation):
+        def run(*args, **kwargs):
+            seen.add((op, computation, tuple((tuple(a.shape), a.stride()) for a in args if torch.is_tensor(a))))
+            return kernels.golden(op).computation(computation)(*args, **kwargs)
+        return run
+
+    return [kernels.Kernel("spy", op, custom=kernels.COMPUTATIONS, **{c: spy(op, c) for c in kernels.COMPUTATIONS})
+            for op in kernels.OPS]
+
+
+def test_playback_hands_a_kernel_the_memory_layout_training_does(context):
+    """GPT-2's Conv1D weight reached a kernel as a transposed (non-contiguous) view in training but
+    contiguous in playback: a kernel assuming either layout was checked on one and trained on the other."""
+    trained, replayed = set(), set()
+    torch.manual_seed(0)
+    model = Tiny()
+    for kernel in layout_spy(trained):
+        kernels.route(model, kernel)
+    train_steps(model, steps=1)
+    spies = {k.op: k for k in layout_spy(replayed)}
+    for _, attrs, sample, computation in cases(context):
+        kernels.call(spies[attrs["op"]], computation, sample, attrs)
+    assert ("linear", "forward", (((6, 48), (48, 1)), ((10, 48), (1, 10)), ((10,), (1,)))) in trained  # proj
+    assert replayed == trained
+
+
+def test_a_routed_kernel_gets_a_contiguous_input_as_playback_does():
+    seen = set()
+    layer = nn.Linear(4, 3)
+    kernels.route(nn.Sequential(layer), layout_spy(seen)[kernels.OPS.index("linear")])
+    layer(torch.randn(4, 5, requires_grad=True).t()).sum().backward()
+    assert {args[1 if c == "weight_grad" else 0] for _, c, args in seen} == {((5, 3), (3, 1)), ((5, 4), (4, 1))}
+
+
 HEAVY_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",
              "native_layer_norm", "native_layer_norm_backward", "mm", "addmm"}
 

@@ -465,8 +465,12 @@ def _bad_counts(masks: np.ndarray, layout: Layout) -> np.ndarray:
     return np.bincount(_nonfinite_targets(masks, layout), minlength=1 << layout.exponent)
 
 
-def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> list[Edit]:
-    """Choose positions and masks for the whole selection, uniformly over eligible values."""
+def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> tuple[list[Edit], int]:
+    """Choose positions and masks for the whole selection, uniformly over eligible values.
+
+    Also returns how many selected datasets can take the corruption at all (dtype, region width),
+    which is what "altered in N of M datasets" should count.
+    """
     rng = np.random.default_rng(plan.seed)
     if plan.scale is not None:
         entries = [e for e in entries if e.layout.is_float]
@@ -497,12 +501,12 @@ def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> list[Edi
             edits.append(Edit(entry, positions, scale=plan.scale))
         else:
             edits.append(Edit(entry, positions, xor=_choose_masks(entry, storage, plan, masks_of[entry.path], positions, rng)))
-    return edits
+    return edits, len(entries)
 
 
 def _amount(plan: Plan, total: int, rng: np.random.Generator) -> int:
     if plan.fraction is not None:
-        return int(round(plan.fraction * total))
+        return math.floor(plan.fraction * total + 0.5)  # halves up, as a user reads "round"; round() goes to even
     if plan.probability is not None:
         return int(rng.binomial(total, plan.probability))
     return 1 if plan.count is None else plan.count
@@ -649,10 +653,9 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     reader = Storage(src, "r")
     if replay is not None:
         edits = edits_from_log(replay, entries, reader, src)
-        chosen = [e.entry for e in edits]
+        takers = len({e.entry.path for e in edits})
     else:
-        chosen = select(entries, plan.select, plan.classes, src)
-        edits = draw(chosen, reader, plan, src)
+        edits, takers = draw(select(entries, plan.select, plan.classes, src), reader, plan, src)
     reader.close()
     t_select = time.perf_counter()
     with atomic_path(out) as tmp:
@@ -674,7 +677,7 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     n = int(sum(len(e.positions) for e in edits))
     timings = {"select": t_select - t0, "copy": t_copy - t_select, "flip": t_flip - t_copy,
                "rename": t_end - t_log, "log": t_log - t_flip, "total": t_end - t0}
-    return Result(n, len({e.entry.path for e in edits}), len(chosen), timings, rows)
+    return Result(n, len({e.entry.path for e in edits}), takers, timings, rows)
 
 
 def _log_scale(log) -> float | None:
@@ -882,7 +885,7 @@ def cli_alter(argv: list[str]) -> int:
     result = alter(args.input, args.output, plan, in_place=args.in_place, log=args.log, replay=args.replay)
     t = result.timings
     print(f"peat alter: {result.flips} value(s) altered in {result.datasets} of {result.eligible_datasets} "
-          f"selected dataset(s) -> {args.input if args.in_place else args.output} "
+          f"selected dataset(s) that can take it -> {args.input if args.in_place else args.output} "
           f"({t['total']:.3f} s: copy {t['copy']:.3f} s, draw {t['select']:.3f} s, flips {t['flip']:.3f} s)")
     return 0
 

@@ -349,10 +349,15 @@ def arguments(op: str, computation: str, sample: dict, attrs: dict) -> tuple[lis
     return ([dO, x, w] if computation == "input_grad" else [dO, x]), hp
 
 
-def _cast(value, dtype):
-    if torch.is_tensor(value) and value.is_floating_point():
-        return value.detach().to(dtype, copy=True)  # a copy: kernels may write in place (running stats)
-    return value
+def _cast(value, dtype, transposed: bool = False):
+    """A fresh contiguous copy in ``dtype`` (kernels may write in place: running stats); ``transposed``
+    lays it out as training hands a transposed layer's weight (GPT-2's ``Conv1D``): the transpose
+    of a contiguous ``(in, out)`` matrix. One copy either way."""
+    if not (torch.is_tensor(value) and value.is_floating_point()):
+        return value
+    value = value.detach().t() if transposed else value.detach()
+    value = value.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    return value.t() if transposed else value
 
 
 def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torch.float32) -> torch.Tensor:
@@ -368,9 +373,13 @@ def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torc
 
 
 def operands(op: str, computation: str, sample: dict, attrs: dict, dtype=torch.float32) -> tuple[list, dict]:
-    """The arguments ``call`` passes: ``arguments``, floating ones as fresh copies in ``dtype``."""
+    """The arguments ``call`` passes: ``arguments``, floating ones as fresh copies in ``dtype``, laid
+    out as a routed call in training hands them (``_kernel_forward``), so playback checks the
+    kernel on the memory layout training runs it on."""
     args, kwargs = arguments(op, computation, sample, attrs)
-    return [_cast(a, dtype) for a in args], {k: _cast(v, dtype) for k, v in kwargs.items()}
+    weight = sample.get("W") if attrs.get("transposed") else None
+    return ([_cast(a, dtype, a is weight and weight is not None) for a in args],
+            {k: _cast(v, dtype) for k, v in kwargs.items()})
 
 
 def applies(computation: str, sample: dict) -> bool:
@@ -700,14 +709,16 @@ def _golden_forward(op: str, hp: dict, state: dict, x, weight, bias) -> tuple[to
 
 def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
     kernel = plan.kernel
-    args, kwargs = arguments(kernel.op, "forward", {"A": x, "W": weight, "B": bias, **state}, plan.attrs)
+    # x contiguous as playback's recorded one (a no-op in the shipped models); the weight is the
+    # parameter itself: a transposed layer's is a non-contiguous view, and playback lays it out so too.
+    args, kwargs = arguments(kernel.op, "forward", {"A": x.contiguous(), "W": weight, "B": bias, **state}, plan.attrs)
     return _checked_result(kernel, "forward", kernel.forward(*args, **kwargs),
                            output_shape(kernel.op, x, weight, plan.attrs), x.dtype)
 
 
 def _kernel_grad(plan: _Plan, state: dict, computation: str, grad_out, x, weight) -> torch.Tensor:
     kernel = plan.kernel
-    sample = {"A": x, "W": weight, "dO": grad_out.contiguous(), **state}
+    sample = {"A": x.contiguous(), "W": weight, "dO": grad_out.contiguous(), **state}
     args, kwargs = arguments(kernel.op, computation, sample, plan.attrs)
     like = x if computation == "input_grad" else weight
     return _checked_result(kernel, computation, kernel.computation(computation)(*args, **kwargs), like.shape, like.dtype)
