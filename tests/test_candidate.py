@@ -149,6 +149,27 @@ def test_a_crashed_kernels_outcome_is_strict_json(digits, tmp_path):
     assert saved["status"] == "crash" and saved["final_val_loss_candidate"] is None
 
 
+def test_a_kernel_returning_one_buffer_every_call_fails_its_run_naming_it(digits, tmp_path):
+    """ResNet-18's layer1 convs all give one output shape: a kernel returning one buffer per shape
+    overwrote outputs the backward still read, and trained on with wrong gradients, status ok."""
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
+                  "perplexity": [float("nan")], "wall_time": [0.0]}).to_csv(golden / "metrics.csv", index=False)
+    path = tmp_path / "buffered.py"
+    path.write_text("import torch.nn.functional as F\nOP = 'conv2d'\nBUFFERS = {}\n\n"
+                    "def forward(x, weight, bias, **hp):\n    out = F.conv2d(x, weight, bias, **hp)\n"
+                    "    buffer = BUFFERS.setdefault(out.shape, out)\n    buffer.data.copy_(out)\n    return buffer\n")
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
+    record = candidate.train_candidate("resnet18", spec, "buffered", {"op": "conv2d", "impl": str(path), "layers": ["layer1.*"]},
+                                       digits, golden, tmp_path / "out", seed=0)
+    assert record["status"] == "crash"
+    assert record["message"] == ("ReusedOutput: kernel 'buffered' forward at layer 'layer1.0.conv2' returned the "
+                                 "memory of its output at layer 'layer1.0.conv1', still held from earlier in this "
+                                 "forward pass (a persistent output buffer overwrites what the backward reads): "
+                                 "return a new tensor per call")
+
+
 def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):
     """Under RFI the per-call error score ran before the router's shape check: a result of another
     shape was a broadcasting 'crash' instead of a shape_mismatch."""

@@ -8,6 +8,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -262,6 +263,51 @@ def test_a_routed_kernel_gets_a_contiguous_input_as_playback_does():
     kernels.route(nn.Sequential(layer), layout_spy(seen)[kernels.OPS.index("linear")])
     layer(torch.randn(4, 5, requires_grad=True).t()).sum().backward()
     assert {args[1 if c == "weight_grad" else 0] for _, c, args in seen} == {((5, 3), (3, 1)), ((5, 4), (4, 1))}
+
+
+def buffered(key) -> kernels.Kernel:
+    """Golden linear whose forward returns one buffer per ``key(x, weight)``, written as C++ writes
+    it (no version bump for autograd to notice)."""
+    buffers = {}
+
+    def forward(x, weight, bias):
+        out = nn.functional.linear(x, weight, bias)
+        buffer = buffers.setdefault(key(x, weight), torch.empty_like(out))
+        buffer.data.copy_(out)
+        return buffer
+
+    return dataclasses.replace(kernels.golden("linear"), name="buffered", forward=forward, custom=("forward",))
+
+
+def test_a_kernel_returning_one_buffer_every_call_fails_naming_it():
+    """The second call overwrote the first layer's output, which the GELU after it saved for its
+    backward: the first layer's gradients came out wrong, with no error."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    kernels.route(model, buffered(lambda x, weight: x.shape))
+    with pytest.raises(kernels.ReusedOutput, match=r"^kernel 'buffered' forward at layer '2' returned the memory of "
+                                                   r"its output at layer '0', still held"):
+        model(torch.randn(4, 8))
+
+
+def test_memory_handed_out_again_once_free_is_not_taken_for_a_held_buffer():
+    """The same memory may come back once nothing holds the earlier output: in a no_grad evaluation
+    (nothing saved for a backward), or a layer's own buffer in the next pass (its backward has run)."""
+    memory = np.zeros((4, 8), np.float32)
+
+    def forward(x, weight, bias):  # a new tensor on the same memory at every call
+        return torch.from_numpy(memory).copy_(nn.functional.linear(x, weight, bias))
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    kernels.route(model, dataclasses.replace(kernels.golden("linear"), name="shared", forward=forward,
+                                             custom=("forward",)))
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    with pytest.raises(kernels.ReusedOutput, match="kernel 'shared' forward at layer '2'"):
+        model(torch.randn(4, 8))  # with autograd, the GELU holds layer 0's output for its backward
+    per_layer = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    kernels.route(per_layer, buffered(lambda x, weight: weight.data_ptr()))
+    for _ in range(2):
+        per_layer(torch.randn(4, 8)).sum().backward()
 
 
 HEAVY_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",

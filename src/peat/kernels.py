@@ -46,6 +46,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .io import PeatError
 
@@ -634,11 +635,52 @@ class _Plan:
     hp: dict  # the same, parsed once for the golden ops
     golden_forward: bool  # the kernel keeps PyTorch's forward
     own: frozenset  # the gradients the kernel computes itself; the rest come from one fused golden call
+    layer: str = ""  # its name in the routed model
+    outputs: _Outputs | None = None  # the model's kernel outputs in the current forward pass
 
 
-def _plan(kernel: Kernel, attrs: dict) -> _Plan:
+def _plan(kernel: Kernel, attrs: dict, layer: str = "", outputs: _Outputs | None = None) -> _Plan:
     return _Plan(kernel, attrs, _golden_hp(kernel.op, attrs), golden_forward="forward" not in kernel.custom,
-                 own=frozenset(kernel.custom) & {"input_grad", "weight_grad"})
+                 own=frozenset(kernel.custom) & {"input_grad", "weight_grad"}, layer=layer, outputs=outputs)
+
+
+class ReusedOutput(PeatError):
+    """A kernel's forward returned memory that an earlier routed call's output still holds (outcome ``crash``)."""
+
+
+class _Outputs:
+    """The storage of every kernel forward's output in one forward pass of a routed model, by
+    address, held weakly: an address seen again while its first holder lives means a kernel
+    returned a buffer it returns on every call (a persistent output buffer). The later call then
+    overwrites an earlier layer's output that the backward still reads: gradients go wrong with
+    no error (autograd's version check misses writes from C++ or through ``.data``). One address
+    and a weak reference per call; healthy outputs are never copied."""
+
+    def __init__(self):
+        self.held: dict[int, tuple[StorageWeakRef, str]] = {}
+
+    def forget(self, *_) -> None:  # a forward pre-hook of the routed model: a new pass begins
+        self.held.clear()
+
+    def add(self, plan: _Plan, out: torch.Tensor) -> None:
+        if not out.numel():
+            return
+        storage = out.untyped_storage()
+        earlier = self.held.get(storage.data_ptr())
+        if earlier is not None and not earlier[0].expired():
+            raise ReusedOutput(f"kernel {plan.kernel.name!r} forward at layer {plan.layer!r} returned the memory of "
+                               f"its output at layer {earlier[1]!r}, still held from earlier in this forward pass (a "
+                               "persistent output buffer overwrites what the backward reads): return a new tensor per call")
+        self.held[storage.data_ptr()] = (StorageWeakRef(storage), plan.layer)
+
+
+def _outputs_of(model: torch.nn.Module) -> _Outputs:
+    """The model's ``_Outputs``, made (and emptied at each forward pass) on first routing."""
+    outputs = model.__dict__.get("_peat_kernel_outputs")
+    if outputs is None:
+        outputs = model.__dict__["_peat_kernel_outputs"] = _Outputs()
+        model.register_forward_pre_hook(outputs.forget)
+    return outputs
 
 
 def _golden_hp(op: str, attrs: dict) -> dict:
@@ -662,7 +704,10 @@ class _Routed(torch.autograd.Function):
         else:
             out, stats = _kernel_forward(plan, state, x, weight, bias), ()
         ctx.save_for_backward(x, weight, *stats)
-        return _unaliased(out, x, weight, bias)
+        out = _unaliased(out, x, weight, bias)
+        if plan.outputs is not None and not plan.golden_forward:  # PyTorch's own outputs are fresh
+            plan.outputs.add(plan, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -765,11 +810,12 @@ def _golden_grads(plan: _Plan, state: dict, dO, x, w, stats, mask: list[bool]) -
     return _ln_backward(dO, x, w, hp["normalized_shape"], hp["eps"], mask, stats)
 
 
-def _routed_forward(module, kernel: Kernel, active: Callable[[], bool] | None):
+def _routed_forward(module, kernel: Kernel, active: Callable[[], bool] | None, layer: str = "",
+                    outputs: _Outputs | None = None):
     from .profiler import hyper_params
 
     original = module.forward
-    plan = _plan(kernel, hyper_params(module))
+    plan = _plan(kernel, hyper_params(module), layer, outputs)
     transposed = bool(plan.attrs.get("transposed"))
     batch_norm = kernel.op == "batch_norm"
 
@@ -815,9 +861,10 @@ def route(model: torch.nn.Module, kernel: Kernel, layers: list[str] | None = Non
     layer's own (golden) forward, as frequency-based runtime FI needs. Returns the routed names.
     """
     chosen = select(model, kernel.op, layers, key)
+    outputs = _outputs_of(model)
     for name in chosen:
         module = model.get_submodule(name)
-        module.forward = _routed_forward(module, kernel, active)
+        module.forward = _routed_forward(module, kernel, active, name, outputs)
     return chosen
 
 
