@@ -18,7 +18,7 @@ from peat import sdc
 from peat.config import validate
 from peat.data import prepare
 from peat.io import PeatError, write_json
-from peat.sdc_drill import EXIT_PEER, check_config, launch
+from peat.sdc_drill import EXIT_OOM, EXIT_PEER, check_config, launch
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -272,8 +272,9 @@ def test_transient_fault_is_seen_once(drills):
 
 
 def _srun_like(script_args: list[str], world: int, tmp: Path, timeout: float,
-               stalled: int | None = None) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks the way srun does (SLURM_* variables, one node name per rank).
+               stalled: int | None = None, entry: tuple[str, ...] = ("-m", "peat.sdc_drill")) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks of ``python *entry *script_args`` the way srun does (SLURM_* variables,
+    one node name per rank).
 
     The ``stalled`` rank is waited for last and killed once the others have ended.
     """
@@ -285,7 +286,7 @@ def _srun_like(script_args: list[str], world: int, tmp: Path, timeout: float,
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world), SLURM_LOCALID="0", SLURMD_NODENAME=f"node{rank}",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *script_args], env=env, cwd=tmp,
+        procs.append(subprocess.Popen([sys.executable, *entry, *script_args], env=env, cwd=tmp,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     done = {}
     deadline = time.monotonic() + timeout
@@ -344,6 +345,32 @@ def test_hung_rank_times_out_instead_of_hanging(digits, tmp_path):
         assert r.returncode == EXIT_PEER, r.stdout[-2000:]
         assert "a peer rank died or hung past the timeout" in r.stdout
     assert time.monotonic() - start < 300
+
+
+# The drill worker, with rank 1 out of GPU memory in its training forward at step 1.
+OUT_OF_MEMORY = """
+import sys, torch
+from peat import sdc_drill
+
+loss = sdc_drill.Trainer.loss
+def failing(self, module, step, rank):
+    if self.rank == 1 and step == 1 and module is self.ddp:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return loss(self, module, step, rank)
+sdc_drill.Trainer.loss = failing
+sys.exit(sdc_drill.main())
+"""
+
+
+def test_out_of_memory_names_itself_not_a_dead_peer(digits, tmp_path):
+    # The rank out of memory said 'a peer rank died' (an OutOfMemoryError is a RuntimeError).
+    config = _config_file(tmp_path, world_size=2, steps=2, injection_step=1, drills=["clean"])
+    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
+                       2, tmp_path, timeout=300, entry=("-c", OUT_OF_MEMORY))
+    assert [r.returncode for r in ranks] == [EXIT_PEER, EXIT_OOM], ranks[1].stdout[-2000:]
+    assert ranks[1].stdout.splitlines()[-1] == ("peat sdc drill: error: rank 1: out of memory in drill 'clean' "
+                                                "(CUDA out of memory. Tried to allocate 2.00 GiB): lower sdc.batch_size")
+    assert "a peer rank died or hung past the timeout" in ranks[0].stdout
 
 
 def test_two_replicas_detect_but_cannot_localize(digits, tmp_path):

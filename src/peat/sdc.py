@@ -422,6 +422,8 @@ class Guard:
     def _collective(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise  # this rank's own failure (a RuntimeError too), not a peer's
         except (RuntimeError, dist.DistError) as err:
             raise PeatError(collective_failure(self.rank, what, err)) from None
 
@@ -448,8 +450,12 @@ def exit_code(event: Event) -> int:
 
 
 def collective_failure(rank: int, what: str, err: BaseException) -> str:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return f"rank {rank}: collective '{what}' failed: a peer rank died or hung past the timeout ({first[:200]})"
+    return f"rank {rank}: collective '{what}' failed: a peer rank died or hung past the timeout ({first_line(err)})"
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (at most 200 characters), or its type's name."""
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
 def _mark_nonfinite(grad: torch.Tensor, bad):

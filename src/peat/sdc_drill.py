@@ -33,6 +33,7 @@ from .provenance import stamp
 DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
 RELIABILITY = ("dead", "hang")  # a rank exits / stalls mid-drill: the drill must fail clearly
 EXIT_PEER = 3  # a collective failed: a peer died or hung
+EXIT_OOM = 4  # this rank ran out of (GPU) memory; its peers then exit EXIT_PEER
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -138,20 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     from .device import seed_everything
 
     seed_everything(config["seed"], config["threads"])
+    task = "the benchmark"
     try:
         if args.bench:
             result = benchmark(spec, data, sdc_cfg, config["seed"], device)
             if rank == 0:
                 write_json(Path(args.out) / "bench.json", {"model": args.model, "world_size": world, **result})
         for drill in [] if args.bench else drills:
+            task = f"drill {drill!r}"
             result = run_drill(drill, args.model, spec, data, sdc_cfg, config["seed"], device, Path(args.out))
             if rank == 0:
                 write_json(Path(args.out) / f"{drill}.json", result)
     except PeatError as err:
-        print(f"peat sdc drill: error: {err}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER)  # peers may be gone: skip the process-group teardown that would wait
+        _fail(str(err), EXIT_PEER)
+    except torch.cuda.OutOfMemoryError as err:  # a RuntimeError too: not to be read as a peer's failure
+        _fail(f"rank {rank}: out of memory in {task} ({sdc.first_line(err)}): lower sdc.batch_size", EXIT_OOM)
     dist.destroy_process_group()
     return 0
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"peat sdc drill: error: {message}", file=sys.stderr, flush=True)
+    os._exit(code)  # peers may be gone: skip the process-group teardown that would wait
 
 
 def load_config(path: str | Path) -> dict:
@@ -260,6 +269,8 @@ def _drill_step(trainer: Trainer, guard: sdc.Guard, fault: "Fault | None", step:
     trainer.optimizer.zero_grad(set_to_none=True)
     try:
         trainer.loss(trainer.ddp, step, trainer.rank).backward()
+    except torch.cuda.OutOfMemoryError:
+        raise  # this rank's own failure (a RuntimeError too), not a peer's
     except (RuntimeError, dist.DistError) as err:
         raise PeatError(sdc.collective_failure(trainer.rank, f"DDP gradient all-reduce at step {step}", err)) from None
     if guard.check_gradients(replay=lambda r: trainer.loss(guard.module, step, r)):
