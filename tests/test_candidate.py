@@ -170,6 +170,33 @@ def test_a_kernel_returning_one_buffer_every_call_fails_its_run_naming_it(digits
                                  "return a new tensor per call")
 
 
+STOPS = {"crash": "os.kill(os.getpid(), signal.SIGSEGV)", "timeout": "time.sleep(600)"}
+
+
+@pytest.mark.parametrize("status, schedule", [("crash", None), ("timeout", None), ("crash", "f1")])
+def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path, status, schedule):
+    """A candidate or RFI run that crashed or timed out lost its whole curve: compare.csv had no
+    candidate loss at all, so the steps it did train were not shown."""
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    pd.DataFrame({"step": [0, 1, 2, 3, 4], "epoch": 1, "split": ["train"] * 4 + ["val"], "loss": 2.0,
+                  "accuracy": 0.1, "perplexity": float("nan"), "wall_time": 0.0}).to_csv(golden / "metrics.csv",
+                                                                                       index=False)
+    path = tmp_path / "stops.py"  # dies in its third call: the third training step
+    path.write_text("import os, signal, time\nimport torch.nn.functional as F\nCALLS = [0]\n\n"
+                    "def forward(x, weight, bias):\n"
+                    f"    CALLS[0] += 1\n    if CALLS[0] == 3:\n        {STOPS[status]}\n"
+                    "    return F.linear(x, weight, bias)\n")
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1}
+    record = candidate.train_candidate("resnet18", spec, "stops", {"op": "linear", "impl": str(path), "layers": ["fc"],
+                                                                   "train_timeout": 20},
+                                       digits, golden, tmp_path / "out", seed=0, schedule=schedule)
+    assert record["status"] == status and record["steps_trained"] == 2 and record["nonfinite_loss"] is False
+    frame = pd.read_csv(tmp_path / "out" / "compare.csv")
+    assert frame["loss_candidate"].notna().tolist() == [True, True, False, False, False]
+    assert not (tmp_path / "out" / candidate.PARTIAL_CURVE).exists()  # compare.csv holds it now
+
+
 def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):
     """Under RFI the per-call error score ran before the router's shape check: a result of another
     shape was a broadcasting 'crash' instead of a shape_mismatch."""

@@ -329,3 +329,14 @@ def test_benchmark_section_from_make_bench_results(tmp_path):
     assert table.columns[:4].tolist() == ["benchmark", "median", "goal", "met"]
     assert table.benchmark.tolist() == ["sdc_checks", "playback_efficiency"] and table.met.tolist() == [False, True]
     assert 'id="benchmarks-section"' in page and "<td>sdc_checks</td>" in page
+
+
+def test_a_run_that_stopped_shows_how_far_it_trained_beside_its_outcome(tmp_path):
+    outcome = tmp_path / "results/candidate/m/cpu/k/outcome.json"
+    outcome.parent.mkdir(parents=True)
+    outcome.write_text(json.dumps({"status": "timeout", "message": "no result after 20 s (killed)",
+                                   "max_abs_loss_diff": 0.0, "steps_trained": 2}))
+    build([outcome], tmp_path / "out", name="t", models=["m"], vendors=["cpu"])
+    rows = pd.read_csv(tmp_path / "out/candidate.csv")
+    assert list(rows.columns[:5]) == ["model", "vendor", "kernel", "status", "steps_trained"]
+    assert rows.loc[0, "steps_trained"] == 2

@@ -12,16 +12,19 @@ process (``kernels.run_isolated``): a kernel that raises, segfaults or hangs giv
 
 from __future__ import annotations
 
+import csv
+import io
 import fnmatch
 import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
 from . import errors, kernels, provenance
-from .io import PeatError, write_csv, write_json
+from .io import PeatError, atomic_path, write_csv, write_json
 
 # Ops each architecture contains (llama normalises with RMSNorm, which is none of PEAT's ops).
 ARCH_OPS = {"resnet18": {"conv2d", "batch_norm", "linear"}, "resnet34": {"conv2d", "batch_norm", "linear"},
@@ -117,8 +120,33 @@ def target_layers(spec: dict, context: str | Path | None) -> list[str] | None:
 
 
 # -- runs ------------------------------------------------------------------------------------
+class PartialCurve:
+    """The training curve so far, rewritten after each row (temp name, then rename) so that a run
+    that crashes, is killed or times out leaves the curve up to its last step. Each row is
+    formatted once: a rewrite is one write of the lines so far (0.3 ms for 10,000 steps)."""
+
+    def __init__(self, path: Path):
+        self.path, self.lines, self.header = path, [], None
+
+    def add(self, row: dict) -> None:
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
+        if self.header is None:
+            self.header = list(row)
+            writer.writerow(self.header)
+        writer.writerow([row[k] for k in self.header])
+        self.lines.append(text.getvalue())
+        with atomic_path(self.path) as tmp:
+            tmp.write_text("".join(self.lines))
+
+    @staticmethod
+    def read(path: Path) -> pd.DataFrame | None:
+        return pd.read_csv(path) if path.exists() else None
+
+
 def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir, train_kw, schedule=None):
-    """Child process body: route, train, return (routed layers, metrics, per-call errors)."""
+    """Child process body: route, train, return (routed layers, metrics, per-call errors); the
+    curve so far is in ``PARTIAL_CURVE`` meanwhile."""
     from .train import train_model
 
     kernel = build(kernel_name, kspec)
@@ -138,7 +166,7 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
         state.update(step=step, epoch=epoch)
 
     metrics = train_model(name, spec, data_path, out_dir, prepare_model=prepare, before_step=before_step,
-                          progress=False, **train_kw)
+                          progress=False, on_row=PartialCurve(Path(out_dir) / PARTIAL_CURVE).add, **train_kw)
     # Plain containers: the parent reads them back with torch.load(weights_only=True).
     return {"layers": routed, "metrics": metrics.to_dict("list"), "calls": pd.DataFrame(calls).to_dict("list")}
 
@@ -219,14 +247,16 @@ def compare(golden: pd.DataFrame, candidate: pd.DataFrame | None) -> pd.DataFram
     return merged
 
 
-def _summary(frame: pd.DataFrame, ran: bool) -> dict:
+def _summary(frame: pd.DataFrame, metrics: pd.DataFrame | None) -> dict:
     val = frame[frame["split"] == "val"]
     last = val.iloc[-1] if len(val) else None
     out = {"max_abs_loss_diff": float(frame["loss_diff"].abs().max())}
     if last is not None:
         out |= {f"final_val_{c}_{w}": float(last[f"{c}_{w}"]) for c in ("loss", "accuracy") for w in ("golden", "candidate")}
-    # A kernel that crashed has no candidate curve at all (NaN after the merge), not a non-finite loss.
-    out["nonfinite_loss"] = ran and bool(frame["loss_candidate"].isna().any() and not frame["loss_golden"].isna().any())
+    # Judged on the candidate's own rows: after a crash, the steps it never reached are NaN in the merge.
+    losses = metrics["loss"].to_numpy(float) if metrics is not None else np.zeros(0)
+    out["nonfinite_loss"] = bool(not np.isfinite(losses).all() and not frame["loss_golden"].isna().any())
+    out["steps_trained"] = int((metrics["split"] == "train").sum()) if metrics is not None else 0
     return out
 
 
@@ -255,15 +285,18 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
                                    train_kw, schedule, timeout=kspec.get("train_timeout", 3600))
     result = outcome.value if outcome.ok else {"layers": [], "metrics": None, "calls": {}}
     routed, calls = result["layers"], pd.DataFrame(result["calls"])
-    metrics = pd.DataFrame(result["metrics"]) if result["metrics"] is not None else None
+    # A run that did not finish keeps its curve up to where it stopped.
+    metrics = pd.DataFrame(result["metrics"]) if outcome.ok else PartialCurve.read(out_dir / PARTIAL_CURVE)
     frame = compare(pd.read_csv(golden_dir / "metrics.csv"), metrics)
     write_csv(out_dir / "compare.csv", frame)
+    (out_dir / PARTIAL_CURVE).unlink(missing_ok=True)  # compare.csv holds it now
     if schedule is not None:
         write_csv(out_dir / "calls.csv", calls if not calls.empty else pd.DataFrame(columns=CALL_COLUMNS))
-    record |= outcome.record() | {"layers": routed} | _summary(frame, metrics is not None)
+    record |= outcome.record() | {"layers": routed} | _summary(frame, metrics)
     record["provenance"] = provenance.stamp(config_hash, vendor)
     write_json(out_dir / "outcome.json", record)
     return record
 
 
+PARTIAL_CURVE = ".curve.csv"  # in the run's folder while it trains
 CALL_COLUMNS = ["step", "epoch", "layer", "computation", "call", "max", "mean", "top10", "var", "nonfinite", "changed"]

@@ -262,7 +262,8 @@ def _flat_row(path: Path, **keys) -> dict:
     """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
     data = _load_json(path)
     scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
-    first = {k: scalars.pop(k) for k in ("status", "detected") if k in scalars}  # the outcome, then details
+    # The outcome, how far a candidate or RFI run trained (a crash keeps its curve to there), then details.
+    first = {k: scalars.pop(k) for k in ("status", "detected", "steps_trained") if k in scalars}
     return {**keys, **first, **scalars}
 
 

@@ -61,8 +61,11 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.nda
 
 def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         profiler=None, before_step: Callable[[int, int], None] | None = None,
-        start: str | Path | None = None, progress: bool = True, resumable: bool = True) -> pd.DataFrame:
+        start: str | Path | None = None, progress: bool = True, resumable: bool = True,
+        on_row: Callable[[dict], None] | None = None) -> pd.DataFrame:
     """Train ``model``; write ``metrics.csv``, ``final.h5`` and ``checkpoints/epochNNN.h5``.
+
+    ``on_row`` gets each new row of the curve (a step's loss, a validation point) as it is made.
 
     ``start`` is a checkpoint to resume from (weights, optimizer, step, epoch, history).
     While running, everything lives in ``out_dir/.partial/``: epoch checkpoints and
@@ -111,10 +114,14 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
                 profiler.end_step()
             optimizer.step()
             history.append(_row(step, epoch, "train", loss.item(), counts, data.kind, t0))
+            if on_row is not None:
+                on_row(history[-1])
             step += 1
             bar.update()
             bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}", refresh=False)
         history.append(_evaluate(model, data.kind, val_x, val_y, run, step, epoch, t0))
+        if on_row is not None:
+            on_row(history[-1])
         save = dict(step=step, epoch=epoch, meta=run.meta, history=history)
         if epoch in run.checkpoint_epochs:
             checkpoint.save(partial / f"epoch{epoch:03d}.h5", model, optimizer, **save)
@@ -180,13 +187,15 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
                 seed: int = 0, threads: int = 1, init: str | Path | None = None, config_hash: str = "",
                 prepare_model: Callable[[torch.nn.Module], None] | None = None,
                 before_step: Callable[[int, int], None] | None = None, record: bool = True,
-                progress: bool = True, start: str | Path | None = None, resumable: bool = True) -> pd.DataFrame:
+                progress: bool = True, start: str | Path | None = None, resumable: bool = True,
+                on_row: Callable[[dict], None] | None = None) -> pd.DataFrame:
     """Golden (or candidate) training of model ``name`` from its config ``spec``, with the Profiler.
 
     ``init`` fine-tunes from another run's checkpoint (a new head keeps its own init);
     ``prepare_model`` may patch the built model (candidate kernels) before training starts.
     ``start`` resumes from a checkpoint (e.g. an altered one) to the end of the schedule;
-    ``resumable`` False skips the per-epoch resume point (for runs that always start afresh).
+    ``resumable`` False skips the per-epoch resume point (for runs that always start afresh);
+    ``on_row`` gets each row of the curve as it is made (see ``fit``).
     """
     from .data import load
     from .device import for_vendor, seed_everything
@@ -214,7 +223,7 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
                             derived=bool(rec.get("derived", False)) or vendor != "cpu")
     run = Run.from_spec(spec, seed=seed, device=device, meta=meta)
     return fit(model, data, run, out_dir, profiler=profiler, before_step=before_step, progress=progress, start=start,
-               resumable=resumable)
+               resumable=resumable, on_row=on_row)
 
 
 def evaluate_checkpoint(name: str, spec: dict, data_path: str | Path, path: str | Path, *, vendor: str = "cpu",
