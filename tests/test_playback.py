@@ -364,6 +364,21 @@ def test_propagation_to_next_layer_and_loss(golden_run):
     assert (fp16["err_max"] < lane[lane["fop"] == "loss"]["err_max"].to_numpy()).all()
 
 
+def test_the_steps_followed_downstream_are_chosen_among_the_replayed_ones(golden_run):
+    """propagate_samples steps are followed even when max_samples_per_layer replays a subset:
+    chosen among all 6 recorded steps, 4 of them were [0, 2, 3, 5], and 3 was never replayed."""
+    from peat.propagate import Propagator
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+    prop = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=4)
+    table, _ = replay(context, "linear", errors=[], computations=("forward",), max_samples=5,
+                      layers=["transformer.h.0.mlp.c_fc"], propagate=prop)
+    replayed = sorted(set(table["step"]))
+    followed = sorted(set(table.loc[table["fop"] == "loss", "step"]))
+    assert len(replayed) == 5 and len(followed) == 4 and set(followed) <= set(replayed)
+
+
 def test_later_observing_points_see_the_fault_seen_at_the_output(golden_run):
     """Downstream runs repeat each case's injection (same draws, same stale tile) without
     advancing it: the output rows are those of a replay without propagation."""

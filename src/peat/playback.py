@@ -332,7 +332,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
         if follow:
             ran = {case: twin for case, twin in twins.items() if case in candidates}  # failed: row above
             with timer("propagate"):
-                rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer)
+                rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer,
+                                            replayed=[int(s["step"]) for s in samples])
     return rows
 
 

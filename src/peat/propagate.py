@@ -165,11 +165,14 @@ class Propagator:
         seen["loss"] = loss.detach().reshape(1)
         return seen
 
-    def rows(self, layer: str, sample: dict, variants: dict, base: dict, rules, timer=None) -> list[dict]:
+    def rows(self, layer: str, sample: dict, variants: dict, base: dict, rules, timer=None,
+             replayed: list[int] | None = None) -> list[dict]:
         """Playback rows at the later observing points for the forward of ``layer`` at this sample;
-        ``timer`` (a ``peat.playback.Timer``) accounts the kernel calls and the scoring apart."""
+        ``timer`` (a ``peat.playback.Timer``) accounts the kernel calls and the scoring apart.
+        The steps followed are chosen among ``replayed`` (the layer's steps playback replays;
+        every recorded one when None): chosen among all, some could be steps never replayed."""
         step = int(sample["step"])
-        if not self.wanted(layer, step, self._steps(layer)):
+        if not self.wanted(layer, step, self._steps(layer) if replayed is None else replayed):
             return []
         timed = (lambda category: timer(category)) if timer is not None else (lambda category: nullcontext())
         attrs, _ = read_layer(self.context, layer, [])  # the layer's attributes alone
