@@ -288,6 +288,19 @@ def test_analyzer_on_a_kernel_that_fails_after_its_probe(context, tmp_path):
         assert (tmp_path / "analyze" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_analyzer_on_a_kernel_whose_every_result_is_nan(context, tmp_path):
+    """A kernel returning NaN everywhere has no score (NaN) in any row of its own: the heatmap of
+    its scores has nothing to show, and said so instead of failing the job."""
+    kernel = tmp_path / "nan.py"
+    kernel.write_text("import torch\ndef forward(x, weight, bias):\n"
+                      "    return torch.full((*x.shape[:-1], weight.shape[0]), float('nan'))\n")
+    table, _ = replay(context, kernel=kernels.load(str(kernel), "linear"), errors=[], computations=("forward",))
+    assert table.loc[table["case"] == "kernel", "rel_top10"].isna().all()
+    analyze.analyze(table, context, tmp_path / "analyze")
+    for name in analyze.FIGURES:
+        assert (tmp_path / "analyze" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_detector_benchmark_smoke(context, tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "detector.py"), "--smoke", "--seeds", "1",
                            "--context", str(context), "--out", str(tmp_path)], capture_output=True, text=True,

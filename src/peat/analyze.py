@@ -185,6 +185,9 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int) -> None:
         _empty(path, "no scored rows of the kernel itself: it failed after its first call", dpi)
         return
     heat = kernel.pivot_table(index=["layer", "computation"], columns="step", values="log10_rel_top10")
+    if heat.empty:  # the pivot drops NaN scores: those of results without a finite element (an all-NaN output)
+        _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi)
+        return
     fig, ax = plt.subplots(figsize=(1.2 + 0.5 * max(1, heat.shape[1]), 0.9 + 0.35 * max(1, heat.shape[0])))
     sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": "log10 top-10% error / fp32 noise"})
     ax.set_title("kernel under test: layer x iteration")
