@@ -571,6 +571,30 @@ def test_resume_after_sigkill_matches_uninterrupted_run(digits, golden_twice, tm
         assert_bit_identical(golden_twice[0] / name, tmp_path / name)
 
 
+def test_resume_of_a_model_with_dropout_matches_uninterrupted_run(digits, tmp_path):
+    """The generator's state is not in the checkpoint: a resumed mobilenet_v2 (dropout before its
+    classifier) drew other masks than the uninterrupted run and ended with other weights."""
+    from peat.train import Run, fit
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 16), torch.nn.Dropout(0.5),
+                                   torch.nn.Linear(16, 10))
+
+    def die(step, epoch):
+        if epoch == 2:
+            raise KeyboardInterrupt("killed")
+
+    ds = data.load(digits)
+    run = Run(epochs=2, batch_size=32, optimizer={"name": "sgd", "lr": 0.05}, max_train_samples=64,
+              max_val_samples=32)
+    fit(build(), ds, run, tmp_path / "whole", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        fit(build(), ds, run, tmp_path / "resumed", progress=False, before_step=die)
+    fit(build(), ds, run, tmp_path / "resumed", progress=False)
+    assert_bit_identical(tmp_path / "whole" / "final.h5", tmp_path / "resumed" / "final.h5")
+
+
 def test_fine_tuning_starts_from_the_pretrained_checkpoint(digits, golden_twice):
     ds = data.load(digits)
     parity = dict(ds.attrs, num_classes=2)

@@ -59,6 +59,11 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.nda
     return [order[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """Seed of torch's generators for epoch ``epoch`` (independent of its batch order's stream)."""
+    return int(np.random.SeedSequence([seed, epoch, 1]).generate_state(1, np.uint64)[0])
+
+
 def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         profiler=None, before_step: Callable[[int, int], None] | None = None,
         start: str | Path | None = None, progress: bool = True, resumable: bool = True,
@@ -101,6 +106,9 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
     for epoch in range(first_epoch, run.epochs + 1):
         model.train()
+        # Dropout masks too depend only on (seed, epoch): a resumed run draws what an uninterrupted
+        # one draws (the generator's state is not in the checkpoint).
+        torch.manual_seed(epoch_seed(run.seed, epoch))
         for idx in epoch_batches(len(train_x), run.batch_size, run.seed, epoch):
             if before_step is not None:
                 before_step(step, epoch)
