@@ -310,6 +310,17 @@ def test_memory_handed_out_again_once_free_is_not_taken_for_a_held_buffer():
         per_layer(torch.randn(4, 8)).sum().backward()
 
 
+def test_a_copy_of_a_routed_model_tracks_its_own_outputs():
+    """The copy's weak references were the original's: each would have been released twice."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    kernels.route(model, dataclasses.replace(kernels.golden("linear"), custom=("forward",)))
+    model(torch.randn(2, 4))
+    twin = copy.deepcopy(model)
+    assert len(model._peat_kernel_outputs.held) == 2 and not twin._peat_kernel_outputs.held
+    twin._forward_pre_hooks.popitem()[1]()  # the copy's hook empties the copy's tracker, not the original's
+    assert len(model._peat_kernel_outputs.held) == 2
+
+
 HEAVY_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",
              "native_layer_norm", "native_layer_norm_backward", "mm", "addmm"}
 

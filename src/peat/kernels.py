@@ -662,6 +662,10 @@ class _Outputs:
     def forget(self, *_) -> None:  # a forward pre-hook of the routed model: a new pass begins
         self.held.clear()
 
+    def __deepcopy__(self, memo) -> _Outputs:
+        # A copied model's passes are its own; a copied weak reference would also be released twice.
+        return _Outputs()
+
     def add(self, plan: _Plan, out: torch.Tensor) -> None:
         if not out.numel():
             return
