@@ -84,6 +84,16 @@ def test_first_layer_has_no_input_gradient_rows(context):
     assert set(table.loc[table["layer"] == "0", "computation"]) == {"forward", "weight_grad"}
 
 
+def test_a_verdict_on_nothing_replayed_says_why(context, tmp_path):
+    """The first layer alone, its input gradient alone: the layer is recorded, nothing applies."""
+    table, record = replay(context, "conv2d", errors=[], computations=("input_grad",))
+    assert table.empty and record["layers"] == ["0"]
+    playback.write(table, record, tmp_path / "t.parquet", tmp_path / "t.json")
+    got = detect.run_job(tmp_path / "t.parquet", tmp_path / "t.json", tmp_path / "v.json")
+    assert got["verdict"] == "pass" and got["evidence"]["applicable"] is False
+    assert "(0)" in got["evidence"]["reason"] and "no sample" in got["evidence"]["reason"]
+
+
 def test_steps_at_which_a_layer_did_not_run_are_not_replayed(tmp_path):
     """A recorded layer on a conditional branch: the Profiler keeps its weights at every
     recorded step, its inputs only where it ran."""

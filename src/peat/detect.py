@@ -218,6 +218,15 @@ def rules_from(section: dict | None) -> Rules:
     return Rules(**{k: v for k, v in (section or {}).items() if k in names})
 
 
+def _not_applicable(record: dict) -> str:
+    """Why a playback replayed nothing: no recorded layer of the kernel's op, or layers of it with no
+    sample the configured computations apply to (the first layer has no input gradient)."""
+    if record.get("layers"):
+        return (f"the recorded layers of the kernel's op ({', '.join(record['layers'])}) in {record.get('context')} "
+                "have no sample that the replayed computations apply to")
+    return f"no recorded layer of the kernel's op in {record.get('context')}"
+
+
 def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
     """One workflow job: the verdict JSON of one kernel from its playback table and record."""
     rules = rules_from(section)
@@ -237,8 +246,7 @@ def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, se
         result = verdict(table, rules, outcome=outcome)
     else:
         result = {"verdict": "pass", "error_model": "none", "confidence": 0.0, "layers": [],
-                  "evidence": {"applicable": False, "reason": f"no recorded layer of the kernel's op in "
-                                                             f"{record.get('context')}"}}
+                  "evidence": {"applicable": False, "reason": _not_applicable(record)}}
     result["evidence"]["outcomes"] = record.get("outcomes", [])
     result["evidence"]["timings"] = record.get("timings", {})
     result["provenance"] = record.get("provenance", {})
