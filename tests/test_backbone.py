@@ -75,6 +75,9 @@ BAD_CONFIGS = [
     # Playback replays recorded layers only: it failed on this one after golden training.
     (lambda c: c["kernels"]["im2col"].update(layers=["layer1.0.conv9"]), "kernels.im2col.layers",
      "'layer1.0.conv9' is not among the layers model 'resnet18' records"),
+    # Need the training set's size (peat.data.sizes): refused only by the drill's ranks or the golden job.
+    (lambda c: c["sdc"].update(batch_size=5000), "sdc.batch_size",
+     "5000 is not between sdc.world_size (3) and the 1173 training examples of dataset 'pydoc'"),
     # Names that are path parts: braces stopped Snakemake with a WildcardError, ".." wrote outside results/.
     (lambda c: c["models"].update({"a{b}": c["models"].pop("resnet18_parity")}), "models", "'a{b}' does not match"),
     (lambda c: c["models"].update({"..": c["models"].pop("resnet18_parity")}), "models", "'..' does not match"),

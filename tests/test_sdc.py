@@ -204,6 +204,9 @@ def make_config(**sdc_cfg) -> dict:
     ({"faults": {"lane_fault": "lane:x"}}, "config key 'sdc.faults.lane_fault': error spec 'lane:x'"),
     ({"drills": ["melt"]}, "config key 'sdc.drills.0': 'melt' is not allowed"),
     ({"policy": "panic"}, "config key 'sdc.policy': 'panic' is not allowed"),
+    # The Trainer refused it only after torchrun had started every rank.
+    ({"batch_size": 2000}, "config key 'sdc.batch_size': 2000 is not between sdc.world_size (3) and the "
+                           "1438 training examples of dataset 'digits'"),
 ])
 def test_config_errors_name_the_key(bad, message):
     with pytest.raises(PeatError) as err:

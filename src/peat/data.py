@@ -16,6 +16,9 @@ import torch
 from .io import PeatError, atomic_path, open_h5, require
 
 IMAGE_MEAN, IMAGE_STD = 0.5, 0.5
+# Examples in the fixed image sets (scikit-learn's digits; CIFAR-10's train and test batches, which
+# torchvision reads only when all are there): ``sizes`` counts them without loading the images.
+IMAGE_COUNTS = {"digits": 1797, "cifar10": 60000}
 
 
 @dataclass
@@ -43,13 +46,30 @@ def prepare(name: str, spec: dict, out: str | Path) -> None:
         x, y, attrs = _sequences(name, tokens, spec["seq_len"])
         kind = "text"
     order = np.random.default_rng(spec.get("seed", 0)).permutation(len(x))
-    n_val = max(1, int(round(len(x) * spec["val_fraction"])))
+    n_val = _val_count(len(x), spec["val_fraction"])
     val, train = order[:n_val], order[n_val:]
     with atomic_path(out) as tmp, open_h5(tmp, "w") as f:
         f.attrs.update(kind=kind, source=source, name=name, **attrs)
         for split, idx in (("train", np.sort(train)), ("val", np.sort(val))):
             f.create_dataset(f"{split}/x", data=x[idx], compression="gzip", shuffle=True)
             f.create_dataset(f"{split}/y", data=y[idx], compression="gzip", shuffle=True)
+
+
+def sizes(name: str, spec: dict) -> tuple[int, int]:
+    """(train, val) example counts that ``prepare`` writes for ``spec``, without preparing it: config
+    checks need them before any job (text is read or, from local files, only measured)."""
+    source = spec["source"]
+    if source in IMAGE_COUNTS:
+        n = IMAGE_COUNTS[source]
+    else:
+        length = _pydoc_bytes(spec).size if source == "pydoc" else _text_length(name, spec)
+        n = _sequence_count(name, length, spec["seq_len"])
+    n_val = _val_count(n, spec["val_fraction"])
+    return n - n_val, n_val
+
+
+def _val_count(n: int, fraction: float) -> int:
+    return max(1, int(round(n * fraction)))
 
 
 def load(path: str | Path) -> Dataset:
@@ -110,12 +130,25 @@ def _pydoc_bytes(spec: dict) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
+TEXT_SEPARATOR = b"\n\n"
+
+
 def _text_bytes(name: str, spec: dict) -> np.ndarray:
+    return np.frombuffer(TEXT_SEPARATOR.join(f.read_bytes() for f in _text_files(name, spec)), dtype=np.uint8)
+
+
+def _text_length(name: str, spec: dict) -> int:
+    """Bytes of ``_text_bytes`` from the files' sizes."""
+    files = _text_files(name, spec)
+    return sum(f.stat().st_size for f in files) + len(TEXT_SEPARATOR) * (len(files) - 1)
+
+
+def _text_files(name: str, spec: dict) -> list[Path]:
     root = _local_path(name, spec)
     files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
     if not files:
         raise PeatError(f"config key 'datasets.{name}.path': no .txt files under {root}")
-    return np.frombuffer(b"\n\n".join(f.read_bytes() for f in files), dtype=np.uint8)
+    return files
 
 
 def _local_path(name: str, spec: dict) -> Path:
@@ -128,11 +161,17 @@ def _local_path(name: str, spec: dict) -> Path:
 
 
 def _sequences(name: str, tokens: np.ndarray, seq_len: int):
-    n = (len(tokens) - 1) // seq_len
-    if n < 2:
-        raise PeatError(f"config key 'datasets.{name}.seq_len': {seq_len} leaves fewer than 2 sequences "
-                        f"in the text's {len(tokens)} bytes")
+    n = _sequence_count(name, len(tokens), seq_len)
     idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len)[None, :]
     x = tokens[idx].astype(np.int64)
     y = tokens[idx + 1].astype(np.int64)
     return x, y, {"vocab_size": 256, "seq_len": seq_len}
+
+
+def _sequence_count(name: str, length: int, seq_len: int) -> int:
+    """Sequences of ``seq_len`` tokens, each with its next-token targets, in ``length`` bytes."""
+    n = (length - 1) // seq_len
+    if n < 2:
+        raise PeatError(f"config key 'datasets.{name}.seq_len': {seq_len} leaves fewer than 2 sequences "
+                        f"in the text's {length} bytes")
+    return n

@@ -184,6 +184,7 @@ def check_config(config: dict) -> None:
     for name in cfg["models"]:
         if name not in config["models"]:
             raise PeatError(f"config key 'sdc.models': unknown model {name!r}; defined: {', '.join(config['models'])}")
+        _check_batch(config, name)
     if cfg["injected_rank"] >= cfg["world_size"]:
         raise PeatError(f"config key 'sdc.injected_rank': {cfg['injected_rank']} is not below "
                         f"sdc.world_size ({cfg['world_size']})")
@@ -194,6 +195,20 @@ def check_config(config: dict) -> None:
             errors.parse(spec)
         except PeatError as err:
             raise PeatError(f"config key 'sdc.faults.{drill}': {err}") from None
+
+
+def _check_batch(config: dict, model: str) -> None:
+    """The Trainer's bounds on the global batch, checked from the config: the Trainer refused the
+    batch only after torchrun had started every rank."""
+    from .data import sizes
+
+    cfg, spec = config["sdc"], config["models"][model]
+    batch = cfg["batch_size"] or spec["batch_size"]
+    n_train = sizes(spec["dataset"], config["datasets"][spec["dataset"]])[0]
+    if not cfg["world_size"] <= batch <= n_train:
+        given = batch if cfg["batch_size"] else f"null, so models.{model}.batch_size ({batch}),"
+        raise PeatError(f"config key 'sdc.batch_size': {given} is not between sdc.world_size ({cfg['world_size']}) "
+                        f"and the {n_train} training examples of dataset {spec['dataset']!r} (model {model!r})")
 
 
 # --- one drill ----------------------------------------------------------------------------------
