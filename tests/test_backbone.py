@@ -78,6 +78,8 @@ BAD_CONFIGS = [
     # Need the training set's size (peat.data.sizes): refused only by the drill's ranks or the golden job.
     (lambda c: c["sdc"].update(batch_size=5000), "sdc.batch_size",
      "5000 is not between sdc.world_size (3) and the 1173 training examples of dataset 'pydoc'"),
+    (lambda c: c["models"]["gpt2"].update(batch_size=2000, max_train_samples=None), "models.gpt2.batch_size",
+     "2000 is more than the 1173 training examples of dataset 'pydoc'"),
     # Names that are path parts: braces stopped Snakemake with a WildcardError, ".." wrote outside results/.
     (lambda c: c["models"].update({"a{b}": c["models"].pop("resnet18_parity")}), "models", "'a{b}' does not match"),
     (lambda c: c["models"].update({"..": c["models"].pop("resnet18_parity")}), "models", "'..' does not match"),

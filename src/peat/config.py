@@ -9,6 +9,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from .data import sizes
 from .io import PeatError
 from .models import IMAGE_ARCHS
 
@@ -112,6 +113,7 @@ def _cross_check(config: dict) -> None:
             raise PeatError(f"config key 'models.{name}.init_from': {base!r} is a {models[base]['arch']}, "
                             f"not a {model['arch']}")
         _check_schedule(name, model)
+        _check_batch(name, model, datasets[model["dataset"]])
     _check_init_cycles(models)
     ref = config.get("reference_vendor", "cpu")
     if ref not in config["vendors"]:
@@ -161,6 +163,15 @@ def _check_schedule(name: str, model: dict) -> None:
     optimizer = model.get("optimizer") or {}
     if optimizer.get("name") == "adamw" and "momentum" in optimizer:
         raise PeatError(f"config key 'models.{name}.optimizer.momentum': adamw takes no momentum (sgd does)")
+
+
+def _check_batch(name: str, model: dict, dataset: dict) -> None:
+    """A batch no larger than the training set (max_train_samples is checked with the schedule):
+    the golden job refused it only once it had started, after data preparation."""
+    n_train = sizes(model["dataset"], dataset)[0]
+    if model["batch_size"] > n_train:
+        raise PeatError(f"config key 'models.{name}.batch_size': {model['batch_size']} is more than the "
+                        f"{n_train} training examples of dataset {model['dataset']!r}")
 
 
 def config_hash(obj) -> str:
