@@ -75,6 +75,9 @@ BAD_CONFIGS = [
     # Playback replays recorded layers only: it failed on this one after golden training.
     (lambda c: c["kernels"]["im2col"].update(layers=["layer1.0.conv9"]), "kernels.im2col.layers",
      "'layer1.0.conv9' is not among the layers model 'resnet18' records"),
+    # Need the model's layers (peat.models.layer_ops): found only in a job, some after golden training.
+    (lambda c: c["models"]["resnet18"]["record"].update(layers=["conv1", "layer1.0.conv9"]),
+     "models.resnet18.record.layers", "'layer1.0.conv9' matches no conv/linear/norm layer"),
     # Need the training set's size (peat.data.sizes): refused only by the drill's ranks or the golden job.
     (lambda c: c["sdc"].update(batch_size=5000), "sdc.batch_size",
      "5000 is not between sdc.world_size (3) and the 1173 training examples of dataset 'pydoc'"),

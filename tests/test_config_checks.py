@@ -3,7 +3,35 @@
 
 from __future__ import annotations
 
-from peat import data
+import pytest
+import yaml
+
+from conftest import REPO, TEST_CONFIG
+from peat import data, models
+from peat.profiler import op_of
+
+DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+TEST = yaml.safe_load(TEST_CONFIG.read_text())
+
+
+@pytest.mark.parametrize("spec,attrs", [
+    (TEST["models"]["resnet18"], {"num_classes": 2}),
+    (DEFAULT["models"]["mobilenet_v2"], {"num_classes": 10}),
+    (TEST["models"]["gpt2"], {"vocab_size": 256, "seq_len": 32}),
+    (DEFAULT["models"]["llama"], {"vocab_size": 256, "seq_len": 64}),
+], ids=lambda v: v.get("arch", ""))
+def test_layer_map_is_the_trained_models_and_is_kept_on_disk(spec, attrs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PEAT_LAYOUT_CACHE", str(tmp_path))
+    built = models.build(spec, attrs, seed=0)
+    assert models.layer_ops(spec) == {n: op_of(m) for n, m in built.named_modules() if n and op_of(m)}
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(models, "_LAYOUTS", {})
+    monkeypatch.setattr(models, "build", no_build)
+    assert list(models.layer_ops(spec)) == [n for n, m in built.named_modules() if n and op_of(m)]
 
 
 def test_dataset_sizes_are_those_prepare_writes(tmp_path):

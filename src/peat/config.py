@@ -11,7 +11,8 @@ import yaml
 
 from .data import sizes
 from .io import PeatError
-from .models import IMAGE_ARCHS
+from .models import IMAGE_ARCHS, layer_ops
+from .profiler import match_names
 
 # Sources prepared as images (peat.data.prepare); the others are byte-level text.
 IMAGE_SOURCES = ("digits", "cifar10")
@@ -114,6 +115,8 @@ def _cross_check(config: dict) -> None:
                             f"not a {model['arch']}")
         _check_schedule(name, model)
         _check_batch(name, model, datasets[model["dataset"]])
+        # A glob matching no layer failed the golden training job, which records these layers.
+        match_names(list(layer_ops(model)), model["record"]["layers"], f"models.{name}.record.layers")
     _check_init_cycles(models)
     ref = config.get("reference_vendor", "cpu")
     if ref not in config["vendors"]:

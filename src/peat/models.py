@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -24,6 +30,59 @@ def build(spec: dict, data_attrs: dict, seed: int) -> nn.Module:
         if hasattr(module, "inplace"):
             module.inplace = False
     return model
+
+
+def layer_ops(spec: dict) -> dict[str, str]:
+    """Name -> PEAT op of every recordable layer of the model ``spec`` describes, in model order,
+    for config checks before any job. The model is built without weights (meta device); the map is
+    kept on disk, by what it depends on, because building imports torchvision or transformers:
+    seconds that every ``snakemake -n`` would pay again."""
+    path = _layout_cache() / f"{_layout_key(spec)}.json"
+    if path not in _LAYOUTS:
+        try:
+            _LAYOUTS[path] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            _LAYOUTS[path] = _built_layout(spec)
+            _remember(path, _LAYOUTS[path])
+    return _LAYOUTS[path]
+
+
+_LAYOUTS: dict[Path, dict[str, str]] = {}
+# The sizes build() takes from the dataset set weight shapes only, never a layer's name or op.
+_LAYOUT_DATA = {"num_classes": 10, "vocab_size": 256, "seq_len": 64}
+
+
+def _layout_cache() -> Path:
+    return Path(os.environ.get("PEAT_LAYOUT_CACHE", Path.home() / ".cache" / "peat" / "layouts"))
+
+
+def _layout_key(spec: dict) -> str:
+    """What the names depend on: arch, a language model's size, this file and op_of's, and the
+    installed model library (its file's identity: asking its version costs a tenth of a second)."""
+    library = importlib.util.find_spec("torchvision" if spec["arch"] in IMAGE_ARCHS else "transformers").origin
+    here = Path(__file__).parent
+    key = {"arch": spec["arch"], "size": None if spec["arch"] in IMAGE_ARCHS else spec.get("size", {}),
+           "torch": torch.__version__, "library": [library, os.stat(library).st_mtime_ns],
+           "code": hashlib.sha256((here / "models.py").read_bytes() + (here / "profiler.py").read_bytes()).hexdigest()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _built_layout(spec: dict) -> dict[str, str]:
+    from .profiler import op_of
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # build() seeds the global generator
+        model = build(spec, _LAYOUT_DATA, seed=0)
+    return {name: op for name, module in model.named_modules() if name and (op := op_of(module))}
+
+
+def _remember(path: Path, layout: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent parses each rename a whole file
+        tmp.write_text(json.dumps(layout))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the checks still run, each parse builds the model again
 
 
 def _language_model(arch: str, size: dict, vocab: int, seq_len: int) -> nn.Module:

@@ -99,18 +99,25 @@ def _conv_padding(module: nn.Conv2d) -> list[int] | None:
 def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layers") -> dict[str, nn.Module]:
     """Recordable modules whose names match any glob in ``patterns`` (in model order)."""
     layers = {name: m for name, m in model.named_modules() if name and op_of(m)}
-    chosen = {}
-    for pattern in patterns:
-        hits = [n for n in layers if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            examples = ", ".join(list(layers)[:6])
-            raise PeatError(f"config key '{key}': {pattern!r} matches no conv/linear/norm layer; layers are e.g. {examples}")
-        chosen.update({n: layers[n] for n in hits})
+    chosen = {n: layers[n] for n in match_names(list(layers), patterns, key)}
     for name, module in chosen.items():
         if module.weight is not None and not module.weight.numel():
             raise PeatError(f"config key '{key}': layer {name!r} has a weight of shape {tuple(module.weight.shape)}, "
                             "no element to replay")
-    return {n: layers[n] for n in layers if n in chosen}
+    return chosen
+
+
+def match_names(names: list[str], patterns: list[str], key: str, where: str = "") -> list[str]:
+    """``names`` (recordable layers, in model order) that match any glob in ``patterns``; a glob
+    that matches none fails naming config ``key`` (``where``: which model, when the key does not say)."""
+    chosen = set()
+    for pattern in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise PeatError(f"config key '{key}': {pattern!r} matches no conv/linear/norm layer{where}; "
+                            f"layers are e.g. {', '.join(names[:6])}")
+        chosen.update(hits)
+    return [n for n in names if n in chosen]
 
 
 def _as_linear(module: nn.Module, tensor: torch.Tensor | None) -> torch.Tensor | None:
