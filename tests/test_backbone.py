@@ -78,6 +78,10 @@ BAD_CONFIGS = [
     # Need the model's layers (peat.models.layer_ops): found only in a job, some after golden training.
     (lambda c: c["models"]["resnet18"]["record"].update(layers=["conv1", "layer1.0.conv9"]),
      "models.resnet18.record.layers", "'layer1.0.conv9' matches no conv/linear/norm layer"),
+    (lambda c: c["kernels"]["im2col"].update(layers=["layer9.*"]), "kernels.im2col.layers",
+     "'layer9.*' matches no conv/linear/norm layer of model 'resnet18'"),
+    (lambda c: c["kernels"]["im2col"].update(layers=["fc"]), "kernels.im2col.layers",
+     "'fc' matches no conv2d layer of model 'resnet18', only linear ones (fc)"),
     # Need the training set's size (peat.data.sizes): refused only by the drill's ranks or the golden job.
     (lambda c: c["sdc"].update(batch_size=5000), "sdc.batch_size",
      "5000 is not between sdc.world_size (3) and the 1173 training examples of dataset 'pydoc'"),

@@ -25,6 +25,8 @@ import torch
 
 from . import errors, kernels, provenance
 from .io import PeatError, atomic_path, write_csv, write_json
+from .models import layer_ops
+from .profiler import match_names
 
 # Ops each architecture contains (llama normalises with RMSNorm, which is none of PEAT's ops).
 ARCH_OPS = {"resnet18": {"conv2d", "batch_norm", "linear"}, "resnet34": {"conv2d", "batch_norm", "linear"},
@@ -70,6 +72,7 @@ def check(config: dict) -> None:
             raise PeatError(f"config key 'kernels.{name}.impl': {err}") from None
         for model in models_for(config, name):
             _check_recorded(config, name, model)
+            _check_layers(config, name, model)
     for i, spec in enumerate(config.get("errors", [])):
         _parse(spec, f"errors.{i}")
     chosen = config.get("rfi", {}).get("models") or []
@@ -82,6 +85,21 @@ def check(config: dict) -> None:
         if chosen and not set(applies) & set(chosen):  # it would get no RFI job, and no word
             raise PeatError(f"config key 'rfi.models': none of them runs rfi kernel {name!r} "
                             f"(it applies to {', '.join(applies) or 'no model'})")
+
+
+def _check_layers(config: dict, name: str, model: str) -> None:
+    """Each of a kernel's layer globs matches a layer of its op in the model (from the config,
+    ``models.layer_ops``): a glob matching nothing crashed the candidate training after golden
+    training; one matching only layers of another op failed so too, or beside other globs was
+    skipped without a word."""
+    spec, key = config["kernels"][name], f"kernels.{name}.layers"
+    ops = layer_ops(config["models"][model])
+    for pattern in spec.get("layers") or []:
+        hits = match_names(list(ops), [pattern], key, where=f" of model {model!r}")
+        if not any(ops[n] == spec["op"] for n in hits):
+            others = sorted({ops[n] for n in hits})
+            raise PeatError(f"config key '{key}': {pattern!r} matches no {spec['op']} layer of model {model!r}, "
+                            f"only {'/'.join(others)} ones ({', '.join(hits[:4])})")
 
 
 def _check_recorded(config: dict, name: str, model: str) -> None:
