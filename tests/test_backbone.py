@@ -82,6 +82,8 @@ BAD_CONFIGS = [
      "'layer9.*' matches no conv/linear/norm layer of model 'resnet18'"),
     (lambda c: c["kernels"]["im2col"].update(layers=["fc"]), "kernels.im2col.layers",
      "'fc' matches no conv2d layer of model 'resnet18', only linear ones (fc)"),
+    (lambda c: c["kernels"]["my_gemm"].update(impl="peat.alt_kernels.im2col"), "kernels.my_gemm.op",
+     "linear, but peat.alt_kernels.im2col is a conv2d kernel (OP = 'conv2d')"),
     # Need the training set's size (peat.data.sizes): refused only by the drill's ranks or the golden job.
     (lambda c: c["sdc"].update(batch_size=5000), "sdc.batch_size",
      "5000 is not between sdc.world_size (3) and the 1173 training examples of dataset 'pydoc'"),

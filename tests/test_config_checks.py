@@ -8,6 +8,7 @@ import yaml
 
 from conftest import REPO, TEST_CONFIG
 from peat import data, models
+from peat.candidate import _declared_op
 from peat.profiler import op_of
 
 DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -45,3 +46,22 @@ def test_dataset_sizes_are_those_prepare_writes(tmp_path):
         data.prepare(name, spec, tmp_path / f"{name}.h5")
         prepared = data.load(tmp_path / f"{name}.h5")
         assert data.sizes(name, spec) == (len(prepared.train.y), len(prepared.val.y)), name
+
+
+KERNEL_SOURCES = {
+    # Read, never run: the exit would end the config check.
+    "conv.py": ('import sys\nOP = "conv2d"\nsys.exit(1)\ndef forward(x, weight, bias):\n    return x\n', "conv2d"),
+    "later.py": ('OP = "linear"\nOP: str = "layer_norm"\n', "layer_norm"),
+    "computed.py": ('OP = "conv" + "2d"\n', None),
+    "namespace.py": ('OP = "conv2d"\nclass linear:\n    pass\n', None),  # load() reads the class, not OP
+    "star.py": ('OP = "conv2d"\nfrom peat.alt_kernels.bf16_gemm import *\n', None),
+    "broken.py": ("OP = 'conv2d'\ndef (:\n", None),  # load() says what is wrong, in the job
+    "gemm.cpp": ('PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.attr("OP") = "conv2d";\n}\n', "conv2d"),
+}
+
+
+@pytest.mark.parametrize("name", KERNEL_SOURCES)
+def test_a_kernels_declared_op_is_read_without_running_it(name, tmp_path):
+    text, declared = KERNEL_SOURCES[name]
+    (tmp_path / name).write_text(text)
+    assert _declared_op(str(tmp_path / name), "linear") == declared

@@ -12,6 +12,7 @@ process (``kernels.run_isolated``): a kernel that raises, segfaults or hangs giv
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import fnmatch
@@ -67,9 +68,13 @@ def check(config: dict) -> None:
         if spec.get("error"):
             _parse(spec["error"], f"kernels.{name}.error")
         try:
-            kernels.source_files(spec.get("impl", "golden"))
+            sources = kernels.source_files(spec.get("impl", "golden"))
         except PeatError as err:
             raise PeatError(f"config key 'kernels.{name}.impl': {err}") from None
+        declared = _declared_op(sources[0], spec["op"]) if sources else None
+        if declared not in (None, spec["op"]):  # load() refused it in the job, after golden training
+            raise PeatError(f"config key 'kernels.{name}.op': {spec['op']}, but {spec['impl']} is a {declared} "
+                            f"kernel (OP = {declared!r})")
         for model in models_for(config, name):
             _check_recorded(config, name, model)
             _check_layers(config, name, model)
@@ -85,6 +90,43 @@ def check(config: dict) -> None:
         if chosen and not set(applies) & set(chosen):  # it would get no RFI job, and no word
             raise PeatError(f"config key 'rfi.models': none of them runs rfi kernel {name!r} "
                             f"(it applies to {', '.join(applies) or 'no model'})")
+
+
+def _declared_op(path: str, op: str) -> str | None:
+    """The ``OP`` a kernel source sets to a literal, read without running it (a C++ source would
+    compile for a minute); None where only running it could tell, or where ``load`` does not read
+    OP: a namespace per op (a class or object bound to the op's name)."""
+    text = Path(path).read_text(errors="replace")
+    if path.endswith(kernels.CPP_SUFFIXES):
+        if f'def_submodule("{op}"' in text:
+            return None
+        found = re.findall(r'\.attr\(\s*"OP"\s*\)\s*=\s*"(\w+)"', text)
+        return found[-1] if found else None
+    try:
+        body = ast.parse(text).body
+    except (SyntaxError, ValueError):
+        return None  # load() says what is wrong with it, in the job
+    declared = None
+    for node in body:
+        bound = _bound_names(node)
+        if "*" in bound or (op in bound and not isinstance(node, ast.FunctionDef)):
+            return None
+        if "OP" in bound:
+            value = getattr(node, "value", None)
+            literal = isinstance(value, ast.Constant) and isinstance(value.value, str)
+            declared = value.value if literal and isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+    return declared
+
+
+def _bound_names(node: ast.stmt) -> set[str]:
+    """Names a top-level statement binds (``*`` for a star import)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    targets = {ast.Assign: lambda n: n.targets, ast.AnnAssign: lambda n: [n.target],
+               ast.AugAssign: lambda n: [n.target]}.get(type(node), lambda n: [])(node)
+    return {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
 
 
 def _check_layers(config: dict, name: str, model: str) -> None:
