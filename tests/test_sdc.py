@@ -18,7 +18,8 @@ from peat import sdc
 from peat.config import validate
 from peat.data import prepare
 from peat.io import PeatError, write_json
-from peat.sdc_drill import EXIT_OOM, EXIT_PEER, check_config, launch
+from conftest import TEST_CONFIG, snakemake
+from peat.sdc_drill import EXIT_OOM, EXIT_PEER, PEER_FAILED, RankEnd, check_config, drill_end, launch
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -323,31 +324,52 @@ def test_stop_policy_exits_with_the_sdc_code_and_names_the_node(digits, tmp_path
     assert event["suspect_ranks"] == [1] and event["hosts"] == ["node1"] and event["step"] == 2
     with h5py.File(tmp_path / "out" / "lane_fault.stop.h5") as saved:  # peat checkpoint from a healthy rank
         assert saved.attrs["step"] == 2 and saved.attrs["sdc_drill"] == "lane_fault" and "model/conv1.weight" in saved
-    assert not (tmp_path / "out" / "lane_fault.json").exists()
+    recorded = json.loads((tmp_path / "out" / "lane_fault.json").read_text())  # by rank 0, before it exits
+    assert (recorded["outcome"], recorded["exit_code"], recorded["suspect_ranks"]) == ("stopped", sdc.EXIT_SDC, [1])
 
 
-def test_dead_rank_fails_the_drill_clearly_within_bounded_time(digits, tmp_path):
-    config = _config_file(tmp_path, drills=["dead"], timeout_s=15)
-    start = time.monotonic()
-    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
-                       3, tmp_path, timeout=300)
-    elapsed = time.monotonic() - start
-    assert ranks[1].returncode == 13  # the injected rank died
-    for r in (ranks[0], ranks[2]):
-        assert r.returncode == EXIT_PEER, r.stdout[-2000:]
-        assert "a peer rank died or hung past the timeout" in r.stdout
-    assert elapsed < 300
+def test_sdc_rule_records_the_documented_ends_of_stop_dead_and_hang(tmp_path):
+    # The rule failed on each: torchrun exited 1 when a rank exited 75 or 13, and it killed the
+    # peers of a dead rank before they could report it. The ends are the documented ones: the rule
+    # succeeds and each drill's JSON records its end. As a user runs it: the test config, one overlay.
+    extra = tmp_path / "sdc.yaml"
+    extra.write_text("sdc: {policy: stop, drills: [nan_grad, dead, hang], steps: 3, injection_step: 1, timeout_s: 8}\n")
+    snakemake(tmp_path, *(f"results/sdc/gpt2/{d}.json" for d in ("nan_grad", "dead", "hang")),
+              "--configfile", str(TEST_CONFIG), str(extra), configfile=None)
+    out = tmp_path / "results/sdc/gpt2"
+    stop, dead, hang = (json.loads((out / f"{d}.json").read_text()) for d in ("nan_grad", "dead", "hang"))
+    assert (stop["outcome"], stop["exit_code"], stop["exit_codes"]) == ("stopped", sdc.EXIT_SDC, [sdc.EXIT_SDC] * 3)
+    assert stop["check"] == "nonfinite" and stop["suspect_ranks"] == [1] and stop["localized"] is True
+    with h5py.File(out / stop["checkpoint"]) as saved:
+        assert saved.attrs["step"] == 1 and saved.attrs["sdc_drill"] == "nan_grad"
+    assert (dead["outcome"], dead["exit_codes"]) == ("peers_failed", [EXIT_PEER, 13, EXIT_PEER])
+    assert (hang["outcome"], hang["exit_codes"]) == ("peers_failed", [EXIT_PEER, None, EXIT_PEER])  # None: killed, hung
+    for result in (dead, hang):
+        assert [e.split(":")[1] for e in result["peer_errors"]] == [" error"] * 2
+        assert all("a peer rank died or hung past the timeout" in e for e in result["peer_errors"])
 
 
-def test_hung_rank_times_out_instead_of_hanging(digits, tmp_path):
-    config = _config_file(tmp_path, drills=["hang"], timeout_s=8)
-    start = time.monotonic()
-    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(tmp_path / "out")],
-                       3, tmp_path, timeout=300, stalled=1)
-    for r in (ranks[0], ranks[2]):
-        assert r.returncode == EXIT_PEER, r.stdout[-2000:]
-        assert "a peer rank died or hung past the timeout" in r.stdout
-    assert time.monotonic() - start < 300
+def _ends(*codes, output="") -> list:
+    return [RankEnd(code, output) for code in codes]
+
+
+@pytest.mark.parametrize("drill, policy, ends, expected", [
+    ("nan_grad", "stop", _ends(75, 1, 75), "rank exit codes [75, 1, 75], expected every rank 75 and nan_grad.stop.h5"),
+    ("dead", "log", _ends(EXIT_PEER, 13, 0, output=PEER_FAILED),
+     f"rank exit codes [3, 13, 0], expected rank 1 exits 13, every other rank 3 ('{PEER_FAILED}')"),
+    ("hang", "log", _ends(EXIT_PEER, 13, EXIT_PEER, output=PEER_FAILED), "rank exit codes [3, 13, 3], expected rank 1 hangs"),
+    ("dead", "log", _ends(EXIT_PEER, 13, EXIT_PEER, output="Traceback"), "rank exit codes [3, 13, 3], expected rank 1 exits 13"),
+    ("clean", "log", _ends(EXIT_OOM, EXIT_PEER, EXIT_PEER), "rank exit codes [4, 3, 3], expected every rank 0"),
+])
+def test_unexpected_end_of_a_drill_is_one_line(tmp_path, drill, policy, ends, expected):
+    cfg = make_config(policy=policy)["sdc"]
+    if policy == "stop":  # rank 0 recorded the stop; the stop checkpoint was saved
+        write_json(tmp_path / f"{drill}.json", {"outcome": "stopped", "exit_code": 75})
+        (tmp_path / f"{drill}.stop.h5").touch()
+    with pytest.raises(PeatError) as err:
+        drill_end(drill, "resnet18", cfg, ends, tmp_path)
+    assert f"sdc drill {drill!r} of model 'resnet18': unexpected end: {expected}" in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 # The drill worker, with rank 1 out of GPU memory in its training forward at step 1.
@@ -535,7 +557,7 @@ def test_audit_replays_from_the_buffers_the_step_started_with(tmp_path):
 def test_launch_time_limit_stops_the_workers(digits, tmp_path):
     # A stalled rank and a long collective timeout: the launcher's own limit ends the drill.
     out = tmp_path / "stalled"
-    with pytest.raises(PeatError, match="torchrun did not finish within its time limit"):
+    with pytest.raises(PeatError, match="the ranks did not finish within the launcher's time limit"):
         launch(make_config(drills=["hang"], timeout_s=600), "resnet18", digits, out, timeout=15)
     left = subprocess.run(["pgrep", "-f", f"sdc_drill.*{out}"], capture_output=True, text=True).stdout.split()
     for pid in left:  # do not leave them running on failure

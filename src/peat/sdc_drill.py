@@ -6,18 +6,23 @@ Worker entry point, the same under torchrun and srun::
     srun --ntasks 3 python -m peat.sdc_drill --config CFG --model M --data D.h5 --out DIR
 
 All drills of one model run in one launch (one process group, a fresh model per drill): process
-start-up dominates these small runs. Rank 0 writes ``DIR/{drill}.json``; alarms go to
-``DIR/events/{drill}.jsonl``. ``--bench`` instead times plain DDP steps against guarded ones.
+start-up dominates these small runs. A drill that ends every rank (policy stop, ``dead``, ``hang``)
+ends the launch; ``launch`` checks that end and starts the drills after it anew. Rank 0 writes
+``DIR/{drill}.json``; alarms go to ``DIR/events/{drill}.jsonl``. ``--bench`` instead times plain DDP
+steps against guarded ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,40 +39,147 @@ DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
 RELIABILITY = ("dead", "hang")  # a rank exits / stalls mid-drill: the drill must fail clearly
 EXIT_PEER = 3  # a collective failed: a peer died or hung
 EXIT_OOM = 4  # this rank ran out of (GPU) memory; its peers then exit EXIT_PEER
+EXIT_DEAD = 13  # the dead drill's injected rank
+PEER_FAILED = "a peer rank died or hung past the timeout"  # in sdc.collective_failure's message
 
 
 # --- launching ----------------------------------------------------------------------------------
 
 def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, bench: bool = False,
            timeout: float | None = None) -> None:
-    """Run the drills (or the benchmark) of ``model`` under ``torchrun --standalone``.
+    """Run the drills (or the benchmark) of ``model``: ``sdc.world_size`` local ranks, one process each.
 
-    Raises PeatError with the launcher's exit status if any rank fails.
+    A drill whose documented end is the end of every rank (policy stop; ``dead``, ``hang``) ends its
+    launch: that end is checked from every rank's exit status and output and recorded in the drill's
+    JSON, and the drills after it run in a new launch. Any other end raises PeatError (one line).
     """
     sdc_cfg = config["sdc"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = out_dir / (".bench.json" if bench else ".plan.json")
     write_json(plan, config)
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
-           "--nproc-per-node", str(sdc_cfg["world_size"]), "-m", "peat.sdc_drill",
-           "--config", str(plan), "--model", model, "--data", str(data), "--out", str(out_dir)]
-    if bench:
-        cmd.append("--bench")
-    env = {**os.environ, "OMP_NUM_THREADS": str(config.get("threads", 1))}
-    sys.stdout.flush()
-    proc = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT)
+    args = ["--config", str(plan), "--model", model, "--data", str(data), "--out", str(out_dir)]
+    limit = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or _launch_timeout(sdc_cfg)))
     try:
-        proc.wait(timeout=timeout or _launch_timeout(sdc_cfg))
-    except subprocess.TimeoutExpired:
-        raise PeatError(f"sdc drill of model {model!r}: torchrun did not finish within its time limit") from None
+        if bench:
+            codes = [end.code for end in limit.run([*args, "--bench"])]
+            if any(codes):
+                raise PeatError(f"sdc benchmark of model {model!r}: rank exit codes {codes} (see the log above)")
+            return
+        remaining = list(sdc_cfg["drills"])
+        while remaining:
+            for drill in remaining:
+                (out_dir / f"{drill}.json").unlink(missing_ok=True)
+            ends = limit.run([*args, "--drills", ",".join(remaining)])
+            current = next((d for d in remaining if _outcome(out_dir / f"{d}.json") != "completed"), None)
+            if current is None and not any(end.code for end in ends):
+                return
+            if current is None:
+                raise PeatError(f"sdc drill of model {model!r}: every drill completed but the rank exit codes are "
+                                f"{[end.code for end in ends]} (see the log above)")
+            write_json(out_dir / f"{current}.json", drill_end(current, model, sdc_cfg, ends, out_dir))
+            remaining = remaining[remaining.index(current) + 1:]
     finally:
-        if proc.poll() is None:  # time limit or interrupt: torchrun stops its workers on SIGTERM, not on SIGKILL
-            proc.terminate()
-            proc.wait()
         plan.unlink(missing_ok=True)
-    if proc.returncode != 0:
-        raise PeatError(f"sdc drill of model {model!r}: torchrun exited with {proc.returncode} (see the log above)")
+
+
+def _outcome(path: Path) -> str | None:
+    return json.loads(path.read_text())["outcome"] if path.exists() else None
+
+
+@dataclass
+class RankEnd:
+    """How one rank ended: its exit status (None: still running once every peer had ended and
+    ``timeout_s`` had passed, so hung, and killed by the launcher) and its output."""
+
+    code: int | None
+    output: str
+
+
+class Launch:
+    """Starts the ranks of one launch, as torchrun does (RANK, WORLD_SIZE, ... and a rendezvous store
+    held here), but waits for every rank's own end: torchrun stops all ranks as soon as one fails,
+    before the peers of a dead rank can report it, and exits 1 for every failure."""
+
+    def __init__(self, config: dict, what: str, deadline: float):
+        self.world, self.timeout_s = config["sdc"]["world_size"], config["sdc"]["timeout_s"]
+        self.threads, self.what, self.deadline = config.get("threads", 1), what, deadline
+
+    def run(self, args: list[str]) -> list[RankEnd]:
+        """Run ``python -m peat.sdc_drill *args`` on every rank; their output goes to stdout, prefixed."""
+        # torchrun's own rendezvous: every rank a client of this store, so no free port to guess and race for.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        env = {**os.environ, "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               "OMP_NUM_THREADS": str(self.threads)}
+        logs = [tempfile.TemporaryFile("w+") for _ in range(self.world)]
+        procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=log, stderr=subprocess.STDOUT,
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r, log in enumerate(logs)]
+        try:
+            self._wait(procs)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:  # hung, the time limit, or an interrupt
+                    proc.kill()
+                    proc.wait()
+            outputs = [_read(log) for log in logs]
+            for rank, text in enumerate(outputs):
+                sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+            sys.stdout.flush()
+        return [RankEnd(None if killed else proc.returncode, text) for proc, killed, text in zip(procs, self._killed, outputs)]
+
+    def _wait(self, procs: list) -> None:
+        # Once a rank has ended, a healthy peer finds out within its collective timeout: a rank still
+        # running after that is hung.
+        give_up = self.deadline
+        while any(proc.poll() is None for proc in procs):
+            now = time.monotonic()
+            if now >= self.deadline:
+                self._killed = [False] * len(procs)
+                raise PeatError(f"{self.what}: the ranks did not finish within the launcher's time limit")
+            if now >= give_up:
+                break
+            if any(proc.poll() is not None for proc in procs):
+                give_up = min(give_up, now + self.timeout_s + 10)
+            time.sleep(0.1)
+        self._killed = [proc.poll() is None for proc in procs]
+
+
+def _read(log) -> str:
+    log.seek(0)
+    text = log.read()
+    log.close()
+    return text
+
+
+def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: Path) -> dict:
+    """The record of a drill that ended its launch, if it ended the documented way; else PeatError.
+
+    Policy stop: every rank exits with the code rank 0 recorded (75 localized, 65 not) and the stop
+    checkpoint exists. ``dead``/``hang``: the injected rank exits 13 / hangs, and every other rank
+    fails its collective with the peer message and exit code 3.
+    """
+    codes = [end.code for end in ends]
+    path = out_dir / f"{drill}.json"
+    if cfg["policy"] == "stop" and _outcome(path) == "stopped":
+        result = json.loads(path.read_text())
+        if codes == [result["exit_code"]] * len(codes) and (out_dir / f"{drill}.stop.h5").exists():
+            return result | {"exit_codes": codes, "checkpoint": f"{drill}.stop.h5"}
+        expected = f"every rank {result['exit_code']} and {drill}.stop.h5"
+    elif drill in RELIABILITY:
+        injected = cfg["injected_rank"]
+        own = EXIT_DEAD if drill == "dead" else None
+        peers = [end for rank, end in enumerate(ends) if rank != injected]
+        if codes[injected] == own and all(end.code == EXIT_PEER and PEER_FAILED in end.output for end in peers):
+            errors = [next(ln for ln in end.output.splitlines() if PEER_FAILED in ln) for end in peers]
+            return drill_fields(drill, model, len(ends), injected, cfg) | {
+                "outcome": "peers_failed", "detected": True, "exit_codes": codes, "peer_errors": errors}
+        expected = (f"rank {injected} {'exits 13' if own else 'hangs'}, every other rank {EXIT_PEER} "
+                    f"('{PEER_FAILED}')")
+    else:
+        expected = "every rank 0"
+    raise PeatError(f"sdc drill {drill!r} of model {model!r}: unexpected end: rank exit codes {codes}, expected "
+                    f"{expected} (see the log above)")
 
 
 def drill_config(config: dict, model: str) -> dict:
@@ -83,7 +195,8 @@ def drill_config(config: dict, model: str) -> dict:
 
 def _launch_timeout(sdc_cfg: dict) -> float:
     # Generous: every collective already times out after timeout_s; this only guards the launcher.
-    return 600 + 4 * sdc_cfg["timeout_s"]
+    # Each dead/hang drill and each stop starts a launch of its own.
+    return 600 + 4 * sdc_cfg["timeout_s"] * len(sdc_cfg["drills"])
 
 
 # --- the worker ---------------------------------------------------------------------------------
@@ -150,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_drill(drill, args.model, spec, data, sdc_cfg, config["seed"], device, Path(args.out))
             if rank == 0:
                 write_json(Path(args.out) / f"{drill}.json", result)
+            if result["outcome"] == "stopped":  # policy stop: every rank leaves here, with the guard's code
+                return result["exit_code"]
     except PeatError as err:
         _fail(str(err), EXIT_PEER)
     except torch.cuda.OutOfMemoryError as err:  # a RuntimeError too: not to be read as a peer's failure
@@ -261,15 +376,20 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
     fault = None
     if rank == cfg["injected_rank"]:
         fault = Fault(drill, trainer.model, cfg["injection_step"], cfg["faults"], seed)
-    plain = []
+    plain, stopped = [], None
     try:
         for step in range(cfg["steps"]):
             plain.append(_drill_step(trainer, guard, fault, step))
         guard.finish()
     except sdc.SDCError:
         pass  # policy raise: every rank raised at the same alarm; the drill ends there
+    except SystemExit as stop:  # policy stop: every rank stops at the same alarm, the checkpoint saved
+        if stop.code not in (sdc.EXIT_SDC, sdc.EXIT_SDC_UNLOCALIZED):
+            raise
+        stopped = stop.code
     injected = None if drill == "clean" else cfg["injected_rank"]
-    return summarize(drill, model_name, world, injected, cfg, guard, plain) | {
+    outcome = {"outcome": "completed"} if stopped is None else {"outcome": "stopped", "exit_code": stopped}
+    return summarize(drill, model_name, world, injected, cfg, guard, plain) | outcome | {
         "backend": dist.get_backend(), "hosts": guard.hosts, "seed": seed, "torch_version": str(torch.__version__),
         "provenance": stamp(vendor="nvidia" if dist.get_backend() == "nccl" else "cpu")}
 
@@ -308,10 +428,8 @@ def summarize(drill: str, model: str, world: int, injected: int | None, cfg: dic
     false = [a for a in alarms if injected is None or a["step"] < step0 or set(a["suspect_ranks"]) - {injected}]
     hits = [a for a in alarms if injected is not None and a["step"] >= step0]
     first = hits[0] if hits else None
-    return {
-        "drill": drill, "model": model, "world_size": world, "injected_rank": injected, "injection_step": step0,
-        "steps": cfg["steps"], "audit_every": cfg["audit_every"], "fingerprint_every": cfg["fingerprint_every"],
-        "policy": cfg["policy"], "detected": first is not None, "check": first and first["check"],
+    return drill_fields(drill, model, world, injected, cfg) | {
+        "detected": first is not None, "check": first and first["check"],
         "detection_step": first and first["step"],
         "latency_steps": first and first["step"] - step0,
         "suspect_ranks": first["suspect_ranks"] if first else [],
@@ -319,6 +437,13 @@ def summarize(drill: str, model: str, world: int, injected: int | None, cfg: dic
         "right_rank": bool(first) and first["suspect_ranks"] == [injected],
         "false_alarms": len(false), "alarms": alarms, "cost": costs(guard, plain_steps, cfg["audit_every"]),
     }
+
+
+def drill_fields(drill: str, model: str, world: int, injected: int | None, cfg: dict) -> dict:
+    """What a drill was: the same leading fields in every drill's JSON."""
+    return {"drill": drill, "model": model, "world_size": world, "injected_rank": injected,
+            "injection_step": None if injected is None else cfg["injection_step"], "steps": cfg["steps"],
+            "audit_every": cfg["audit_every"], "fingerprint_every": cfg["fingerprint_every"], "policy": cfg["policy"]}
 
 
 def costs(guard: sdc.Guard, plain_steps: list[float], audit_every: int) -> dict:
@@ -360,7 +485,7 @@ class Fault:
         self.armed = step == self.step
         self.on = self.on or self.armed
         if self.armed and self.drill == "dead":
-            os._exit(13)
+            os._exit(EXIT_DEAD)
         if self.armed and self.drill == "hang":
             time.sleep(10**6)
 

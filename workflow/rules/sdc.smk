@@ -1,4 +1,4 @@
-# Silent-data-corruption drills: real multi-process training with torchrun, one fault each.
+# Silent-data-corruption drills: real multi-process training (one process per rank), one fault each.
 
 
 rule sdc_drill:
