@@ -660,6 +660,18 @@ def test_batch_larger_than_the_training_set_fails_instead_of_training_nothing(di
     assert not (tmp_path / "final.h5").exists()
 
 
+def test_a_record_schedule_without_a_step_fails_instead_of_recording_nothing(digits, tmp_path):
+    """Every 10th step within epoch 2, at 4 steps per epoch (steps 4-7), is no step: the golden job
+    wrote a context without one sample, and playback had nothing to replay."""
+    from peat.train import train_model
+
+    spec = dict(SPEC, record=dict(SPEC["record"], every=10, epochs=[2]))
+    with pytest.raises(PeatError, match=r"config key 'models\.resnet18\.record\.every': no step of record\.epochs \[2\] "
+                                        r"is a multiple of 10 \(4 training steps per epoch"):
+        train_model("resnet18", spec, digits, tmp_path, progress=False)
+    assert not (tmp_path / "context.h5").exists()
+
+
 def test_rerun_after_dying_at_the_end_keeps_every_epoch_checkpoint(digits, golden_twice, tmp_path, monkeypatch):
     """Dying after the epoch checkpoints were moved out of .partial (before metrics.csv) lost them:
     Snakemake deletes an incomplete job's outputs, and the rerun trained only the last epoch."""

@@ -103,6 +103,13 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         key = f"models.{run.meta['model']}.batch_size" if "model" in run.meta else "batch_size"
         raise PeatError(f"config key '{key}': {run.batch_size} is more than the {len(train_x)} training samples; "
                         "no training step would run")
+    if profiler is not None and not any(profiler.want(s, 1 + s // batches_per_epoch)
+                                        for s in range(run.epochs * batches_per_epoch)):
+        # Only possible with record.epochs: a context without a sample left playback nothing to replay.
+        key = f"models.{run.meta['model']}.record" if "model" in run.meta else "record"
+        raise PeatError(f"config key '{key}.every': no step of record.epochs {list(profiler.epochs)} is a multiple of "
+                        f"{profiler.every} ({batches_per_epoch} training steps per epoch, from step 0); "
+                        "nothing would be recorded")
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
     for epoch in range(first_epoch, run.epochs + 1):
         model.train()
