@@ -128,7 +128,7 @@ def playback_efficiency(settings) -> Result:
 
 # -- SDC checks -----------------------------------------------------------------------------------
 def sdc_checks(settings) -> Result:
-    """The SDC stage's own benchmark (peat.sdc_drill --bench under torchrun), once per repeat.
+    """The SDC stage's own benchmark (peat.sdc_drill --bench, one local process per rank), once per repeat.
 
     Each launch interleaves plain DDP steps with guarded ones (non-finite check + weight
     fingerprint; audit steps excluded) on twin models fed the same batches.
