@@ -255,6 +255,10 @@ def test_playback_hands_a_kernel_the_memory_layout_training_does(context):
         kernels.call(spies[attrs["op"]], computation, sample, attrs)
     assert ("linear", "forward", (((6, 48), (48, 1)), ((10, 48), (1, 10)), ((10,), (1,)))) in trained  # proj
     assert replayed == trained
+    replayed.clear()
+    for _, attrs, sample, computation in cases(context):  # as playback reads them: laid out once per sample
+        kernels.call(spies[attrs["op"]], computation, kernels.as_trained(sample, attrs), attrs)
+    assert replayed == trained
 
 
 def test_a_routed_kernel_gets_a_contiguous_input_as_playback_does():

@@ -390,6 +390,15 @@ def test_propagation_to_next_layer_and_loss(golden_run):
     assert (fp16["err_max"] < lane[lane["fop"] == "loss"]["err_max"].to_numpy()).all()
 
 
+def test_playback_reads_a_transposed_layers_weight_in_the_layout_training_hands_a_kernel(golden_run):
+    """GPT-2's Conv1D weight, laid out once per sample read, so that each call's copy is a plain
+    one (a transposing copy per call cost 6 ms on a 2304 x 768 weight)."""
+    root, _, _ = golden_run
+    plan = playback.Plan(context=root / "run" / "context.h5", kernel=kernels.golden("linear"), errors=[])
+    attrs, samples = playback._samples(plan, playback.Timer(), "transformer.h.0.mlp.c_fc")
+    assert attrs["transposed"] and {(s["W"].shape, s["W"].stride()) for s in samples} == {((64, 16), (1, 64))}
+
+
 def test_the_steps_followed_downstream_are_chosen_among_the_replayed_ones(golden_run):
     """propagate_samples steps are followed even when max_samples_per_layer replays a subset:
     chosen among all 6 recorded steps, 4 of them were [0, 2, 3, 5], and 3 was never replayed."""

@@ -246,7 +246,7 @@ def _samples(plan: Plan, timer: Timer, layer: str, steps: list[int] | None = Non
     with timer("io"):  # only the steps replayed are read; golden is computed below anyway, so not derived here
         attrs, samples = read_layer(plan.context, layer, steps, derive=False)
     # A step at which the layer did not run (a conditional branch, an idle expert) holds its weights only.
-    return attrs, [_to(s, plan.device) for s in samples if s.get("A") is not None]
+    return attrs, [kernels.as_trained(_to(s, plan.device), attrs) for s in samples if s.get("A") is not None]
 
 
 def probe(plan: Plan, timer: Timer, layers: list[str]) -> dict[tuple[str, str], kernels.Outcome]:
