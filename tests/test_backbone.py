@@ -102,6 +102,8 @@ BAD_CONFIGS = [
      "32 is more than max_train_samples (16)"),
     # An empty text failed in data preparation naming 'seq_len'.
     (lambda c: c["datasets"]["pydoc"].update(part=[0.5, 0.2]), "datasets.pydoc.part", "start 0.5 is not below end 0.2"),
+    (lambda c: c["datasets"]["pydoc"].update(part=[0.0, 0.01]), "datasets.pydoc.part",
+     "[0, 0.01] selects none of the"),
 ]
 
 

@@ -42,7 +42,7 @@ def prepare(name: str, spec: dict, out: str | Path) -> None:
         x, y, attrs = _digits(spec) if source == "digits" else _cifar10(name, spec)
         kind = "image"
     else:
-        tokens = _pydoc_bytes(spec) if source == "pydoc" else _text_bytes(name, spec)
+        tokens = _pydoc_bytes(name, spec) if source == "pydoc" else _text_bytes(name, spec)
         x, y, attrs = _sequences(name, tokens, spec["seq_len"])
         kind = "text"
     order = np.random.default_rng(spec.get("seed", 0)).permutation(len(x))
@@ -62,7 +62,7 @@ def sizes(name: str, spec: dict) -> tuple[int, int]:
     if source in IMAGE_COUNTS:
         n = IMAGE_COUNTS[source]
     else:
-        length = _pydoc_bytes(spec).size if source == "pydoc" else _text_length(name, spec)
+        length = _pydoc_bytes(name, spec).size if source == "pydoc" else _text_length(name, spec)
         n = _sequence_count(name, length, spec["seq_len"])
     n_val = _val_count(n, spec["val_fraction"])
     return n - n_val, n_val
@@ -120,12 +120,15 @@ def _cifar10(name: str, spec: dict):
     return _images(x, spec["image_size"]), y, {"num_classes": classes}
 
 
-def _pydoc_bytes(spec: dict) -> np.ndarray:
+def _pydoc_bytes(name: str, spec: dict) -> np.ndarray:
     from pydoc_data.topics import topics
 
     keys = sorted(topics)
     lo, hi = spec.get("part", [0.0, 1.0])
     chosen = keys[int(lo * len(keys)):int(hi * len(keys))]
+    if not chosen:  # a part narrower than one topic: the empty text failed naming seq_len
+        raise PeatError(f"config key 'datasets.{name}.part': [{lo:g}, {hi:g}] selects none of the {len(keys)} "
+                        "pydoc topics; widen it")
     text = "\n\n".join(topics[k] for k in chosen)
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
