@@ -537,7 +537,9 @@ def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
 def test_policy_raise_at_the_first_step_still_writes_the_drill(digits, tmp_path):
     # The alarm ends the drill before any step finished: no plain step time to compare costs with.
     config = make_config(policy="raise", steps=2, injection_step=0, drills=["nan_grad"])
+    (tmp_path / "nan_grad.stop.h5").touch()  # an earlier policy-stop run's: it would vouch for a later stop
     launch(config, "resnet18", digits, tmp_path, timeout=300)
+    assert not (tmp_path / "nan_grad.stop.h5").exists()
     result = json.loads((tmp_path / "nan_grad.json").read_text())
     assert result["detected"] is True and result["detection_step"] == 0 and result["suspect_ranks"] == [1]
     assert result["cost"]["plain_step_s"] is None and result["cost"]["relative"]["nonfinite"] is None

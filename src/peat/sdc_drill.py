@@ -59,18 +59,19 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
     plan = out_dir / (".bench.json" if bench else ".plan.json")
     write_json(plan, config)
     args = ["--config", str(plan), "--model", model, "--data", str(data), "--out", str(out_dir)]
-    limit = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or _launch_timeout(sdc_cfg)))
+    ranks = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or _launch_timeout(sdc_cfg)))
     try:
         if bench:
-            codes = [end.code for end in limit.run([*args, "--bench"])]
+            codes = [end.code for end in ranks.run([*args, "--bench"])]
             if any(codes):
                 raise PeatError(f"sdc benchmark of model {model!r}: rank exit codes {codes} (see the log above)")
             return
         remaining = list(sdc_cfg["drills"])
         while remaining:
-            for drill in remaining:
+            for drill in remaining:  # an earlier run's record or stop checkpoint would pass for this run's
                 (out_dir / f"{drill}.json").unlink(missing_ok=True)
-            ends = limit.run([*args, "--drills", ",".join(remaining)])
+                (out_dir / f"{drill}.stop.h5").unlink(missing_ok=True)
+            ends = ranks.run([*args, "--drills", ",".join(remaining)])
             current = next((d for d in remaining if _outcome(out_dir / f"{d}.json") != "completed"), None)
             if current is None and not any(end.code for end in ends):
                 return
@@ -116,7 +117,7 @@ class Launch:
         procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=log, stderr=subprocess.STDOUT,
                                   env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r, log in enumerate(logs)]
         try:
-            self._wait(procs)
+            hung = self._wait(procs)
         finally:
             for proc in procs:
                 if proc.poll() is None:  # hung, the time limit, or an interrupt
@@ -126,23 +127,23 @@ class Launch:
             for rank, text in enumerate(outputs):
                 sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
             sys.stdout.flush()
-        return [RankEnd(None if killed else proc.returncode, text) for proc, killed, text in zip(procs, self._killed, outputs)]
+        return [RankEnd(None if h else proc.returncode, text) for proc, h, text in zip(procs, hung, outputs)]
 
-    def _wait(self, procs: list) -> None:
+    def _wait(self, procs: list) -> list[bool]:
+        """Wait for the ranks; returns which are hung (to be killed)."""
         # Once a rank has ended, a healthy peer finds out within its collective timeout: a rank still
         # running after that is hung.
         give_up = self.deadline
         while any(proc.poll() is None for proc in procs):
             now = time.monotonic()
             if now >= self.deadline:
-                self._killed = [False] * len(procs)
                 raise PeatError(f"{self.what}: the ranks did not finish within the launcher's time limit")
             if now >= give_up:
                 break
             if any(proc.poll() is not None for proc in procs):
                 give_up = min(give_up, now + self.timeout_s + 10)
             time.sleep(0.1)
-        self._killed = [proc.poll() is None for proc in procs]
+        return [proc.poll() is None for proc in procs]
 
 
 def _read(log) -> str:
