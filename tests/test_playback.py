@@ -833,3 +833,21 @@ def test_scores_of_a_candidate_shaped_unlike_golden_raise_with_and_without_the_c
         monkeypatch.setattr(tensor_stats, "_LIB", [lib])
         with pytest.raises(ValueError, match="broadcast"):
             scores.tensor_scores(torch.randn(5, 20), golden, golden.double())
+
+
+def test_the_next_observing_point_reads_the_layers_output():
+    # The next recorded conv in model order after layer2.0.conv2 is layer2.0.downsample.0, which
+    # reads the block's input: an error of 0 there would look like masking. The first conv that
+    # reads conv2's output (after the residual add) is layer2.1.conv1.
+    import torchvision
+
+    from peat.propagate import next_readers
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train()
+    order = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    readers = next_readers(model, order, "image", x, y, seed=0)
+    assert readers["layer2.0.conv2"] == "layer2.1.conv1" == readers["layer2.0.downsample.0"]
+    assert readers["layer1.1.conv2"] == "layer2.0.conv1" and readers["layer4.1.conv2"] is None  # fc: not recorded
+    assert all(p.requires_grad for p in model.parameters())  # left as found

@@ -1,5 +1,5 @@
 """Later fault observing points for playback: a forward error carried to the next recorded layer
-and to the loss of the same training step.
+that reads it (``next_readers``) and to the loss of the same training step.
 
 The context holds only the recorded layers, so the rest of the network is rebuilt at the
 step being replayed, honestly and cheaply:
@@ -70,6 +70,7 @@ class Propagator:
         self.saved = sorted((int(_attrs(p)["step"]), p) for p in Path(self.checkpoints).glob("epoch*.h5"))
         self.steps: dict[str, list[int]] = {}
         self.chosen: dict[str, set] = {}
+        self.readers: dict[str, str | None] | None = None  # layer -> its next observing point
 
     # -- the rebuilt network ------------------------------------------------------------------
     def _steps(self, layer: str) -> list[int]:
@@ -176,10 +177,12 @@ class Propagator:
             return []
         timed = (lambda category: timer(category)) if timer is not None else (lambda category: nullcontext())
         attrs, _ = read_layer(self.context, layer, [])  # the layer's attributes alone
-        nxt = self.order[self.order.index(layer) + 1] if self.order.index(layer) + 1 < len(self.order) else None
         with timed("rebuild"):
             model, model64 = self.models_at(step)
         x, y = self.batch(step, int(sample["epoch"]))
+        if self.readers is None:
+            self.readers = next_readers(model, self.order, self.dataset.kind, x, y, self.seed)
+        nxt = self.readers[layer]
         prefix = Prefix(model, layer)
         gold = self.observe(model, layer, nxt, x, y, prefix=prefix)
         ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
@@ -408,6 +411,68 @@ class Prefix:
                     del self.modules[name].forward
                 else:
                     self.modules[name].forward = own
+
+
+def next_readers(model, order: list[str], kind: str, x, y, seed: int) -> dict[str, str | None]:
+    """For each recorded layer, the first later recorded layer whose output depends on its output.
+
+    The next recorded layer in model order may not read it at all: ResNet's downsample conv
+    reads the block's input, Llama's up_proj reads gate_proj's input; an error of 0 there would
+    look like masking. One forward with autograd finds the edges: every recorded output is cut
+    into a fresh leaf (parameters frozen), so the graph of a layer's output reaches exactly the
+    recorded layers it reads directly; their closure gives every dependence. The graph of a
+    model without data-dependent control flow is the same at every step.
+    """
+    modules, parents, leaves = dict(model.named_modules()), {name: set() for name in order}, {}
+
+    def cut(name):
+        def hook(module, inputs, output):
+            out = output if torch.is_tensor(output) else output[0]
+            parents[name] |= _leaves_behind(out, leaves)
+            leaf = out.detach().requires_grad_()
+            leaves[id(leaf)] = (leaf, name)  # the tensor kept: its id stays its own
+            return leaf.clone() if torch.is_tensor(output) else (leaf.clone(), *output[1:])  # clone: in-place ops follow
+        return hook
+
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    hooks = [modules[name].register_forward_hook(cut(name)) for name in order]
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        torch.manual_seed(seed)
+        with torch.enable_grad():
+            loss_and_metrics(model, kind, x, y)
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+    readers = {}
+    for i, layer in enumerate(order):
+        reached, grown = {layer}, True
+        while grown:  # to a fixed point: registration order need not be the order of calls
+            grown = False
+            for later in order:
+                if later not in reached and parents[later] & reached:
+                    reached.add(later)
+                    grown = True
+        readers[layer] = next((n for n in order[i + 1:] if n in reached), None)
+    return readers
+
+
+def _leaves_behind(out: torch.Tensor, leaves: dict) -> set[str]:
+    """Names of the cut leaves that ``out``'s autograd graph reaches."""
+    found, seen, stack = set(), set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)  # AccumulateGrad: the graph's leaf
+        if leaf is not None and id(leaf) in leaves:
+            found.add(leaves[id(leaf)][1])
+        stack += [f for f, _ in fn.next_functions]
+    return found
 
 
 def _rng_state(like: torch.Tensor) -> tuple:
