@@ -542,6 +542,12 @@ def test_fraction_rounds_halves_up(mixed, tmp_path):
     assert run_alter(five, tmp_path / "o.h5", fraction=0.3).flips == 2  # 1.5 -> 2; round() agrees here
 
 
+def test_an_unknown_command_is_named_in_one_line(capsys):
+    assert main(["altr", "in.h5", "out.h5"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "peat: no command 'altr'; did you mean 'alter'? commands: alter, h5diff\n"
+
+
 def test_a_negative_seed_fails_with_one_line(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--seed", "-1"]) == 2
     assert capsys.readouterr().err.strip() == "peat alter: error: --seed -1: must be >= 0"

@@ -5,6 +5,7 @@ Each sub-command lives in the module of its concern as ``cli(argv) -> int``.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -18,11 +19,16 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: peat COMMAND [options]\n\ncommands:")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:10s} {text}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        print(f"peat: no command {argv[0]!r}; {hint}commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     handler = getattr(module, f"cli_{argv[0]}", None) or module.cli
     try:
