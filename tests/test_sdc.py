@@ -567,6 +567,28 @@ def test_launch_time_limit_stops_the_workers(digits, tmp_path):
     assert left == [], "worker ranks still running after the launcher gave up"
 
 
+def test_terminated_launcher_takes_its_ranks_with_it(digits, tmp_path):
+    # kill <launcher> (or a job's time limit) left every rank running, the hung one for 11 days.
+    config, out = tmp_path / "config.json", tmp_path / "stalled"
+    write_json(config, make_config(drills=["hang"], timeout_s=600))
+    code = (f"import json; from peat.sdc_drill import launch; "
+            f"launch(json.load(open({str(config)!r})), 'resnet18', {str(digits)!r}, {str(out)!r})")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = lambda: subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    deadline = time.monotonic() + 120
+    while len(ranks()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    started = ranks()
+    launcher.terminate()
+    code = launcher.wait(timeout=60)
+    time.sleep(0.5)
+    left = [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    for pid in left:  # do not leave them running on failure
+        os.kill(int(pid), 9)
+    assert len(started) == 3 and code == 128 + 15
+    assert left == [], "worker ranks still running after the launcher was terminated"
+
+
 def test_nonfinite_gradients_on_every_rank_blame_the_run_not_a_rank(tmp_path):
     """The loss blows up on every replica at step 1 (divergence): one alarm, not localized, so
     that a stop policy drains no node."""

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -116,9 +118,15 @@ class Launch:
         logs = [tempfile.TemporaryFile("w+") for _ in range(self.world)]
         procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=log, stderr=subprocess.STDOUT,
                                   env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r, log in enumerate(logs)]
+        # torchrun ends its workers when it is terminated: without that, a plain kill of the launcher left
+        # every rank running, a hung one for days. A handler can only be set in the main thread.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminated) if main else None
         try:
             hung = self._wait(procs)
         finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
             for proc in procs:
                 if proc.poll() is None:  # hung, the time limit, or an interrupt
                     proc.kill()
@@ -144,6 +152,10 @@ class Launch:
                 give_up = min(give_up, now + self.timeout_s + 10)
             time.sleep(0.1)
         return [proc.poll() is None for proc in procs]
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # the shell's code for a process the signal ended
 
 
 def _read(log) -> str:
