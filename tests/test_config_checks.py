@@ -35,6 +35,17 @@ def test_layer_map_is_the_trained_models_and_is_kept_on_disk(spec, attrs, tmp_pa
     assert list(models.layer_ops(spec)) == [n for n, m in built.named_modules() if n and op_of(m)]
 
 
+def test_the_layer_cache_override_works_where_the_home_is_unknown(tmp_path, monkeypatch):
+    """Path.home() raises without HOME for a uid with no passwd entry (a container's): the
+    default was evaluated even with PEAT_LAYOUT_CACHE set, so every config check crashed."""
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setenv("PEAT_LAYOUT_CACHE", str(tmp_path))
+    monkeypatch.setattr(models.Path, "home", staticmethod(no_home))
+    assert models._layout_cache() == tmp_path
+
+
 def test_dataset_sizes_are_those_prepare_writes(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_bytes(b"x" * 1000)

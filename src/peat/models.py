@@ -53,7 +53,10 @@ _LAYOUT_DATA = {"num_classes": 10, "vocab_size": 256, "seq_len": 64}
 
 
 def _layout_cache() -> Path:
-    return Path(os.environ.get("PEAT_LAYOUT_CACHE", Path.home() / ".cache" / "peat" / "layouts"))
+    # The home is asked only without the override: where it cannot be determined (no HOME, a uid
+    # without a passwd entry) Path.home() raises, and the override must still work.
+    override = os.environ.get("PEAT_LAYOUT_CACHE")
+    return Path(override) if override is not None else Path.home() / ".cache" / "peat" / "layouts"
 
 
 def _layout_key(spec: dict) -> str:
