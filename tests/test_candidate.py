@@ -185,7 +185,9 @@ def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path
     path = tmp_path / "stops.py"  # dies in its third call: the third training step
     path.write_text("import os, signal, time\nimport torch.nn.functional as F\nCALLS = [0]\n\n"
                     "def forward(x, weight, bias):\n"
-                    f"    CALLS[0] += 1\n    if CALLS[0] == 3:\n        {STOPS[status]}\n"
+                    f"    CALLS[0] += 1\n    if CALLS[0] == 3:\n"  # as a kill in the middle of a curve write leaves it:
+                    f"        open({str(tmp_path / 'out' / ('.' + candidate.PARTIAL_CURVE + '.99999.tmp'))!r}, 'w')\n"
+                    f"        {STOPS[status]}\n"
                     "    return F.linear(x, weight, bias)\n")
     spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1}
     record = candidate.train_candidate("resnet18", spec, "stops", {"op": "linear", "impl": str(path), "layers": ["fc"],
@@ -195,6 +197,7 @@ def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path
     frame = pd.read_csv(tmp_path / "out" / "compare.csv")
     assert frame["loss_candidate"].notna().tolist() == [True, True, False, False, False]
     assert not (tmp_path / "out" / candidate.PARTIAL_CURVE).exists()  # compare.csv holds it now
+    assert not list((tmp_path / "out").glob("*.tmp"))
 
 
 def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):

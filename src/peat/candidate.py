@@ -349,7 +349,8 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     metrics = pd.DataFrame(result["metrics"]) if outcome.ok else PartialCurve.read(out_dir / PARTIAL_CURVE)
     frame = compare(pd.read_csv(golden_dir / "metrics.csv"), metrics)
     write_csv(out_dir / "compare.csv", frame)
-    (out_dir / PARTIAL_CURVE).unlink(missing_ok=True)  # compare.csv holds it now
+    for leftover in [out_dir / PARTIAL_CURVE, *out_dir.glob(f".{PARTIAL_CURVE}.*.tmp")]:  # a kill mid-write leaves a temp
+        leftover.unlink(missing_ok=True)  # compare.csv holds the curve now
     if schedule is not None:
         write_csv(out_dir / "calls.csv", calls if not calls.empty else pd.DataFrame(columns=CALL_COLUMNS))
     record |= outcome.record() | {"layers": routed} | _summary(frame, metrics)
