@@ -65,7 +65,7 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
     try:
         if bench:
             codes = [end.code for end in ranks.run([*args, "--bench"])]
-            if any(codes):
+            if any(code != 0 for code in codes):  # None: a rank killed as hung
                 raise PeatError(f"sdc benchmark of model {model!r}: rank exit codes {codes} (see the log above)")
             return
         remaining = list(sdc_cfg["drills"])
@@ -75,7 +75,7 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
                 (out_dir / f"{drill}.stop.h5").unlink(missing_ok=True)
             ends = ranks.run([*args, "--drills", ",".join(remaining)])
             current = next((d for d in remaining if _outcome(out_dir / f"{d}.json") != "completed"), None)
-            if current is None and not any(end.code for end in ends):
+            if current is None and all(end.code == 0 for end in ends):  # None: a rank killed as hung
                 return
             if current is None:
                 raise PeatError(f"sdc drill of model {model!r}: every drill completed but the rank exit codes are "
