@@ -68,6 +68,9 @@ KERNEL_SOURCES = {
     "star.py": ('OP = "conv2d"\nfrom peat.alt_kernels.bf16_gemm import *\n', None),
     "broken.py": ("OP = 'conv2d'\ndef (:\n", None),  # load() says what is wrong, in the job
     "gemm.cpp": ('PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.attr("OP") = "conv2d";\n}\n', "conv2d"),
+    # Commented-out code is not compiled: the module's OP is linear.
+    "commented.cpp": ('PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.attr("OP") = "linear";\n'
+                      '  // m.attr("OP") = "conv2d";\n  /* m.attr("OP") = "layer_norm"; */\n}\n', "linear"),
 }
 
 

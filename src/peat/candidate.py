@@ -98,6 +98,7 @@ def _declared_op(path: str, op: str) -> str | None:
     OP: a namespace per op (a class or object bound to the op's name)."""
     text = Path(path).read_text(errors="replace")
     if path.endswith(kernels.CPP_SUFFIXES):
+        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)  # commented-out code is not compiled
         if f'def_submodule("{op}"' in text:
             return None
         found = re.findall(r'\.attr\(\s*"OP"\s*\)\s*=\s*"(\w+)"', text)
