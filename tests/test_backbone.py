@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -258,6 +259,8 @@ def test_context_holds_the_promised_tensors(golden_twice):
     assert torch.equal(fc[0]["dA"], fc[0]["dO"] @ fc[0]["W"])
     _, bn = read_layer(path, "bn1")
     assert {"running_mean", "running_var", "dA", "dB"} <= set(bn[0])
+    with pytest.raises(PeatError, match=r"layer 'fc' has no recorded step 3 \(recorded: 0, 2, 4, 6\)$"):
+        read_layer(path, "fc", [2, 3])  # was h5py's bare KeyError
     assert torch.equal(bn[0]["dB"], bn[0]["dO"].sum((0, 2, 3)))
 
 
@@ -712,3 +715,11 @@ def test_a_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, 
     train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False)
     for name in ("final.h5", "context.h5", "checkpoints/epoch001.h5"):
         assert_bit_identical(golden_twice[0] / name, tmp_path / name)
+
+
+def test_perplexity_is_exp_of_the_loss_up_to_inf():
+    # It was capped at exp(50): an infinite loss showed a finite perplexity of 5.2e21.
+    from peat.train import _row
+
+    assert [_row(0, 1, "val", loss, {"correct": 0, "count": 1}, "text", 0.0)["perplexity"]
+            for loss in (1.0, 60.0, 1e4, float("inf"))] == [math.exp(1.0), math.exp(60.0), math.inf, math.inf]

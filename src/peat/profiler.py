@@ -388,6 +388,10 @@ def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True) ->
         attrs = {k: _plain(v) for k, v in group.attrs.items()}
         samples = []
         keys = sorted(group) if steps is None else sorted(f"{int(s):07d}" for s in steps)
+        missing = [int(k) for k in keys if k not in group]
+        if missing:
+            raise PeatError(f"{path}: layer {layer!r} has no recorded step {missing[0]} "
+                            f"(recorded: {', '.join(str(int(k)) for k in sorted(group)) or 'none'})")
         for key in keys:
             sample = {k: torch.from_numpy(v[()]) for k, v in group[key].items()}
             sample.update({k: _plain(v) for k, v in group[key].attrs.items()})

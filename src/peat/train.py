@@ -180,9 +180,16 @@ def _row(step, epoch, split, loss, counts, kind, t0) -> dict:
     return {
         "step": step, "epoch": epoch, "split": split, "loss": loss,
         "accuracy": counts["correct"] / counts["count"],
-        "perplexity": math.exp(min(loss, 50.0)) if kind == "text" else float("nan"),
+        "perplexity": _perplexity(loss) if kind == "text" else float("nan"),
         "wall_time": time.perf_counter() - t0,
     }
+
+
+def _perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:  # a loss above ~709: beyond float64, as a diverged run's is
+        return math.inf
 
 
 @torch.no_grad()
