@@ -44,6 +44,11 @@ def test_the_layer_cache_override_works_where_the_home_is_unknown(tmp_path, monk
     monkeypatch.setenv("PEAT_LAYOUT_CACHE", str(tmp_path))
     monkeypatch.setattr(models.Path, "home", staticmethod(no_home))
     assert models._layout_cache() == tmp_path
+    # Without the override either, the checks still run (uncached) where they crashed.
+    monkeypatch.delenv("PEAT_LAYOUT_CACHE")
+    monkeypatch.setattr(models, "_LAYOUTS", {})
+    assert models._layout_cache() is None
+    assert "layer1.0.conv1" in models.layer_ops(TEST["models"]["resnet18"])
 
 
 def test_dataset_sizes_are_those_prepare_writes(tmp_path):

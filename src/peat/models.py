@@ -37,26 +37,40 @@ def layer_ops(spec: dict) -> dict[str, str]:
     for config checks before any job. The model is built without weights (meta device); the map is
     kept on disk, by what it depends on, because building imports torchvision or transformers:
     seconds that every ``snakemake -n`` would pay again."""
-    path = _layout_cache() / f"{_layout_key(spec)}.json"
-    if path not in _LAYOUTS:
-        try:
-            _LAYOUTS[path] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            _LAYOUTS[path] = _built_layout(spec)
-            _remember(path, _LAYOUTS[path])
-    return _LAYOUTS[path]
+    key = _layout_key(spec)
+    if key not in _LAYOUTS:
+        cache = _layout_cache()
+        path = cache / f"{key}.json" if cache is not None else None
+        _LAYOUTS[key] = _cached(path) if path is not None else None
+        if _LAYOUTS[key] is None:
+            _LAYOUTS[key] = _built_layout(spec)
+            if path is not None:
+                _remember(path, _LAYOUTS[key])
+    return _LAYOUTS[key]
 
 
-_LAYOUTS: dict[Path, dict[str, str]] = {}
+def _cached(path: Path) -> dict[str, str] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or a damaged file: built again
+        return None
+
+
+_LAYOUTS: dict[str, dict[str, str]] = {}
 # The sizes build() takes from the dataset set weight shapes only, never a layer's name or op.
 _LAYOUT_DATA = {"num_classes": 10, "vocab_size": 256, "seq_len": 64}
 
 
-def _layout_cache() -> Path:
-    # The home is asked only without the override: where it cannot be determined (no HOME, a uid
-    # without a passwd entry) Path.home() raises, and the override must still work.
+def _layout_cache() -> Path | None:
+    """The cache folder; None where there is no home (no HOME, a uid without a passwd entry) and
+    no override: the checks then build the model at every parse."""
     override = os.environ.get("PEAT_LAYOUT_CACHE")
-    return Path(override) if override is not None else Path.home() / ".cache" / "peat" / "layouts"
+    if override is not None:
+        return Path(override)
+    try:
+        return Path.home() / ".cache" / "peat" / "layouts"
+    except RuntimeError:
+        return None
 
 
 def _layout_key(spec: dict) -> str:
