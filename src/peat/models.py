@@ -37,16 +37,16 @@ def layer_ops(spec: dict) -> dict[str, str]:
     for config checks before any job. The model is built without weights (meta device); the map is
     kept on disk, by what it depends on, because building imports torchvision or transformers:
     seconds that every ``snakemake -n`` would pay again."""
-    key = _layout_key(spec)
-    if key not in _LAYOUTS:
-        cache = _layout_cache()
-        path = cache / f"{key}.json" if cache is not None else None
-        _LAYOUTS[key] = _cached(path) if path is not None else None
-        if _LAYOUTS[key] is None:
-            _LAYOUTS[key] = _built_layout(spec)
+    cache = _layout_cache()
+    path = cache / f"{_layout_key(spec)}.json" if cache is not None else None
+    memo = path if path is not None else _layout_key(spec)  # a process may switch cache folders
+    if memo not in _LAYOUTS:
+        _LAYOUTS[memo] = _cached(path) if path is not None else None
+        if _LAYOUTS[memo] is None:
+            _LAYOUTS[memo] = _built_layout(spec)
             if path is not None:
-                _remember(path, _LAYOUTS[key])
-    return _LAYOUTS[key]
+                _remember(path, _LAYOUTS[memo])
+    return _LAYOUTS[memo]
 
 
 def _cached(path: Path) -> dict[str, str] | None:
@@ -56,7 +56,7 @@ def _cached(path: Path) -> dict[str, str] | None:
         return None
 
 
-_LAYOUTS: dict[str, dict[str, str]] = {}
+_LAYOUTS: dict[Path | str, dict[str, str]] = {}
 # The sizes build() takes from the dataset set weight shapes only, never a layer's name or op.
 _LAYOUT_DATA = {"num_classes": 10, "vocab_size": 256, "seq_len": 64}
 
