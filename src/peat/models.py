@@ -37,9 +37,9 @@ def layer_ops(spec: dict) -> dict[str, str]:
     for config checks before any job. The model is built without weights (meta device); the map is
     kept on disk, by what it depends on, because building imports torchvision or transformers:
     seconds that every ``snakemake -n`` would pay again."""
-    cache = _layout_cache()
-    path = cache / f"{_layout_key(spec)}.json" if cache is not None else None
-    memo = path if path is not None else _layout_key(spec)  # a process may switch cache folders
+    key, cache = _layout_key(spec), _layout_cache()
+    path = cache / f"{key}.json" if cache is not None else None
+    memo = path if path is not None else key  # by file: a process may switch cache folders
     if memo not in _LAYOUTS:
         _LAYOUTS[memo] = _cached(path) if path is not None else None
         if _LAYOUTS[memo] is None:

@@ -292,8 +292,8 @@ def _caption(path: Path, stage: str, captions: Path | None, wildcards: dict) -> 
 
 
 def _plain(rst: str, wildcards: dict) -> str:
-    """Enough of RST -> text for a caption: fill in Snakemake's Jinja placeholders for the
-    wildcards, drop markup characters and join lines."""
+    """Enough of RST -> text for a caption: substitute the wildcards into Snakemake's Jinja
+    expressions, drop markup characters and join lines."""
     text = re.sub(r"\{\{\s*snakemake\.wildcards\.(\w+)\s*\}\}", lambda m: wildcards.get(m[1], m[1]), rst)
     text = re.sub(r"\{\{[^}]*\}\}", "", text)
     text = re.sub(r":[a-z]+:`([^`]*)`", r"\1", text)
