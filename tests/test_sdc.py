@@ -589,6 +589,31 @@ def test_terminated_launcher_takes_its_ranks_with_it(digits, tmp_path):
     assert left == [], "worker ranks still running after the launcher was terminated"
 
 
+def test_every_rank_refusing_to_start_fails_with_their_own_error(digits, tmp_path):
+    # It was the 'unexpected end' of the first drill, 'rank exit codes [2, 2]': the cause only in the log.
+    config = make_config(world_size=2)
+    with pytest.raises(PeatError) as err:
+        launch(config, "resnet18", tmp_path / "nope.h5", tmp_path / "out", timeout=300)
+    assert str(err.value) == f"sdc drill of model 'resnet18': {tmp_path / 'nope.h5'}: no such file"
+
+
+@pytest.mark.parametrize("ends, expected", [
+    (_ends(2, 2, 2, output="x\npeat sdc drill: error: bad\n"), "what: bad"),
+    ([RankEnd(2, "peat sdc drill: error: local rank 0 sees 0 GPU(s)"), RankEnd(2, "usage: ...\nprog: error: no --out")],
+     "what: rank 0: local rank 0 sees 0 GPU(s); rank 1: prog: error: no --out"),
+    (_ends(2, 2, 3, output="peat sdc drill: error: bad"), None),  # a drill's end, checked as such
+])
+def test_refusal_to_start_is_read_from_every_rank(ends, expected):
+    from peat.sdc_drill import _check_started
+
+    if expected is None:
+        _check_started("what", ends)
+        return
+    with pytest.raises(PeatError) as err:
+        _check_started("what", ends)
+    assert str(err.value) == expected
+
+
 def test_nonfinite_gradients_on_every_rank_blame_the_run_not_a_rank(tmp_path):
     """The loss blows up on every replica at step 1 (divergence): one alarm, not localized, so
     that a stop policy drains no node."""

@@ -39,10 +39,12 @@ from .provenance import stamp
 
 DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
 RELIABILITY = ("dead", "hang")  # a rank exits / stalls mid-drill: the drill must fail clearly
+EXIT_USAGE = 2  # a bad config, data file or command line, found before joining the process group (as argparse)
 EXIT_PEER = 3  # a collective failed: a peer died or hung
 EXIT_OOM = 4  # this rank ran out of (GPU) memory; its peers then exit EXIT_PEER
 EXIT_DEAD = 13  # the dead drill's injected rank
 PEER_FAILED = "a peer rank died or hung past the timeout"  # in sdc.collective_failure's message
+ERROR = "peat sdc drill: error: "  # how a rank's own one-line error starts
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -64,7 +66,9 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
     ranks = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or _launch_timeout(sdc_cfg)))
     try:
         if bench:
-            codes = [end.code for end in ranks.run([*args, "--bench"])]
+            ends = ranks.run([*args, "--bench"])
+            _check_started(f"sdc benchmark of model {model!r}", ends)
+            codes = [end.code for end in ends]
             if any(code != 0 for code in codes):  # None: a rank killed as hung
                 raise PeatError(f"sdc benchmark of model {model!r}: rank exit codes {codes} (see the log above)")
             return
@@ -74,6 +78,7 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
                 (out_dir / f"{drill}.json").unlink(missing_ok=True)
                 (out_dir / f"{drill}.stop.h5").unlink(missing_ok=True)
             ends = ranks.run([*args, "--drills", ",".join(remaining)])
+            _check_started(f"sdc drill of model {model!r}", ends)
             current = next((d for d in remaining if _outcome(out_dir / f"{d}.json") != "completed"), None)
             if current is None and all(end.code == 0 for end in ends):  # None: a rank killed as hung
                 return
@@ -84,6 +89,22 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
             remaining = remaining[remaining.index(current) + 1:]
     finally:
         plan.unlink(missing_ok=True)
+
+
+def _check_started(what: str, ends: list[RankEnd]) -> None:
+    """PeatError with the ranks' own error if every rank refused to start (exit 2: a config, data or
+    command-line error). Read as the end of the first drill, it showed only the exit codes."""
+    if any(end.code != EXIT_USAGE for end in ends):
+        return
+    errors = [_last_line(end.output).removeprefix(ERROR) for end in ends]
+    if len(set(errors)) == 1:
+        raise PeatError(f"{what}: {errors[0]}")
+    raise PeatError(f"{what}: " + "; ".join(f"rank {rank}: {error}" for rank, error in enumerate(errors)))
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1].strip() if lines else "no output"
 
 
 def _outcome(path: Path) -> str | None:
@@ -260,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         data = load(args.data)  # a missing or wrong file: one line, not a traceback from every rank
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"])
     except PeatError as err:
-        print(f"peat sdc drill: error: {err}", file=sys.stderr)
-        return 2
+        print(f"{ERROR}{err}", file=sys.stderr)
+        return EXIT_USAGE
     from .device import seed_everything
 
     seed_everything(config["seed"], config["threads"])
@@ -287,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> None:
-    print(f"peat sdc drill: error: {message}", file=sys.stderr, flush=True)
+    print(f"{ERROR}{message}", file=sys.stderr, flush=True)
     os._exit(code)  # peers may be gone: skip the process-group teardown that would wait
 
 
