@@ -161,6 +161,20 @@ def test_single_element_faults_on_a_two_class_head_are_not_lanes(computation):
     assert classify(errors.parse("lane:4:stuck").apply(golden, torch.Generator()), golden, env) == "periodic_lane"
 
 
+def test_a_wrong_loss_is_classed_by_its_value():
+    """A one-element tensor (the loss at the later observing point) has no layout: beyond the
+    reduced-precision envelope its one wrong value reads as a zero, a bit flip or a random value,
+    never as a tile covering the whole tensor ("G everywhere"); within it, as rounding."""
+    golden, ref = torch.tensor([2.3125]), torch.tensor([2.3125], dtype=torch.float64) + 1e-7
+    rounded = {p: golden + 1e-3 * (i + 1) for i, p in enumerate(evidence.PRECISIONS)}
+    env = evidence.envelopes(golden, ref, rounded)
+    flipped = errors.parse("bit_flip:30").apply(golden, torch.Generator())
+    got = {name: classify(t, golden, env) for name, t in {
+        "value": torch.tensor([7.25]), "zero": torch.tensor([0.0]), "flip": flipped,
+        "rounding": golden + 2e-3}.items()}
+    assert got == {"value": "random_value", "zero": "random_zero", "flip": "bit_flip", "rounding": "reduced_precision"}
+
+
 @pytest.mark.parametrize("op", ["linear", "conv2d"])
 def test_splitk_tile_and_stale_tile_are_block_structured(op):
     sample, attrs, golden, ref, env = case(op)

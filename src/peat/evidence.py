@@ -125,7 +125,7 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     s = shape(over32, candidate, gold, env["tau32"], rules, layout=not out["s_rounding"])
     out |= {f"s_{k}": v for k, v in s.items()}
     needs_gross = out["ngross"] > 0 and out["n32"] > 0 and (out["s_rounding"] or shape_class(out, "s_", rules) is None)
-    g = shape(gross, candidate, gold, bound, rules, layout=needs_gross)
+    g = shape(gross, candidate, gold, bound, rules, layout=needs_gross, lone=True)
     out |= {f"g_{k}": v for k, v in g.items()}
     return out
 
@@ -142,13 +142,17 @@ def _beyond(diff: np.ndarray, tau32: float, bound) -> tuple:
     return over32, gross, int(np.count_nonzero(over32)), int(np.count_nonzero(gross)), ratio
 
 
-def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules: Rules, layout: bool = True) -> dict:
+def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules: Rules, layout: bool = True,
+          lone: bool = False) -> dict:
     """How the wrong elements ``mask`` (matrix view) are laid out and what they look like;
     ``noise`` is the envelope they are beyond (a number, or an array like the mask). Without
-    ``layout``, only their count."""
+    ``layout``, only their count. ``lone``: the wrong value of a one-element tensor (a loss)
+    counts as scattered, since it has no layout and only its value can say what went wrong;
+    for G alone, as S's lone value may still be rounding that no footprint caught."""
     n = int(np.count_nonzero(mask))
     few = max(rules.sparse_min, rules.sparse * mask.size)
-    out = {"n": n, "sparse": 0 < n <= few and n < mask.size / 2, "block_cover": 0.0, "block_area": 0.0,
+    scattered = n < mask.size / 2 or (lone and mask.size == 1)
+    out = {"n": n, "sparse": 0 < n <= few and scattered, "block_cover": 0.0, "block_area": 0.0,
            "block_tiles": 0, "lane_cover": 0.0, "lane_stride": 0, "lane_axis": "", "zero_frac": 0.0,
            "bit_frac": 0.0, "inrange_frac": 0.0}
     if n == 0 or mask.size == 0 or not layout:
