@@ -665,6 +665,18 @@ def test_batch_larger_than_the_training_set_fails_instead_of_training_nothing(di
     assert not (tmp_path / "final.h5").exists()
 
 
+def test_a_batch_too_small_for_batch_norm_names_the_batch_size(digits, tmp_path):
+    """ResNet-18 on 32x32 digits ends in 1x1 maps: a batch of 1 leaves batch norm one value per
+    channel, which torch refuses deep inside the first forward, without naming the setting."""
+    from peat.train import train_model
+
+    spec = dict(SPEC, batch_size=1)
+    with pytest.raises(PeatError, match=r"^config key 'models\.resnet18\.batch_size': batches of 1 leave a batch norm "
+                                        r"layer one value per channel in training \(Expected more than 1 value"):
+        train_model("resnet18", spec, digits, tmp_path, progress=False)
+    assert not (tmp_path / "final.h5").exists()
+
+
 def test_a_record_schedule_without_a_step_fails_instead_of_recording_nothing(digits, tmp_path):
     """Every 10th step within epoch 2, at 4 steps per epoch (steps 4-7), is no step: the golden job
     wrote a context without one sample, and playback had nothing to replay."""

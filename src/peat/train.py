@@ -100,15 +100,13 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     t0 = time.perf_counter() - (history[-1]["wall_time"] if history else 0.0)
     batches_per_epoch = len(epoch_batches(len(train_x), run.batch_size, run.seed, 0))
     if batches_per_epoch == 0:  # the last partial batch is dropped: nothing would train
-        key = f"models.{run.meta['model']}.batch_size" if "model" in run.meta else "batch_size"
-        raise PeatError(f"config key '{key}': {run.batch_size} is more than the {len(train_x)} training samples; "
-                        "no training step would run")
+        raise PeatError(f"config key '{_key(run, 'batch_size')}': {run.batch_size} is more than the {len(train_x)} "
+                        "training samples; no training step would run")
     if profiler is not None and not any(profiler.want(s, 1 + s // batches_per_epoch)
                                         for s in range(run.epochs * batches_per_epoch)):
         # Only possible with record.epochs: a context without a sample left playback nothing to replay.
-        key = f"models.{run.meta['model']}.record" if "model" in run.meta else "record"
-        raise PeatError(f"config key '{key}.every': no step of record.epochs {list(profiler.epochs)} is a multiple of "
-                        f"{profiler.every} ({batches_per_epoch} training steps per epoch, from step 0); "
+        raise PeatError(f"config key '{_key(run, 'record.every')}': no step of record.epochs {list(profiler.epochs)} "
+                        f"is a multiple of {profiler.every} ({batches_per_epoch} training steps per epoch, from step 0); "
                         "nothing would be recorded")
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
     for epoch in range(first_epoch, run.epochs + 1):
@@ -123,7 +121,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
                 profiler.begin_step(step, epoch)
             optimizer.zero_grad(set_to_none=True)
             x, y = train_x[idx].to(run.device), train_y[idx].to(run.device)
-            loss, counts = loss_and_metrics(model, data.kind, x, y)
+            loss, counts = _train_forward(model, data.kind, x, y, run)
             loss.backward()
             if profiler is not None:
                 profiler.end_step()
@@ -190,6 +188,23 @@ def _perplexity(loss: float) -> float:
         return math.exp(loss)
     except OverflowError:  # a loss above ~709: beyond float64, as a diverged run's is
         return math.inf
+
+
+def _key(run: Run, key: str) -> str:
+    """The config key of a model setting, as errors name it."""
+    return f"models.{run.meta['model']}.{key}" if "model" in run.meta else key
+
+
+def _train_forward(model: torch.nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor, run: Run):
+    """``loss_and_metrics`` of one training batch. Whether a batch is too small for batch norm
+    depends on the feature maps the batch reaches, so it shows only here, at the first step."""
+    try:
+        return loss_and_metrics(model, kind, x, y)
+    except ValueError as err:
+        if "more than 1 value per channel" not in str(err):
+            raise
+        raise PeatError(f"config key '{_key(run, 'batch_size')}': batches of {len(x)} leave a batch norm layer one "
+                        f"value per channel in training ({err}); use a larger batch") from err
 
 
 @torch.no_grad()
