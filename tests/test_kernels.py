@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import re
 import time
 from pathlib import Path
 
@@ -323,6 +324,77 @@ def test_a_copy_of_a_routed_model_tracks_its_own_outputs():
     assert len(model._peat_kernel_outputs.held) == 2 and not twin._peat_kernel_outputs.held
     twin._forward_pre_hooks.popitem()[1]()  # the copy's hook empties the copy's tracker, not the original's
     assert len(model._peat_kernel_outputs.held) == 2
+
+
+def grad_buffered(computation: str, handed_out: str) -> kernels.Kernel:
+    """Golden linear whose ``computation`` writes into one buffer per result shape and hands out the
+    buffer itself ("same") or a new view of it ("view", as a C++ kernel wraps a static buffer)."""
+    golden, buffers = kernels.golden("linear"), {}
+
+    def run(*args):
+        out = golden.computation(computation)(*args)
+        buffer = buffers.setdefault(tuple(out.shape), torch.empty_like(out))
+        buffer.data.copy_(out)
+        return buffer if handed_out == "same" else buffer.view(buffer.shape)
+
+    return dataclasses.replace(golden, name="buffered", custom=(computation,), **{computation: run})
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.c(h + self.b(torch.relu(h)))
+
+
+@pytest.mark.parametrize("computation, handed_out, message", [
+    ("input_grad", "same", "kernel 'buffered' input_grad at layer 'b' returned the memory of its input_grad result at "
+                           "layer 'c', still held by autograd in this backward pass"),
+    ("weight_grad", "view", "kernel 'buffered' weight_grad at layer 'b' returned the memory of its weight_grad result "
+                            "at layer 'c', now that layer's accumulated weight .grad")])
+def test_a_gradient_kernel_returning_one_buffer_every_call_fails_naming_it(computation, handed_out, message):
+    """Only forward outputs were checked: layer b's input gradient overwrote c's, which autograd
+    still held for the residual branch, and a weight gradient autograd had taken as c's .grad was
+    overwritten by b's; both trained on wrong gradients with no error."""
+    model = Residual()
+    kernels.route(model, grad_buffered(computation, handed_out))
+    with pytest.raises(kernels.ReusedOutput, match="^" + re.escape(message)):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+def test_a_weight_gradient_buffer_autograd_copies_trains_as_golden():
+    """A weight gradient handed out as the kernel's own buffer is copied by autograd into .grad:
+    its memory is free again at once, so reusing it is no fault."""
+    torch.manual_seed(0)
+    golden = Residual()
+    model = copy.deepcopy(golden)
+    kernels.route(model, grad_buffered("weight_grad", "same"))
+    for net in (golden, model):
+        train_steps_linear(net)
+    assert all(torch.equal(a, b) for a, b in zip(golden.parameters(), model.parameters()))
+
+
+def test_a_weight_gradient_on_its_own_accumulated_grad_fails():
+    """Backward twice before the optimizer steps (micro-batches): the second call wrote into the
+    .grad autograd had taken from the first, which then doubled."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    kernels.route(model, grad_buffered("weight_grad", "view"))
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(kernels.ReusedOutput, match=r"weight_grad at layer '0' returned the memory of its weight_grad "
+                                                   r"result at layer '0', now that layer's accumulated weight .grad"):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+def train_steps_linear(model, steps=2):
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+        opt.step()
 
 
 HEAVY_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",

@@ -655,19 +655,32 @@ def _plan(kernel: Kernel, attrs: dict, layer: str = "", outputs: _Outputs | None
 
 
 class ReusedOutput(PeatError):
-    """A kernel's forward returned memory that an earlier routed call's output still holds (outcome ``crash``)."""
+    """A kernel returned memory that an earlier routed call's result still holds (outcome ``crash``)."""
+
+
+# Why an earlier result's memory may not be handed out again, by the computation that returned it.
+_STILL_HELD = {
+    "forward": ("output", "still held from earlier in this forward pass (a persistent output buffer overwrites what "
+                "the backward reads)"),
+    "input_grad": ("input_grad result", "still held by autograd in this backward pass (a persistent output buffer "
+                   "overwrites a gradient not yet used)"),
+    "weight_grad": ("weight_grad result", "now that layer's accumulated weight .grad (a persistent output buffer "
+                    "overwrites it)"),
+}
 
 
 class _Outputs:
-    """The storage of every kernel forward's output in one forward pass of a routed model, by
-    address, held weakly: an address seen again while its first holder lives means a kernel
-    returned a buffer it returns on every call (a persistent output buffer). The later call then
-    overwrites an earlier layer's output that the backward still reads: gradients go wrong with
-    no error (autograd's version check misses writes from C++ or through ``.data``). One address
-    and a weak reference per call; healthy outputs are never copied."""
+    """The storage of every kernel result in one forward pass of a routed model and the backward
+    after it, by address, held weakly: an address seen again while its first holder lives means a
+    kernel returned a buffer it returns on every call (a persistent output buffer). The later call
+    then overwrites what autograd still reads (an output saved for the backward, a gradient not yet
+    passed on): gradients go wrong with no error (autograd's version check misses writes from C++
+    or through ``.data``). A weight gradient is copied by autograd unless it becomes the weight's
+    ``.grad``, so its memory counts as held only while a ``.grad`` is on it. One address and a weak
+    reference per call; healthy outputs are never copied."""
 
     def __init__(self):
-        self.held: dict[int, tuple[StorageWeakRef, str]] = {}
+        self.held: dict[int, tuple[StorageWeakRef, str, str, torch.Tensor | None]] = {}
 
     def forget(self, *_) -> None:  # a forward pre-hook of the routed model: a new pass begins
         self.held.clear()
@@ -676,16 +689,31 @@ class _Outputs:
         # A copied model's passes are its own; a copied weak reference would also be released twice.
         return _Outputs()
 
-    def add(self, plan: _Plan, out: torch.Tensor) -> None:
+    def add(self, plan: _Plan, out: torch.Tensor, computation: str = "forward", weight=None) -> None:
+        """Track ``out``, the result of ``computation`` (``weight``: the parameter a weight_grad is for)."""
         if not out.numel():
             return
         storage = out.untyped_storage()
-        earlier = self.held.get(storage.data_ptr())
-        if earlier is not None and not earlier[0].expired():
-            raise ReusedOutput(f"kernel {plan.kernel.name!r} forward at layer {plan.layer!r} returned the memory of "
-                               f"its output at layer {earlier[1]!r}, still held from earlier in this forward pass (a "
-                               "persistent output buffer overwrites what the backward reads): return a new tensor per call")
-        self.held[storage.data_ptr()] = (StorageWeakRef(storage), plan.layer)
+        memory = storage.data_ptr()
+        entry = (StorageWeakRef(storage), plan.layer, computation, weight)
+        # A weight gradient's own .grad first: from an earlier pass, or accumulated over micro-batches.
+        own = (entry,) if computation == "weight_grad" else ()
+        for earlier in (*own, self.held.get(memory)):
+            if earlier is not None and _holds(earlier, memory):
+                what, why = _STILL_HELD[earlier[2]]
+                raise ReusedOutput(f"kernel {plan.kernel.name!r} {computation} at layer {plan.layer!r} returned the "
+                                   f"memory of its {what} at layer {earlier[1]!r}, {why}: return a new tensor per call")
+        self.held[memory] = entry
+
+
+def _holds(entry: tuple, memory: int) -> bool:
+    """Whether the result ``entry`` tracks still needs ``memory``: a weight gradient while its
+    parameter's ``.grad`` is on it, any other result while it lives."""
+    ref, _, computation, weight = entry
+    if computation == "weight_grad":
+        grad = weight.grad if weight is not None else None
+        return grad is not None and grad.numel() > 0 and grad.untyped_storage().data_ptr() == memory
+    return not ref.expired()
 
 
 def _outputs_of(model: torch.nn.Module) -> _Outputs:
@@ -733,7 +761,15 @@ class _Routed(torch.autograd.Function):
         for slot, computation in enumerate(("input_grad", "weight_grad")):
             if need[computation] and computation in plan.own:
                 grads[slot] = _kernel_grad(plan, ctx.state, computation, grad_out, x, weight)
+                if plan.outputs is not None:
+                    plan.outputs.add(plan, grads[slot], computation, _parameter(weight))
         return None, None, *grads
+
+
+def _parameter(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The parameter whose ``.grad`` a weight gradient accumulates into (a transposed layer's
+    weight reaches the kernel as a view of it)."""
+    return weight if weight is None or weight._base is None else weight._base
 
 
 def _unaliased(out: torch.Tensor, *inputs) -> torch.Tensor:
