@@ -567,13 +567,35 @@ def test_launch_time_limit_stops_the_workers(digits, tmp_path):
     assert left == [], "worker ranks still running after the launcher gave up"
 
 
+def _launcher(tmp: Path, digits: Path, config: dict, **popen) -> subprocess.Popen:
+    """``launch`` of the drills of ``config`` in a process of its own, ``tmp/out`` its output folder."""
+    path = tmp / "config.json"
+    write_json(path, config)
+    code = (f"import json; from peat.sdc_drill import launch; "
+            f"launch(json.load(open({str(path)!r})), 'resnet18', {str(digits)!r}, {str(tmp / 'out')!r})")
+    return subprocess.Popen([sys.executable, "-c", code], **popen)
+
+
+def test_rank_output_is_streamed_while_the_launch_runs(digits, tmp_path):
+    # It was printed only when every rank had ended: here 15 s after the peers' errors, the time the
+    # launcher waits before it kills the hung rank; in a long drill, nothing for hours.
+    launcher = _launcher(tmp_path, digits, make_config(world_size=2, drills=["hang"], timeout_s=5, steps=3,
+                                                       injection_step=1), stdout=subprocess.PIPE, text=True)
+    error = next((line for line in launcher.stdout if PEER_FAILED in line), "")
+    try:  # the launcher waits timeout_s + 10 s after it before it kills the hung rank
+        code = launcher.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code is None, "the peer's error came only as the launcher ended"
+    launcher.communicate(timeout=60)
+    assert launcher.returncode == 0
+    assert error.startswith("[rank0]: peat sdc drill: error: rank 0: collective"), error  # as torchrun --tee
+
+
 def test_terminated_launcher_takes_its_ranks_with_it(digits, tmp_path):
     # kill <launcher> (or a job's time limit) left every rank running, the hung one for 11 days.
-    config, out = tmp_path / "config.json", tmp_path / "stalled"
-    write_json(config, make_config(drills=["hang"], timeout_s=600))
-    code = (f"import json; from peat.sdc_drill import launch; "
-            f"launch(json.load(open({str(config)!r})), 'resnet18', {str(digits)!r}, {str(out)!r})")
-    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = _launcher(tmp_path, digits, make_config(drills=["hang"], timeout_s=600),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks = lambda: subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
     deadline = time.monotonic() + 120
     while len(ranks()) < 3 and time.monotonic() < deadline:

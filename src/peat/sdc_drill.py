@@ -21,7 +21,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -130,15 +129,17 @@ class Launch:
         self.threads, self.what, self.deadline = config.get("threads", 1), what, deadline
 
     def run(self, args: list[str]) -> list[RankEnd]:
-        """Run ``python -m peat.sdc_drill *args`` on every rank; their output goes to stdout, prefixed."""
+        """Run ``python -m peat.sdc_drill *args`` on every rank; their output goes to stdout as it comes, prefixed."""
         # torchrun's own rendezvous: every rank a client of this store, so no free port to guess and race for.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # Unbuffered: a rank's lines reach the log as it writes them, not when it ends.
         env = {**os.environ, "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-               "OMP_NUM_THREADS": str(self.threads)}
-        logs = [tempfile.TemporaryFile("w+") for _ in range(self.world)]
-        procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=log, stderr=subprocess.STDOUT,
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r, log in enumerate(logs)]
+               "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
+        procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+                 for r in range(self.world)]
+        tees = [Tee(f"[rank{rank}]: ", proc.stdout) for rank, proc in enumerate(procs)]
         # torchrun ends its workers when it is terminated: without that, a plain kill of the launcher left
         # every rank running, a hung one for days. A handler can only be set in the main thread.
         main = threading.current_thread() is threading.main_thread()
@@ -152,10 +153,7 @@ class Launch:
                 if proc.poll() is None:  # hung, the time limit, or an interrupt
                     proc.kill()
                     proc.wait()
-            outputs = [_read(log) for log in logs]
-            for rank, text in enumerate(outputs):
-                sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-            sys.stdout.flush()
+            outputs = [tee.output() for tee in tees]
         return [RankEnd(None if h else proc.returncode, text) for proc, h, text in zip(procs, hung, outputs)]
 
     def _wait(self, procs: list) -> list[bool]:
@@ -179,11 +177,30 @@ def _terminated(signum, frame):
     raise SystemExit(128 + signum)  # the shell's code for a process the signal ended
 
 
-def _read(log) -> str:
-    log.seek(0)
-    text = log.read()
-    log.close()
-    return text
+class Tee(threading.Thread):
+    """Copies one rank's output to stdout line by line as it comes, prefixed as torchrun's ``--tee``
+    does, and keeps it for the end-of-launch checks. It blocks in read(): no polling."""
+
+    _stdout = threading.Lock()  # one line at a time from all ranks
+
+    def __init__(self, prefix: str, pipe):
+        super().__init__(daemon=True)  # a rank's child holding the pipe open must not keep the launcher
+        self.prefix, self.pipe, self.lines = prefix, pipe, []
+        self.start()
+
+    def run(self) -> None:
+        with self.pipe:
+            for raw in self.pipe:
+                line = raw.decode(errors="replace")
+                self.lines.append(line)
+                with Tee._stdout:
+                    sys.stdout.write(self.prefix + line.rstrip("\n") + "\n")
+                    sys.stdout.flush()
+
+    def output(self, timeout: float = 10) -> str:
+        """Everything the rank wrote, once it has ended (its pipe closed)."""
+        self.join(timeout)
+        return "".join(self.lines)
 
 
 def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: Path) -> dict:
