@@ -129,6 +129,18 @@ def test_a_key_given_twice_stops_with_one_line(tmp_path):
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert "config key 'kernels.im2col' is given twice" in lines[0]
 
+
+def test_a_target_after_configfile_is_named_as_not_a_config(tmp_path):
+    """``--configfile`` takes every path after it: an existing target named after it was read as a
+    config, and the one line named only its keys ('<top level>': 'verdict' ... unexpected)."""
+    target = tmp_path / "results/detect/resnet18/cpu/im2col.json"
+    target.parent.mkdir(parents=True)
+    target.write_text('{"verdict": "pass", "error_model": "none"}')
+    proc = snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(target), configfile=None, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"peat: {target}: not a peat config") and "before --configfile" in lines[0]
+
 def test_reordered_config_keys_rerun_nothing(tmp_path):
     """Snakemake compares params as text: the same dataset spec with its keys in another order
     (or a default written out) reran data preparation, golden training and everything after it."""

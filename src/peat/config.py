@@ -54,6 +54,17 @@ def check_unique_keys(path: str | Path) -> None:
     _unique_keys(yaml.compose(Path(path).read_text()), [], path)
 
 
+def check_is_config(path: str | Path, schema_path: str | Path) -> None:
+    """``--configfile`` takes every path after it: a target named after it (an existing
+    results/.../x.json) was read as a config and surfaced only as unknown top-level keys, naming
+    no file."""
+    content = yaml.safe_load(Path(path).read_text())
+    known = yaml.safe_load(Path(schema_path).read_text())["properties"]
+    if not isinstance(content, dict) or not content.keys() & known.keys():
+        raise PeatError(f"{path}: not a peat config (no config key at its top level); --configfile reads "
+                        "every path after it, so name targets before --configfile")
+
+
 def _unique_keys(node, at: list, path) -> None:
     if isinstance(node, yaml.MappingNode):
         seen = set()

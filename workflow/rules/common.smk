@@ -9,7 +9,7 @@ import peat.alter_study
 import peat.report
 import peat.slurm
 from peat.candidate import check as check_kernels, models_for, rfi_cases
-from peat.config import check_unique_keys, config_hash, validate
+from peat.config import check_is_config, check_unique_keys, config_hash, validate
 from peat.io import PeatError
 from peat.kernels import source_files
 from peat.sdc_drill import check_config as check_sdc, drill_config
@@ -22,12 +22,12 @@ os.environ.update(
 )
 
 # Every config problem stops the workflow here, before any job, with one line naming the key.
+SCHEMA = os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
 try:
     for path in workflow.configfiles:
+        check_is_config(path, SCHEMA)
         check_unique_keys(path)
-    validate(
-        config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
-    )
+    validate(config, SCHEMA)
     check_kernels(config)
     peat.alter_study.check_config(config)
     check_sdc(config)
