@@ -601,6 +601,19 @@ def test_h5diff_summary_counts_only_differing_datasets_with_all(mixed, tmp_path,
         assert capsys.readouterr().out.splitlines()[-1] == "1 dataset(s) differ, 13 identical"
 
 
+def test_h5diff_positions_without_json_are_printed_as_the_log_writes_them(mixed, tmp_path, capsys):
+    """--positions without --json listed the differing elements nowhere."""
+    log = tmp_path / "log.json"
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--count", "5", "--seed", "2", "--log", str(log)]) == 0
+    capsys.readouterr()
+    assert main(["h5diff", str(mixed), str(tmp_path / "o.h5"), "--positions"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table_end = next(i for i, line in enumerate(lines) if line.endswith("identical"))
+    printed = [json.loads(line) for line in lines[table_end + 1:]]
+    key = lambda r: (r["dataset"], r["index"])
+    assert sorted(printed, key=key) == sorted(json.loads(log.read_text())["injections"], key=key)
+
+
 def test_h5diff_table_shows_the_nonfinite_values_of_b(tmp_path, capsys):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     with h5py.File(a, "w") as f:

@@ -897,11 +897,15 @@ def cli_h5diff(argv: list[str]) -> int:
     p.add_argument("b")
     p.add_argument("--json", metavar="OUT.json", help="also write the comparison as JSON")
     p.add_argument("--positions", action="store_true",
-                   help="list every differing element (dataset, index, bit, old, new), as in the injection log")
+                   help="list every differing element (dataset, index, bit, old, new), as in the injection log: "
+                        "in the JSON with --json, else printed after the table, one JSON object a line")
     p.add_argument("--all", action="store_true", help="show identical datasets in the table too")
     args = p.parse_args(argv)
     result = diff(args.a, args.b, positions=args.positions)
     print(format_table(result, args.all))
     if args.json:
         write_json(args.json, result)
+    elif args.positions:  # else --positions computed them for nothing
+        for entry in result["positions"]:
+            print(json.dumps(entry, sort_keys=True))
     return 0
