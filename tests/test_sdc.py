@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -592,7 +593,20 @@ def test_rank_output_is_streamed_while_the_launch_runs(digits, tmp_path):
     assert error.startswith("[rank0]: peat sdc drill: error: rank 0: collective"), error  # as torchrun --tee
 
 
-def test_terminated_launcher_takes_its_ranks_with_it(digits, tmp_path):
+def _running(pid: str) -> bool:
+    """Whether a process runs (a zombie does not: the parent of an orphan may not reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("signum, exit_code", [
+    (signal.SIGTERM, 128 + 15),  # the launcher ends its ranks itself
+    # It cannot: they die with it (Linux's parent-death signal). They kept running, the hung one for good.
+    pytest.param(signal.SIGKILL, -9, marks=pytest.mark.skipif(sys.platform != "linux", reason="Linux prctl")),
+])
+def test_killed_launcher_takes_its_ranks_with_it(digits, tmp_path, signum, exit_code):
     # kill <launcher> (or a job's time limit) left every rank running, the hung one for 11 days.
     launcher = _launcher(tmp_path, digits, make_config(drills=["hang"], timeout_s=600),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -601,14 +615,16 @@ def test_terminated_launcher_takes_its_ranks_with_it(digits, tmp_path):
     while len(ranks()) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
     started = ranks()
-    launcher.terminate()
+    launcher.send_signal(signum)
     code = launcher.wait(timeout=60)
-    time.sleep(0.5)
-    left = [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    deadline = time.monotonic() + 5
+    while any(_running(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in started if _running(pid)]
     for pid in left:  # do not leave them running on failure
         os.kill(int(pid), 9)
-    assert len(started) == 3 and code == 128 + 15
-    assert left == [], "worker ranks still running after the launcher was terminated"
+    assert len(started) == 3 and code == exit_code
+    assert left == [], "worker ranks still running 5 s after the launcher was killed"
 
 
 def test_every_rank_refusing_to_start_fails_with_their_own_error(digits, tmp_path):

@@ -15,6 +15,7 @@ steps against guarded ones.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -136,9 +137,10 @@ class Launch:
         env = {**os.environ, "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
+        arm = _death_signal()  # before the output threads: they are not in the way of the fork
         procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-                 for r in range(self.world)]
+                                  stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  preexec_fn=arm) for r in range(self.world)]
         tees = [Tee(f"[rank{rank}]: ", proc.stdout) for rank, proc in enumerate(procs)]
         # torchrun ends its workers when it is terminated: without that, a plain kill of the launcher left
         # every rank running, a hung one for days. A handler can only be set in the main thread.
@@ -171,6 +173,23 @@ class Launch:
                 give_up = min(give_up, now + self.timeout_s + 10)
             time.sleep(0.1)
         return [proc.poll() is None for proc in procs]
+
+
+def _death_signal():
+    """Popen's ``preexec_fn`` that makes the rank die with this thread (Linux PR_SET_PDEATHSIG), even
+    when the launcher is SIGKILLed and cannot end its ranks itself; None where prctl is missing."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError, TypeError):  # not Linux
+        return None
+    launcher, kill, pr_set_pdeathsig = os.getpid(), int(signal.SIGKILL), 1
+
+    def arm() -> None:  # in the child, between fork and exec
+        prctl(pr_set_pdeathsig, kill)
+        if os.getppid() != launcher:  # the launcher died before the signal was armed
+            os._exit(128 + kill)
+
+    return arm
 
 
 def _terminated(signum, frame):
