@@ -542,6 +542,16 @@ def test_fraction_rounds_halves_up(mixed, tmp_path):
     assert run_alter(five, tmp_path / "o.h5", fraction=0.3).flips == 2  # 1.5 -> 2; round() agrees here
 
 
+def test_no_command_prints_the_usage_as_an_error_and_help_as_an_answer(capsys):
+    """A bare ``peat`` exited 0, so a script calling it without a command went on as if it had run."""
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: peat COMMAND") and "  alter " in err
+    assert main(["--help"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("usage: peat COMMAND") and "  h5diff " in out
+
+
 def test_an_unknown_command_is_named_in_one_line(capsys):
     assert main(["altr", "in.h5", "out.h5"]) == 2
     out, err = capsys.readouterr()

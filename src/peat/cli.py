@@ -20,10 +20,12 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: peat COMMAND [options]\n\ncommands:")
+        # Asked for, the usage is the answer; without a command it is an error (exit 2, as argparse).
+        out = sys.stdout if argv else sys.stderr
+        print("usage: peat COMMAND [options]\n\ncommands:", file=out)
         for name, (_, text) in COMMANDS.items():
-            print(f"  {name:10s} {text}")
-        return 0
+            print(f"  {name:10s} {text}", file=out)
+        return 0 if argv else 2
     if argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
