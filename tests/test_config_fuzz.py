@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -70,6 +71,21 @@ def test_invalid_config_names_the_key(path, action):
         assert expected in message, (path, action, message)
     else:
         raise AssertionError(f"accepted invalid config: {action} at {path}")
+
+
+@pytest.mark.parametrize("where", ["errors", "kernel"])
+def test_a_bad_error_spec_is_named_with_the_specs_allowed_not_a_regex(where):
+    cfg = copy.deepcopy(VALID)
+    if where == "errors":
+        cfg["errors"] = ["fp16", "bitflip:exponent"]
+        key = "errors.1"
+    else:
+        cfg["kernels"]["lane_fc"]["error"] = "bitflip:exponent"
+        key = "kernels.lane_fc.error"
+    with pytest.raises(PeatError) as err:
+        validate(cfg, SCHEMA)
+    assert str(err.value).startswith(f"config key '{key}': 'bitflip:exponent' is not a pseudo-error spec: fp16,")
+    assert "bit_flip:WHERE" in str(err.value) and "^(" not in str(err.value)
 
 
 def test_valid_configs_pass_and_get_defaults():
