@@ -326,6 +326,26 @@ def test_a_copy_of_a_routed_model_tracks_its_own_outputs():
     assert len(model._peat_kernel_outputs.held) == 2
 
 
+def test_a_copy_of_a_routed_model_runs_on_its_own_weights():
+    """The routed forward was a closure on the original's modules, which deepcopy shares: the copy
+    computed with the original's weights and sent its gradients there."""
+    torch.manual_seed(0)
+    plain = Tiny()
+    model = copy.deepcopy(plain)
+    for op in ("linear", "conv2d", "batch_norm", "layer_norm"):  # fc and GPT-2's transposed Conv1D among them
+        kernels.route(model, dataclasses.replace(kernels.golden(op), custom=kernels.COMPUTATIONS))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for params in (plain.parameters(), twin.parameters()):
+            for p in params:
+                p.mul_(0.5)
+    x = torch.randn(6, 3, 6, 6)
+    out = twin(x)
+    assert torch.equal(out, plain(x))
+    out.sum().backward()
+    assert all(p.grad is not None for p in twin.parameters()) and all(p.grad is None for p in model.parameters())
+
+
 def grad_buffered(computation: str, handed_out: str) -> kernels.Kernel:
     """Golden linear whose ``computation`` writes into one buffer per result shape and hands out the
     buffer itself ("same") or a new view of it ("view", as a C++ kernel wraps a static buffer)."""

@@ -28,6 +28,7 @@ several ops defines a namespace per op instead (``class linear: forward = ...``)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 import hashlib
@@ -860,23 +861,36 @@ def _golden_grads(plan: _Plan, state: dict, dO, x, w, stats, mask: list[bool]) -
     return _ln_backward(dO, x, w, hp["normalized_shape"], hp["eps"], mask, stats)
 
 
+class _RoutedForward:
+    """A routed layer's ``forward``. An object, not a closure: ``copy.deepcopy`` of the model (which
+    copies functions by reference) then gives the copy a forward on its own module, weights and
+    output tracker; the kernel and ``active`` stay shared, as one kernel serves all routed layers."""
+
+    def __init__(self, module, plan: _Plan, active: Callable[[], bool] | None, original: Callable):
+        self.module, self.plan, self.active, self.original = module, plan, active, original
+        self.transposed = bool(plan.attrs.get("transposed"))
+        self.batch_norm = plan.kernel.op == "batch_norm"
+        self.routed = plan.kernel
+
+    def __call__(self, x, *rest, **kw):
+        if self.active is not None and not self.active():
+            return self.original(x, *rest, **kw)
+        module = self.module
+        weight = module.weight.t() if self.transposed else module.weight
+        return _Routed.apply(self.plan, _bn_state(module) if self.batch_norm else {}, x, weight, module.bias)
+
+    def __deepcopy__(self, memo) -> _RoutedForward:
+        # The memo maps the module being copied (and its tracker) to their copies.
+        outputs = copy.deepcopy(self.plan.outputs, memo)
+        return _RoutedForward(copy.deepcopy(self.module, memo), dataclasses.replace(self.plan, outputs=outputs),
+                              self.active, copy.deepcopy(self.original, memo))
+
+
 def _routed_forward(module, kernel: Kernel, active: Callable[[], bool] | None, layer: str = "",
-                    outputs: _Outputs | None = None):
+                    outputs: _Outputs | None = None) -> _RoutedForward:
     from .profiler import hyper_params
 
-    original = module.forward
-    plan = _plan(kernel, hyper_params(module), layer, outputs)
-    transposed = bool(plan.attrs.get("transposed"))
-    batch_norm = kernel.op == "batch_norm"
-
-    def forward(x, *rest, **kw):
-        if active is not None and not active():
-            return original(x, *rest, **kw)
-        weight = module.weight.t() if transposed else module.weight
-        return _Routed.apply(plan, _bn_state(module) if batch_norm else {}, x, weight, module.bias)
-
-    forward.routed = kernel
-    return forward
+    return _RoutedForward(module, _plan(kernel, hyper_params(module), layer, outputs), active, module.forward)
 
 
 def _bn_state(module) -> dict:
