@@ -16,7 +16,7 @@ $(STAMP): envs/requirements.txt pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/snakemake --cores $(CORES) --configfile $(CONFIG)
+	$(VENV)/bin/snakemake --cores $(CORES) --show-failed-logs --configfile $(CONFIG)
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -n 2 --dist loadgroup --durations=20 tests
