@@ -137,7 +137,7 @@ class Launch:
         env = {**os.environ, "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
-        arm = _death_signal()  # before the output threads: they are not in the way of the fork
+        arm = _death_signal()  # run between fork and exec: the output threads start after every rank
         procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                                   preexec_fn=arm) for r in range(self.world)]
