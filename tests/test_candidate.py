@@ -107,6 +107,21 @@ def test_monitored_scores_a_kernel_that_writes_into_its_inputs_on_the_inputs_it_
     assert rows[0]["changed"] == 0 and rows[0]["max"] == 0
 
 
+def test_partial_rows_read_back_complete_rows_only_and_exactly(tmp_path):
+    """Rows are appended one write each (the whole file was rewritten after every row); a kill in
+    the middle of a write tears only the last line, which reading drops."""
+    path = tmp_path / ".rows.csv"
+    rows = [{"step": i, "layer": "fc", "max": 0.1 * 3 ** -i} for i in range(3)]
+    with candidate.PartialRows(path) as partial:
+        for row in rows:
+            partial.add(row)
+    with open(path, "a") as f:
+        f.write("3,fc,0.0123")
+    assert candidate.PartialRows.read(path).to_dict("records") == rows  # floats to the last bit
+    path.write_text("step,lay")
+    assert candidate.PartialRows.read(path) is None and candidate.PartialRows.read(tmp_path / "none.csv") is None
+
+
 def test_compare_lines_up_curves():
     golden = pd.DataFrame({"step": [1, 2, 2], "epoch": [1, 1, 1], "split": ["train", "train", "val"],
                            "loss": [2.0, 1.5, 1.6], "accuracy": [0.1, 0.2, 0.3], "perplexity": [float("nan")] * 3})
@@ -186,7 +201,7 @@ def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path
     path.write_text("import os, signal, time\nimport torch.nn.functional as F\nCALLS = [0]\n\n"
                     "def forward(x, weight, bias):\n"
                     f"    CALLS[0] += 1\n    if CALLS[0] == 3:\n"  # as a kill in the middle of a curve write leaves it:
-                    f"        open({str(tmp_path / 'out' / ('.' + candidate.PARTIAL_CURVE + '.99999.tmp'))!r}, 'w')\n"
+                    f"        open({str(tmp_path / 'out' / candidate.PARTIAL_CURVE)!r}, 'a').write('2,1,train,2.3')\n"
                     f"        {STOPS[status]}\n"
                     "    return F.linear(x, weight, bias)\n")
     spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1}
@@ -197,7 +212,6 @@ def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path
     frame = pd.read_csv(tmp_path / "out" / "compare.csv")
     assert frame["loss_candidate"].notna().tolist() == [True, True, False, False, False]
     assert not (tmp_path / "out" / candidate.PARTIAL_CURVE).exists()  # compare.csv holds it now
-    assert not list((tmp_path / "out").glob("*.tmp"))
 
 
 def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):

@@ -16,6 +16,7 @@ import ast
 import csv
 import io
 import fnmatch
+import os
 import re
 import shutil
 from pathlib import Path
@@ -25,7 +26,7 @@ import pandas as pd
 import torch
 
 from . import errors, kernels, provenance
-from .io import PeatError, atomic_path, write_csv, write_json
+from .io import PeatError, write_csv, write_json
 from .models import layer_ops
 from .profiler import match_names
 
@@ -181,13 +182,14 @@ def target_layers(spec: dict, context: str | Path | None) -> list[str] | None:
 
 
 # -- runs ------------------------------------------------------------------------------------
-class PartialCurve:
-    """The training curve so far, rewritten after each row (temp name, then rename) so that a run
-    that crashes, is killed or times out leaves the curve up to its last step. Each row is
-    formatted once: a rewrite is one write of the lines so far (0.3 ms for 10,000 steps)."""
+class PartialRows:
+    """A table's rows as they are made (the training curve, RFI's calls), appended to ``path`` one
+    write per row (O(1) a row), so that a run that crashes, is killed or times out leaves its rows
+    up to the last one. A kill in the middle of a write leaves at most a torn last line, without its
+    newline: ``read`` drops it, so a reader never sees a half-written row."""
 
     def __init__(self, path: Path):
-        self.path, self.lines, self.header = path, [], None
+        self.path, self.header, self.fd = path, None, None
 
     def add(self, row: dict) -> None:
         text = io.StringIO()
@@ -196,13 +198,26 @@ class PartialCurve:
             self.header = list(row)
             writer.writerow(self.header)
         writer.writerow([row[k] for k in self.header])
-        self.lines.append(text.getvalue())
-        with atomic_path(self.path) as tmp:
-            tmp.write_text("".join(self.lines))
+        if self.fd is None:  # on the first row: a run that makes none (no RFI calls) leaves no file
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        data = memoryview(text.getvalue().encode())
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def __enter__(self) -> PartialRows:
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     @staticmethod
     def read(path: Path) -> pd.DataFrame | None:
-        return pd.read_csv(path) if path.exists() else None
+        """The complete rows (None: no file, or not even its header complete); numbers as written."""
+        text = path.read_text() if path.exists() else ""
+        complete = text[:text.rfind("\n") + 1]
+        return pd.read_csv(io.StringIO(complete)) if complete else None
 
 
 def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir, train_kw, schedule=None):
@@ -213,6 +228,7 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
     kernel = build(kernel_name, kspec)
     routed, calls, state = [], [], {"step": 0, "epoch": 0}
     scheduled = schedule_predicate(schedule, state, _total_steps(spec, data_path)) if schedule else None
+    curve = PartialRows(Path(out_dir) / PARTIAL_CURVE)
 
     def prepare(model):
         # RFI schedules training steps; validation passes in between run golden.
@@ -226,8 +242,9 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
     def before_step(step, epoch):
         state.update(step=step, epoch=epoch)
 
-    metrics = train_model(name, spec, data_path, out_dir, prepare_model=prepare, before_step=before_step,
-                          progress=False, on_row=PartialCurve(Path(out_dir) / PARTIAL_CURVE).add, **train_kw)
+    with curve:
+        metrics = train_model(name, spec, data_path, out_dir, prepare_model=prepare, before_step=before_step,
+                              progress=False, on_row=curve.add, **train_kw)
     # Plain containers: the parent reads them back with torch.load(weights_only=True).
     return {"layers": routed, "metrics": metrics.to_dict("list"), "calls": pd.DataFrame(calls).to_dict("list")}
 
@@ -347,11 +364,10 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     result = outcome.value if outcome.ok else {"layers": [], "metrics": None, "calls": {}}
     routed, calls = result["layers"], pd.DataFrame(result["calls"])
     # A run that did not finish keeps its curve up to where it stopped.
-    metrics = pd.DataFrame(result["metrics"]) if outcome.ok else PartialCurve.read(out_dir / PARTIAL_CURVE)
+    metrics = pd.DataFrame(result["metrics"]) if outcome.ok else PartialRows.read(out_dir / PARTIAL_CURVE)
     frame = compare(pd.read_csv(golden_dir / "metrics.csv"), metrics)
     write_csv(out_dir / "compare.csv", frame)
-    for leftover in [out_dir / PARTIAL_CURVE, *out_dir.glob(f".{PARTIAL_CURVE}.*.tmp")]:  # a kill mid-write leaves a temp
-        leftover.unlink(missing_ok=True)  # compare.csv holds the curve now
+    (out_dir / PARTIAL_CURVE).unlink(missing_ok=True)  # compare.csv holds the curve now
     if schedule is not None:
         write_csv(out_dir / "calls.csv", calls if not calls.empty else pd.DataFrame(columns=CALL_COLUMNS))
     record |= outcome.record() | {"layers": routed} | _summary(frame, metrics)
