@@ -82,7 +82,7 @@ def test_schedules():
 
 def test_monitored_kernel_scores_every_call_against_golden():
     rows, state = [], {"step": 7, "epoch": 2}
-    kernel = candidate.monitored(errors.faulty(kernels.golden("linear"), "rz:3"), "fc", rows, state)
+    kernel = candidate.monitored(errors.faulty(kernels.golden("linear"), "rz:3"), "fc", rows.append, state)
     x, w = torch.randn(4, 5) + 3, torch.randn(6, 5)
     for _ in range(2):
         kernel.forward(x, w, None)
@@ -103,7 +103,7 @@ def test_monitored_scores_a_kernel_that_writes_into_its_inputs_on_the_inputs_it_
     golden = kernels.golden("linear")
     clobbers = kernels.Kernel("clobbers", "linear", forward, golden.input_grad, golden.weight_grad, custom=("forward",))
     rows = []
-    candidate.monitored(clobbers, "fc", rows, {"step": 0, "epoch": 0}).forward(torch.randn(4, 5) + 3, torch.randn(6, 5), None)
+    candidate.monitored(clobbers, "fc", rows.append, {"step": 0, "epoch": 0}).forward(torch.randn(4, 5) + 3, torch.randn(6, 5), None)
     assert rows[0]["changed"] == 0 and rows[0]["max"] == 0
 
 
@@ -211,7 +211,12 @@ def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path
     assert record["status"] == status and record["steps_trained"] == 2 and record["nonfinite_loss"] is False
     frame = pd.read_csv(tmp_path / "out" / "compare.csv")
     assert frame["loss_candidate"].notna().tolist() == [True, True, False, False, False]
-    assert not (tmp_path / "out" / candidate.PARTIAL_CURVE).exists()  # compare.csv holds it now
+    for partial in (candidate.PARTIAL_CURVE, candidate.PARTIAL_CALLS):  # compare.csv and calls.csv hold them now
+        assert not (tmp_path / "out" / partial).exists()
+    if schedule is not None:  # RFI lost the calls it had recorded: calls.csv was empty
+        calls = pd.read_csv(tmp_path / "out" / "calls.csv")
+        assert calls[["step", "computation"]].values.tolist() == [
+            [step, computation] for step in (0, 1) for computation in ("forward", "input_grad", "weight_grad")]
 
 
 def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -222,27 +223,31 @@ class PartialRows:
 
 def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir, train_kw, schedule=None):
     """Child process body: route, train, return (routed layers, metrics, per-call errors); the
-    curve so far is in ``PARTIAL_CURVE`` meanwhile."""
+    curve and the calls so far are in ``PARTIAL_CURVE`` and ``PARTIAL_CALLS`` meanwhile."""
     from .train import train_model
 
     kernel = build(kernel_name, kspec)
     routed, calls, state = [], [], {"step": 0, "epoch": 0}
     scheduled = schedule_predicate(schedule, state, _total_steps(spec, data_path)) if schedule else None
-    curve = PartialRows(Path(out_dir) / PARTIAL_CURVE)
+    curve, calls_so_far = PartialRows(Path(out_dir) / PARTIAL_CURVE), PartialRows(Path(out_dir) / PARTIAL_CALLS)
+
+    def record_call(row):  # returned with the result; on disk in case the run does not finish
+        calls.append(row)
+        calls_so_far.add(row)
 
     def prepare(model):
         # RFI schedules training steps; validation passes in between run golden.
         active = (lambda: model.training and scheduled()) if scheduled else None
         chosen = kernels.select(model, kernel.op, layers, key=f"kernels.{kernel_name}.layers")
         for layer in chosen:  # one kernel per layer under RFI, so each call's error names its layer
-            routed_kernel = kernel if schedule is None else monitored(kernel, layer, calls, state)
+            routed_kernel = kernel if schedule is None else monitored(kernel, layer, record_call, state)
             kernels.route(model, routed_kernel, [layer], active=active)
         routed.extend(chosen)
 
     def before_step(step, epoch):
         state.update(step=step, epoch=epoch)
 
-    with curve:
+    with curve, calls_so_far:
         metrics = train_model(name, spec, data_path, out_dir, prepare_model=prepare, before_step=before_step,
                               progress=False, on_row=curve.add, **train_kw)
     # Plain containers: the parent reads them back with torch.load(weights_only=True).
@@ -274,8 +279,8 @@ def schedule_predicate(schedule: str, state: dict, total_steps: int):
     return lambda: state["step"] < last
 
 
-def monitored(kernel: kernels.Kernel, layer: str, rows: list, state: dict) -> kernels.Kernel:
-    """``kernel`` that also compares each output with golden on the same inputs, one row per call."""
+def monitored(kernel: kernels.Kernel, layer: str, on_row: Callable[[dict], None], state: dict) -> kernels.Kernel:
+    """``kernel`` that also compares each output with golden on the same inputs: ``on_row`` gets one row per call."""
     golden = kernels.golden(kernel.op)
     counters = dict.fromkeys(kernels.COMPUTATIONS, 0)
 
@@ -291,8 +296,8 @@ def monitored(kernel: kernels.Kernel, layer: str, rows: list, state: dict) -> ke
             out = func(*args, **kwargs)
             # A result of another shape or dtype is left to the router, which stops it as shape_mismatch.
             if torch.is_tensor(out) and out.shape == ref.shape and out.dtype == ref.dtype:
-                rows.append({"step": state["step"], "epoch": state["epoch"], "layer": layer,
-                             "computation": computation, "call": counters[computation], **error_scores(out, ref)})
+                on_row({"step": state["step"], "epoch": state["epoch"], "layer": layer,
+                        "computation": computation, "call": counters[computation], **error_scores(out, ref)})
             counters[computation] += 1
             return out
 
@@ -361,20 +366,22 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     _preload(spec)
     outcome = kernels.run_isolated(_routed_training, model, spec, kernel_name, kspec, layers, data_path, out_dir,
                                    train_kw, schedule, timeout=kspec.get("train_timeout", 3600))
-    result = outcome.value if outcome.ok else {"layers": [], "metrics": None, "calls": {}}
-    routed, calls = result["layers"], pd.DataFrame(result["calls"])
-    # A run that did not finish keeps its curve up to where it stopped.
-    metrics = pd.DataFrame(result["metrics"]) if outcome.ok else PartialRows.read(out_dir / PARTIAL_CURVE)
+    routed = outcome.value["layers"] if outcome.ok else []
+    # A run that did not finish keeps its curve and calls up to where it stopped.
+    metrics, calls = ((pd.DataFrame(outcome.value["metrics"]), pd.DataFrame(outcome.value["calls"])) if outcome.ok
+                      else (PartialRows.read(out_dir / PARTIAL_CURVE), PartialRows.read(out_dir / PARTIAL_CALLS)))
     frame = compare(pd.read_csv(golden_dir / "metrics.csv"), metrics)
     write_csv(out_dir / "compare.csv", frame)
-    (out_dir / PARTIAL_CURVE).unlink(missing_ok=True)  # compare.csv holds the curve now
     if schedule is not None:
-        write_csv(out_dir / "calls.csv", calls if not calls.empty else pd.DataFrame(columns=CALL_COLUMNS))
+        write_csv(out_dir / "calls.csv", calls if calls is not None and not calls.empty
+                  else pd.DataFrame(columns=CALL_COLUMNS))
+    for partial in (PARTIAL_CURVE, PARTIAL_CALLS):  # compare.csv and calls.csv hold them now
+        (out_dir / partial).unlink(missing_ok=True)
     record |= outcome.record() | {"layers": routed} | _summary(frame, metrics)
     record["provenance"] = provenance.stamp(config_hash, vendor)
     write_json(out_dir / "outcome.json", record)
     return record
 
 
-PARTIAL_CURVE = ".curve.csv"  # in the run's folder while it trains
+PARTIAL_CURVE, PARTIAL_CALLS = ".curve.csv", ".calls.csv"  # in the run's folder while it trains
 CALL_COLUMNS = ["step", "epoch", "layer", "computation", "call", "max", "mean", "top10", "var", "nonfinite", "changed"]
