@@ -635,6 +635,15 @@ def test_every_rank_refusing_to_start_fails_with_their_own_error(digits, tmp_pat
     assert str(err.value) == f"sdc drill of model 'resnet18': {tmp_path / 'nope.h5'}: no such file"
 
 
+def test_a_share_too_small_for_batch_norm_fails_with_one_line_naming_the_batch(digits, tmp_path):
+    # Two ranks sharing a batch of 2 train on one example each: batch norm refuses it at the
+    # first step, on every rank, with torch's traceback and exit 1 ('unexpected end' of the drill).
+    with pytest.raises(PeatError) as err:
+        launch(make_config(world_size=2, batch_size=2), "resnet18", digits, tmp_path / "out", timeout=300)
+    assert str(err.value).startswith("sdc drill of model 'resnet18': config key 'sdc.batch_size': batches of 1 leave "
+                                     "a batch norm layer one value per channel in training (Expected more than 1")
+
+
 @pytest.mark.parametrize("ends, expected", [
     (_ends(2, 2, 2, output="x\npeat sdc drill: error: bad\n"), "what: bad"),
     ([RankEnd(2, "peat sdc drill: error: local rank 0 sees 0 GPU(s)"), RankEnd(2, "usage: ...\nprog: error: no --out")],

@@ -39,7 +39,8 @@ from .provenance import stamp
 
 DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
 RELIABILITY = ("dead", "hang")  # a rank exits / stalls mid-drill: the drill must fail clearly
-EXIT_USAGE = 2  # a bad config, data file or command line, found before joining the process group (as argparse)
+EXIT_USAGE = 2  # a bad config, data file or command line (as argparse): found before joining the process group,
+# or, for a batch too small for batch norm, at the first step
 EXIT_PEER = 3  # a collective failed: a peer died or hung
 EXIT_OOM = 4  # this rank ran out of (GPU) memory; its peers then exit EXIT_PEER
 EXIT_DEAD = 13  # the dead drill's injected rank
@@ -320,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ERROR}{err}", file=sys.stderr)
         return EXIT_USAGE
     from .device import seed_everything
+    from .train import BatchTooSmall
 
     seed_everything(config["seed"], config["threads"])
     task = "the benchmark"
@@ -335,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_json(Path(args.out) / f"{drill}.json", result)
             if result["outcome"] == "stopped":  # policy stop: every rank leaves here, with the guard's code
                 return result["exit_code"]
+    except BatchTooSmall as err:  # every rank with such a share finds it at the first step
+        _fail(str(err), EXIT_USAGE)
     except PeatError as err:
         _fail(str(err), EXIT_PEER)
     except torch.cuda.OutOfMemoryError as err:  # a RuntimeError too: not to be read as a peer's failure
@@ -422,10 +426,11 @@ class Trainer:
         return self._batches(1 + step // self._per_epoch)[step % self._per_epoch]
 
     def loss(self, module: nn.Module, step: int, rank: int) -> torch.Tensor:
-        from .models import loss_and_metrics
+        from .train import train_forward
 
         idx = sdc.shard(self.indices(step), rank, self.world)
-        return loss_and_metrics(module, self.kind, self.x[idx].to(self.device), self.y[idx].to(self.device))[0]
+        x, y = self.x[idx].to(self.device), self.y[idx].to(self.device)
+        return train_forward(module, self.kind, x, y, "sdc.batch_size")[0]  # a rank's share is its batch
 
 
 def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: int, device: torch.device,

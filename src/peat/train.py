@@ -121,7 +121,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
                 profiler.begin_step(step, epoch)
             optimizer.zero_grad(set_to_none=True)
             x, y = train_x[idx].to(run.device), train_y[idx].to(run.device)
-            loss, counts = _train_forward(model, data.kind, x, y, run)
+            loss, counts = train_forward(model, data.kind, x, y, _key(run, "batch_size"))
             loss.backward()
             if profiler is not None:
                 profiler.end_step()
@@ -195,16 +195,21 @@ def _key(run: Run, key: str) -> str:
     return f"models.{run.meta['model']}.{key}" if "model" in run.meta else key
 
 
-def _train_forward(model: torch.nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor, run: Run):
-    """``loss_and_metrics`` of one training batch. Whether a batch is too small for batch norm
-    depends on the feature maps the batch reaches, so it shows only here, at the first step."""
+class BatchTooSmall(PeatError):
+    """A training batch too small for batch norm: a config error found at the first step."""
+
+
+def train_forward(model: torch.nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor, key: str):
+    """``loss_and_metrics`` of one training batch; ``key`` is the config key that sets its size.
+    Whether a batch is too small for batch norm depends on the feature maps the batch reaches,
+    so it shows only here, at the first step."""
     try:
         return loss_and_metrics(model, kind, x, y)
     except ValueError as err:
         if "more than 1 value per channel" not in str(err):
             raise
-        raise PeatError(f"config key '{_key(run, 'batch_size')}': batches of {len(x)} leave a batch norm layer one "
-                        f"value per channel in training ({err}); use a larger batch") from err
+        raise BatchTooSmall(f"config key '{key}': batches of {len(x)} leave a batch norm layer one value per channel "
+                            f"in training ({err}); use a larger batch") from err
 
 
 @torch.no_grad()
