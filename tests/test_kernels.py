@@ -542,6 +542,18 @@ def test_load_rejects_bad_kernels_in_one_line(impl, op, message):
     assert "\n" not in str(err.value)
 
 
+def test_a_missing_kernel_file_names_each_folder_searched_once(tmp_path, monkeypatch):
+    # Run from the checkout, the message read "(relative to /repo or /repo)".
+    monkeypatch.chdir(kernels.REPO)
+    with pytest.raises(PeatError) as err:
+        kernels.load("kernels/does_not_exist.py", "linear")
+    assert str(err.value).endswith(f"no such file (relative to {kernels.REPO})")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PeatError) as err:
+        kernels.load("kernels/does_not_exist.py", "linear")
+    assert str(err.value).endswith(f"no such file (relative to {tmp_path} or {kernels.REPO})")
+
+
 def test_load_reports_import_errors_with_the_file(tmp_path):
     path = write(tmp_path, "broken.py", "import numpy\nraise ValueError('half written')\n")
     with pytest.raises(PeatError, match=r"broken.py: import failed: ValueError: half written"):

@@ -260,10 +260,11 @@ def source_files(impl: str) -> list[str]:
 
 
 def _resolve(path: str) -> Path:
-    for base in (Path.cwd(), REPO):
+    bases = list(dict.fromkeys((Path.cwd(), REPO)))  # one when run from the checkout
+    for base in bases:
         if (base / path).is_file():
             return base / path
-    raise PeatError(f"kernel impl {path!r}: no such file (relative to {Path.cwd()} or {REPO})")
+    raise PeatError(f"kernel impl {path!r}: no such file (relative to {' or '.join(map(str, bases))})")
 
 
 def _import(impl: str):
