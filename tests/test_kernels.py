@@ -408,6 +408,17 @@ def test_a_weight_gradient_on_its_own_accumulated_grad_fails():
         model(torch.randn(4, 8)).sum().backward()
 
 
+@pytest.mark.filterwarnings("error")
+def test_a_computed_weight_routes_without_a_non_leaf_grad_warning():
+    """A weight computed from a parametrization (weight_norm) has no .grad: looking for one there
+    warned at every weight gradient (the .grad of a non-leaf tensor), an error under -W error."""
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)))
+    kernels.route(model, dataclasses.replace(kernels.golden("linear"), custom=("weight_grad",)))
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+    assert model[0].parametrizations.weight.original1.grad is not None
+
+
 def train_steps_linear(model, steps=2):
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

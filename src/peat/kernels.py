@@ -770,8 +770,10 @@ class _Routed(torch.autograd.Function):
 
 def _parameter(weight: torch.Tensor | None) -> torch.Tensor | None:
     """The parameter whose ``.grad`` a weight gradient accumulates into (a transposed layer's
-    weight reaches the kernel as a view of it)."""
-    return weight if weight is None or weight._base is None else weight._base
+    weight reaches the kernel as a view of it); None for a weight computed from one (a
+    parametrization's), which has no ``.grad`` (reading it warns)."""
+    weight = weight if weight is None or weight._base is None else weight._base
+    return weight if weight is not None and weight.is_leaf else None
 
 
 def _unaliased(out: torch.Tensor, *inputs) -> torch.Tensor:
