@@ -346,6 +346,24 @@ def test_a_copy_of_a_routed_model_runs_on_its_own_weights():
     assert all(p.grad is not None for p in twin.parameters()) and all(p.grad is None for p in model.parameters())
 
 
+def test_a_saved_routed_model_loads_in_a_new_process(tmp_path):
+    """Since the routed forward is an object, torch.save of a routed model succeeds; after a pass
+    it pickled the tracker's weak references, raw pointers into this process: torch.load in
+    another process failed ('StorageType' object has no attribute '_free_weak_ref')."""
+    import subprocess
+    import sys
+
+    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8))
+    kernels.route(model, dataclasses.replace(kernels.golden("layer_norm"), custom=kernels.COMPUTATIONS))
+    model(torch.randn(4, 8)).sum().backward()
+    torch.save(model, tmp_path / "model.pt")
+    script = (f"import torch; twin = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False); "
+              "twin(torch.randn(4, 8)).sum().backward(); print(len(twin._peat_kernel_outputs.held))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    # The loaded routes track into the loaded model's own tracker: 2 outputs, 1 input and 2 weight gradients.
+    assert run.returncode == 0 and run.stdout == "5\n", run.stderr
+
+
 def grad_buffered(computation: str, handed_out: str) -> kernels.Kernel:
     """Golden linear whose ``computation`` writes into one buffer per result shape and hands out the
     buffer itself ("same") or a new view of it ("view", as a C++ kernel wraps a static buffer)."""

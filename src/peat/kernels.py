@@ -691,6 +691,10 @@ class _Outputs:
         # A copied model's passes are its own; a copied weak reference would also be released twice.
         return _Outputs()
 
+    def __reduce__(self):
+        # Pickled (torch.save of a routed model) empty too: a weak reference is a pointer into this process.
+        return _Outputs, ()
+
     def add(self, plan: _Plan, out: torch.Tensor, computation: str = "forward", weight=None) -> None:
         """Track ``out``, the result of ``computation`` (``weight``: the parameter a weight_grad is for)."""
         if not out.numel():
