@@ -140,6 +140,9 @@ def test_a_target_after_configfile_is_named_as_not_a_config(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"peat: {target}: not a peat config") and "before --configfile" in lines[0]
+    empty = tmp_path / "overlay.yaml"  # an empty overlay config is still a config: it changes nothing
+    empty.write_text("{}\n")
+    assert snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(empty), configfile=None).returncode == 0
 
 def test_reordered_config_keys_rerun_nothing(tmp_path):
     """Snakemake compares params as text: the same dataset spec with its keys in another order

@@ -61,6 +61,8 @@ def check_is_config(path: str | Path, schema_path: str | Path) -> None:
     results/.../x.json) was read as a config and surfaced only as unknown top-level keys, naming
     no file."""
     content = yaml.safe_load(Path(path).read_text())
+    if content is None or content == {}:  # an empty overlay (the SLURM test's, say) changes nothing
+        return
     known = yaml.safe_load(Path(schema_path).read_text())["properties"]
     if not isinstance(content, dict) or not content.keys() & known.keys():
         raise PeatError(f"{path}: not a peat config (no config key at its top level); --configfile reads "
