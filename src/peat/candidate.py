@@ -16,7 +16,6 @@ import ast
 import csv
 import io
 import fnmatch
-import os
 import re
 import shutil
 from pathlib import Path
@@ -184,34 +183,30 @@ def target_layers(spec: dict, context: str | Path | None) -> list[str] | None:
 
 # -- runs ------------------------------------------------------------------------------------
 class PartialRows:
-    """A table's rows as they are made (the training curve, RFI's calls), appended to ``path`` one
-    write per row (O(1) a row), so that a run that crashes, is killed or times out leaves its rows
+    """A table's rows as they are made (the training curve, RFI's calls), appended to ``path`` and
+    flushed row by row (O(1) a row), so that a run that crashes, is killed or times out leaves its rows
     up to the last one. A kill in the middle of a write leaves at most a torn last line, without its
     newline: ``read`` drops it, so a reader never sees a half-written row."""
 
     def __init__(self, path: Path):
-        self.path, self.header, self.fd = path, None, None
+        self.path, self.file, self.writer, self.header = path, None, None, None
 
     def add(self, row: dict) -> None:
-        text = io.StringIO()
-        writer = csv.writer(text, lineterminator="\n")
-        if self.header is None:
+        if self.file is None:  # on the first row: a run that makes none (no RFI calls) leaves no file
+            self.file = open(self.path, "w", newline="")
+            self.writer = csv.writer(self.file, lineterminator="\n")
             self.header = list(row)
-            writer.writerow(self.header)
-        writer.writerow([row[k] for k in self.header])
-        if self.fd is None:  # on the first row: a run that makes none (no RFI calls) leaves no file
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        data = memoryview(text.getvalue().encode())
-        while data:
-            data = data[os.write(self.fd, data):]
+            self.writer.writerow(self.header)
+        self.writer.writerow([row[k] for k in self.header])
+        self.file.flush()  # on disk row by row: a run killed later keeps it
 
     def __enter__(self) -> PartialRows:
         return self
 
     def __exit__(self, *_) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     @staticmethod
     def read(path: Path) -> pd.DataFrame | None:
