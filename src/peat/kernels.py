@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -671,6 +671,15 @@ _STILL_HELD = {
 }
 
 
+class _Result(NamedTuple):
+    """One routed call's result, as ``_Outputs`` tracks it."""
+
+    ref: StorageWeakRef
+    layer: str
+    computation: str
+    weight: torch.Tensor | None  # the parameter a weight_grad is for
+
+
 class _Outputs:
     """The storage of every kernel result in one forward pass of a routed model and the backward
     after it, by address, held weakly: an address seen again while its first holder lives means a
@@ -682,7 +691,7 @@ class _Outputs:
     reference per call; healthy outputs are never copied."""
 
     def __init__(self):
-        self.held: dict[int, tuple[StorageWeakRef, str, str, torch.Tensor | None]] = {}
+        self.held: dict[int, _Result] = {}
 
     def forget(self, *_) -> None:  # a forward pre-hook of the routed model: a new pass begins
         self.held.clear()
@@ -701,25 +710,24 @@ class _Outputs:
             return
         storage = out.untyped_storage()
         memory = storage.data_ptr()
-        entry = (StorageWeakRef(storage), plan.layer, computation, weight)
+        entry = _Result(StorageWeakRef(storage), plan.layer, computation, weight)
         # A weight gradient's own .grad first: from an earlier pass, or accumulated over micro-batches.
         own = (entry,) if computation == "weight_grad" else ()
         for earlier in (*own, self.held.get(memory)):
             if earlier is not None and _holds(earlier, memory):
-                what, why = _STILL_HELD[earlier[2]]
+                what, why = _STILL_HELD[earlier.computation]
                 raise ReusedOutput(f"kernel {plan.kernel.name!r} {computation} at layer {plan.layer!r} returned the "
-                                   f"memory of its {what} at layer {earlier[1]!r}, {why}: return a new tensor per call")
+                                   f"memory of its {what} at layer {earlier.layer!r}, {why}: return a new tensor per call")
         self.held[memory] = entry
 
 
-def _holds(entry: tuple, memory: int) -> bool:
-    """Whether the result ``entry`` tracks still needs ``memory``: a weight gradient while its
-    parameter's ``.grad`` is on it, any other result while it lives."""
-    ref, _, computation, weight = entry
-    if computation == "weight_grad":
-        grad = weight.grad if weight is not None else None
+def _holds(entry: _Result, memory: int) -> bool:
+    """Whether ``entry`` still needs ``memory``: a weight gradient while its parameter's ``.grad``
+    is on it, any other result while it lives."""
+    if entry.computation == "weight_grad":
+        grad = entry.weight.grad if entry.weight is not None else None
         return grad is not None and grad.numel() > 0 and grad.untyped_storage().data_ptr() == memory
-    return not ref.expired()
+    return not entry.ref.expired()
 
 
 def _outputs_of(model: torch.nn.Module) -> _Outputs:
