@@ -289,6 +289,9 @@ def test_ground_truth_classes():
 
 
 def test_schema_pattern_is_the_parsers():
-    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())["properties"]
-    assert schema["errors"]["items"]["pattern"] == errors.SPEC_PATTERN
-    assert schema["kernels"]["additionalProperties"]["properties"]["error"]["pattern"] == errors.SPEC_PATTERN
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    assert schema["$defs"]["error_spec"]["pattern"] == errors.SPEC_PATTERN
+    # Both keys that take a spec are checked by that pattern.
+    keys = schema["properties"]
+    assert keys["errors"]["items"]["$ref"] == "#/$defs/error_spec"
+    assert keys["kernels"]["additionalProperties"]["properties"]["error"]["$ref"] == "#/$defs/error_spec"
