@@ -500,6 +500,42 @@ def test_a_layer_of_width_zero_is_summarised_as_nan_and_refused_for_recording(tm
     assert not list(tmp_path.rglob("other*"))
 
 
+def test_profiler_refuses_layers_as_a_string_and_every_below_one(tmp_path):
+    # A string was taken one glob per character ('fc' -> 'f', 'c'), naming a glob the user never
+    # wrote; every=0 passed, then the first begin_step divided by zero.
+    from peat import kernels
+
+    model = torch.nn.Sequential()
+    model.fc = torch.nn.Linear(4, 2)
+    with pytest.raises(PeatError, match=r"^config key 'record.layers': expected a list of globs, "
+                                        r"got the string 'fc' \(write \['fc'\]\)$"):
+        Profiler(tmp_path / "context.h5", "fc").attach(model)
+    with pytest.raises(PeatError, match=r"^config key 'kernels.layers': expected a list of globs, got the string 'fc'"):
+        kernels.route(model, kernels.golden("linear"), "fc")
+    for every in (0, -2, 1.5, True):
+        with pytest.raises(PeatError, match=rf"^Profiler: every={every!r}: record every N-th step needs an integer N >= 1$"):
+            Profiler(tmp_path / "context.h5", ["fc"], every=every)
+    assert not list(tmp_path.iterdir())
+
+
+def test_closed_profiler_leaves_no_empty_partial_folder(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    prof = Profiler(tmp_path / "context.h5", ["0"], every=1)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(3, 4)).sum().backward()
+    prof.end_step()
+    prof.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["context.h5", "storage.json"]
+    kept = tmp_path / "kept"  # training keeps its own state in .partial: the folder stays
+    (kept / ".partial").mkdir(parents=True)
+    (kept / ".partial" / "resume.h5").touch()
+    prof = Profiler(kept / "context.h5", ["0"], every=1)
+    prof.attach(model)
+    prof.close()
+    assert sorted(p.name for p in (kept / ".partial").iterdir()) == ["resume.h5"]
+
+
 def test_a_forward_between_steps_is_not_recorded(tmp_path):
     """A forward in training mode after a recorded step's end_step (the batch accuracy after the
     update) raised KeyError: the Profiler still thought it was recording."""

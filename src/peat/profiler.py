@@ -22,6 +22,7 @@ GPT-2 ``Conv1D``) are stored in ``nn.Linear`` convention with attribute ``transp
 from __future__ import annotations
 
 import collections
+import contextlib
 import fnmatch
 import os
 import shutil
@@ -110,6 +111,9 @@ def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layer
 def match_names(names: list[str], patterns: list[str], key: str, where: str = "") -> list[str]:
     """``names`` (recordable layers, in model order) that match any glob in ``patterns``; a glob
     that matches none fails naming config ``key`` (``where``: which model, when the key does not say)."""
+    if isinstance(patterns, str):  # iterated, it would be one glob per character
+        raise PeatError(f"config key '{key}': expected a list of globs, got the string {patterns!r} "
+                        f"(write [{patterns!r}])")
     chosen = set()
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
@@ -143,6 +147,8 @@ class Profiler:
 
     def __init__(self, path: str | Path, layers: list[str], *, every: int = 1, epochs: list[int] | None = None,
                  meta: dict | None = None, key: str = "record.layers", derived: bool = False):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise PeatError(f"Profiler: every={every!r}: record every N-th step needs an integer N >= 1")
         self.path = Path(path)
         # Kept beside the training state so that a killed run resumes the same file.
         self.partial = self.path.parent / ".partial" / self.path.name
@@ -280,6 +286,8 @@ class Profiler:
         self.file.attrs["steps"] = steps
         self.file.close()
         os.replace(self.partial, self.path)
+        with contextlib.suppress(OSError):  # left empty unless training keeps its own state there
+            self.partial.parent.rmdir()
         context = self.path.stat().st_size
         naive = self.naive_bytes_per_step * steps
         write_json(self.path.with_name("storage.json"), {
