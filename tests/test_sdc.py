@@ -520,6 +520,23 @@ def test_events_file_is_written_into_a_new_folder(one_rank, tmp_path):
     assert json.loads(line)["check"] == "nonfinite" and json.loads(line)["suspect_ranks"] == [0]
 
 
+def test_guard_refuses_a_plain_module_and_bad_intervals(one_rank):
+    # A plain module failed with AttributeError ('module'); fingerprint_every=0 passed, then the
+    # first check_weights divided by zero.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(PeatError, match=r"^sdc.Guard: pass the DistributedDataParallel wrapper, DDP\(model\), "
+                                        r"not a Linear$"):
+        sdc.Guard(model)
+    ddp = DistributedDataParallel(model)
+    for options, message in [({"fingerprint_every": 0}, "fingerprint_every=0: every N steps needs an integer N >= 1"),
+                             ({"audit_every": -1}, r"audit_every=-1: every N steps needs an integer N >= 0 \(0 = off\)"),
+                             ({"audit_every": 2.5}, "audit_every=2.5: every N steps needs an integer N >= 0")]:
+        with pytest.raises(PeatError, match=rf"^sdc.Guard: {message}"):
+            sdc.Guard(ddp, **options)
+
+
 def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
     # Policy log without events used to skip the step without a word.
     from torch.nn.parallel import DistributedDataParallel

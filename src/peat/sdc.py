@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .io import PeatError
 
@@ -194,6 +195,10 @@ class Guard:
                  drain_marker: str | os.PathLike | None = None, group=None):
         if policy not in POLICIES:
             raise PeatError(f"sdc policy {policy!r} is unknown; allowed: {', '.join(POLICIES)}")
+        if not isinstance(ddp, DistributedDataParallel):  # the audit needs its module and no_sync()
+            raise PeatError(f"sdc.Guard: pass the DistributedDataParallel wrapper, DDP(model), not a {type(ddp).__name__}")
+        _check_every("audit_every", audit_every, 0)
+        _check_every("fingerprint_every", fingerprint_every, 1)
         self.ddp, self.module, self.group = ddp, ddp.module, group
         self.policy, self.events, self.save = policy, events, save
         self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
@@ -442,6 +447,12 @@ class Guard:
     def costs(self) -> dict:
         """Median seconds of each check per step where it ran."""
         return {c: (float(torch.tensor(v).median()) if v else None) for c, v in self.timers.items()}
+
+
+def _check_every(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise PeatError(f"sdc.Guard: {name}={value!r}: every N steps needs an integer N >= {least}"
+                        + (" (0 = off)" if least == 0 else ""))
 
 
 def exit_code(event: Event) -> int:
