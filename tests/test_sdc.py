@@ -185,7 +185,15 @@ def test_fingerprint_tolerance():
 # --- config -------------------------------------------------------------------------------------
 
 def make_config(**sdc_cfg) -> dict:
-    config = {
+    config = raw_config(**sdc_cfg)
+    validate(config, SCHEMA)
+    check_config(config)
+    return config
+
+
+def raw_config(**sdc_cfg) -> dict:
+    """A config as yaml.safe_load gives it: no defaults filled in."""
+    return {
         "name": "sdc_test", "seed": 0, "threads": 1, "vendors": ["cpu"],
         "datasets": {"digits": {"source": "digits", "image_size": 8, "val_fraction": 0.2}},
         "models": {"resnet18": {"arch": "resnet18", "dataset": "digits", "epochs": 1, "batch_size": 12,
@@ -194,9 +202,6 @@ def make_config(**sdc_cfg) -> dict:
         "sdc": {"models": ["resnet18"], "steps": 5, "audit_every": 2, "injection_step": 2, "timeout_s": 20,
                 **sdc_cfg},
     }
-    validate(config, SCHEMA)
-    check_config(config)
-    return config
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -650,6 +655,18 @@ def test_every_rank_refusing_to_start_fails_with_their_own_error(digits, tmp_pat
     with pytest.raises(PeatError) as err:
         launch(config, "resnet18", tmp_path / "nope.h5", tmp_path / "out", timeout=300)
     assert str(err.value) == f"sdc drill of model 'resnet18': {tmp_path / 'nope.h5'}: no such file"
+
+
+def test_launch_takes_a_raw_config_and_validates_it_itself(tmp_path):
+    # A raw YAML dict failed with KeyError: 'drills', a default only validation fills in.
+    raw = raw_config(world_size=2)
+    before = json.dumps(raw, sort_keys=True)
+    with pytest.raises(PeatError) as err:  # the ranks started: each refuses the missing data file
+        launch(raw, "resnet18", tmp_path / "nope.h5", tmp_path / "out", timeout=300)
+    assert str(err.value) == f"sdc drill of model 'resnet18': {tmp_path / 'nope.h5'}: no such file"
+    assert json.dumps(raw, sort_keys=True) == before  # validated as a copy: the caller's dict is unchanged
+    with pytest.raises(PeatError, match=r"^config key 'sdc.injected_rank': 2 is not below sdc.world_size \(2\)$"):
+        launch(raw_config(world_size=2, injected_rank=2), "resnet18", tmp_path / "nope.h5", tmp_path / "out2")
 
 
 def test_a_share_too_small_for_batch_norm_fails_with_one_line_naming_the_batch(digits, tmp_path):

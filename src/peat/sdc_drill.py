@@ -15,6 +15,7 @@ steps against guarded ones.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import json
 import os
@@ -46,6 +47,7 @@ EXIT_OOM = 4  # this rank ran out of (GPU) memory; its peers then exit EXIT_PEER
 EXIT_DEAD = 13  # the dead drill's injected rank
 PEER_FAILED = "a peer rank died or hung past the timeout"  # in sdc.collective_failure's message
 ERROR = "peat sdc drill: error: "  # how a rank's own one-line error starts
+SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -57,7 +59,9 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
     A drill whose documented end is the end of every rank (policy stop; ``dead``, ``hang``) ends its
     launch: that end is checked from every rank's exit status and output and recorded in the drill's
     JSON, and the drills after it run in a new launch. Any other end raises PeatError (one line).
+    ``config`` is a workflow config, raw or validated.
     """
+    config = validated(config)  # a raw YAML dict lacks the defaults read here and by the ranks
     sdc_cfg = config["sdc"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -356,13 +360,18 @@ def load_config(path: str | Path) -> dict:
     """Read and validate a workflow config (defaults filled in) and check the sdc section."""
     import yaml
 
-    from .config import validate
-
     path = Path(path)
     if not path.exists():
         raise PeatError(f"{path}: no such config file")
-    schema = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
-    config = validate(yaml.safe_load(path.read_text()), schema)
+    return validated(yaml.safe_load(path.read_text()))
+
+
+def validated(config: dict) -> dict:
+    """A copy of ``config`` validated as the workflow does (defaults filled in), sdc section checked.
+    Validating twice changes nothing, so a config the workflow validated passes as it is."""
+    from .config import validate
+
+    config = validate(copy.deepcopy(config), SCHEMA)
     check_config(config)
     return config
 
