@@ -168,6 +168,25 @@ def test_wrong_hdf5_layout_given_as_checkpoint_fails_naming_the_file(digits, tmp
     assert str(err.value) == f"{path}: not a peat checkpoint (no /model group)"
 
 
+def test_checkpoint_of_another_optimizer_class_fails_naming_both(tmp_path):
+    # SGD took Adam's param_groups without a word, then failed at its first step with KeyError: 'momentum'.
+    model = torch.nn.Linear(2, 2)
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    adam.step()
+    checkpoint.save(tmp_path / "adam.h5", model, adam, step=1, epoch=1, meta={})
+    other = torch.nn.Linear(2, 2)
+    before = other.weight.detach().clone()
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(PeatError) as err:
+        checkpoint.load(tmp_path / "adam.h5", other, sgd)
+    assert str(err.value) == f"{tmp_path / 'adam.h5'}: optimizer state is Adam's, the optimizer is SGD"
+    assert torch.equal(other.weight, before) and sgd.param_groups[0]["lr"] == 0.1 and not sgd.state  # left as they were
+    resumed = torch.optim.Adam(model.parameters())
+    checkpoint.load(tmp_path / "adam.h5", model, resumed)
+    assert torch.equal(resumed.state[model.weight]["exp_avg"], adam.state[model.weight]["exp_avg"])
+
+
 def test_kernel_file_with_syntax_error_is_one_line_naming_it(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def forward(x, weight, bias)\n    return x\n")

@@ -73,6 +73,13 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     with open_h5(path) as f:
         if "model" not in f:
             raise PeatError(f"{path}: not a peat checkpoint (no /model group)")
+        if optimizer is not None:  # checked before anything is loaded: a refused load changes nothing
+            if "optimizer" not in f:
+                raise PeatError(f"{path}: no optimizer state to resume from")
+            # torch would take the other class's param_groups and fail at the first step (KeyError).
+            saved = f["optimizer"].attrs.get("class", type(optimizer).__name__)
+            if saved != type(optimizer).__name__:
+                raise PeatError(f"{path}: optimizer state is {saved}'s, the optimizer is {type(optimizer).__name__}")
         own = model.state_dict()
         stored = f["model"]
         missing = [n for n in own if n not in stored]
@@ -88,8 +95,6 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             new_state[name] = data.to(tensor.dtype)
         model.load_state_dict(new_state, strict=False)
         if optimizer is not None:
-            if "optimizer" not in f:
-                raise PeatError(f"{path}: no optimizer state to resume from")
             optimizer.load_state_dict(_load_optimizer(f["optimizer"], model))
         attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
         attrs["history"] = json.loads(f["history"][()]) if "history" in f else []
