@@ -518,6 +518,24 @@ def test_profiler_refuses_layers_as_a_string_and_every_below_one(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_glob_matching_no_layer_says_which_convs_are_not_recordable(tmp_path):
+    # It ended "layers are e.g. " with nothing after it, and a conv padded unevenly ('same' with an
+    # even kernel) or by reflection looked absent.
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 2, padding="same"), torch.nn.ReLU())
+    with pytest.raises(PeatError) as err:
+        Profiler(tmp_path / "context.h5", ["0"]).attach(model)
+    assert str(err.value) == ("config key 'record.layers': '0' matches no conv/linear/norm layer; there are none "
+                              "(not recordable: 0: Conv2d padded unevenly or not with zeros)")
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), torch.nn.Linear(3, 3))
+    with pytest.raises(PeatError) as err:
+        Profiler(tmp_path / "context.h5", ["conv*"]).attach(model)
+    assert str(err.value) == ("config key 'record.layers': 'conv*' matches no conv/linear/norm layer; layers are e.g. 1 "
+                              "(not recordable: 0: Conv2d padded unevenly or not with zeros)")
+    with pytest.raises(PeatError) as err:
+        Profiler(tmp_path / "context.h5", ["conv*"]).attach(torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    assert str(err.value) == "config key 'record.layers': 'conv*' matches no conv/linear/norm layer; layers are e.g. 0"
+
+
 def test_closed_profiler_leaves_no_empty_partial_folder(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 2))
     prof = Profiler(tmp_path / "context.h5", ["0"], every=1)

@@ -100,7 +100,14 @@ def _conv_padding(module: nn.Conv2d) -> list[int] | None:
 def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layers") -> dict[str, nn.Module]:
     """Recordable modules whose names match any glob in ``patterns`` (in model order)."""
     layers = {name: m for name, m in model.named_modules() if name and op_of(m)}
-    chosen = {n: layers[n] for n in match_names(list(layers), patterns, key)}
+    try:
+        chosen = {n: layers[n] for n in match_names(list(layers), patterns, key)}
+    except PeatError as err:
+        # A conv that op_of leaves out would look absent: say why it is not a layer here.
+        odd = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and not op_of(m)]
+        if not odd:
+            raise
+        raise PeatError(f"{err} (not recordable: {', '.join(odd[:6])}: Conv2d padded unevenly or not with zeros)") from None
     for name, module in chosen.items():
         if module.weight is not None and not module.weight.numel():
             raise PeatError(f"config key '{key}': layer {name!r} has a weight of shape {tuple(module.weight.shape)}, "
@@ -118,8 +125,8 @@ def match_names(names: list[str], patterns: list[str], key: str, where: str = ""
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise PeatError(f"config key '{key}': {pattern!r} matches no conv/linear/norm layer{where}; "
-                            f"layers are e.g. {', '.join(names[:6])}")
+            have = f"layers are e.g. {', '.join(names[:6])}" if names else "there are none"
+            raise PeatError(f"config key '{key}': {pattern!r} matches no conv/linear/norm layer{where}; {have}")
         chosen.update(hits)
     return [n for n in names if n in chosen]
 
