@@ -516,6 +516,7 @@ def test_profiler_refuses_layers_as_a_string_and_every_below_one(tmp_path):
         with pytest.raises(PeatError, match=rf"^Profiler: every={every!r}: record every N-th step needs an integer N >= 1$"):
             Profiler(tmp_path / "context.h5", ["fc"], every=every)
     assert not list(tmp_path.iterdir())
+    Profiler(tmp_path / "context.h5", ["fc"], every=np.int64(20)).attach(model)  # any integer type
 
 
 def test_a_glob_matching_no_layer_says_which_convs_are_not_recordable(tmp_path):

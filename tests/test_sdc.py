@@ -540,6 +540,8 @@ def test_guard_refuses_a_plain_module_and_bad_intervals(one_rank):
                              ({"audit_every": 2.5}, "audit_every=2.5: every N steps needs an integer N >= 0")]:
         with pytest.raises(PeatError, match=rf"^sdc.Guard: {message}"):
             sdc.Guard(ddp, **options)
+    guard = sdc.Guard(ddp, audit_every=torch.tensor(2).numpy()[()], fingerprint_every=1)  # any integer type
+    assert guard.audit_every == 2
 
 
 def test_alarm_is_printed_without_an_events_file(one_rank, capsys):

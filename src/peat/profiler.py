@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import numbers
 import os
 import shutil
 from pathlib import Path
@@ -154,7 +155,7 @@ class Profiler:
 
     def __init__(self, path: str | Path, layers: list[str], *, every: int = 1, epochs: list[int] | None = None,
                  meta: dict | None = None, key: str = "record.layers", derived: bool = False):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise PeatError(f"Profiler: every={every!r}: record every N-th step needs an integer N >= 1")
         self.path = Path(path)
         # Kept beside the training state so that a killed run resumes the same file.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import cmath
 import json
+import numbers
 import os
 import socket
 import sys
@@ -450,7 +451,7 @@ class Guard:
 
 
 def _check_every(name: str, value, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise PeatError(f"sdc.Guard: {name}={value!r}: every N steps needs an integer N >= {least}"
                         + (" (0 = off)" if least == 0 else ""))
 
