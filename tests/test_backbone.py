@@ -519,6 +519,22 @@ def test_profiler_refuses_layers_as_a_string_and_every_below_one(tmp_path):
     Profiler(tmp_path / "context.h5", ["fc"], every=np.int64(20)).attach(model)  # any integer type
 
 
+def test_meta_that_is_no_hdf5_attribute_fails_naming_its_key_and_leaves_nothing(tmp_path):
+    # It raised h5py's TypeError naming no key, with the file left open and the hooks attached:
+    # the next Profiler on that path could not create the file.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    with pytest.raises(PeatError) as err:
+        Profiler(tmp_path / "context.h5", ["0"], meta={"model": "mine", "optimizer": {"lr": 0.1}}).attach(model)
+    assert str(err.value) == ("Profiler: meta['optimizer'] = {'lr': 0.1} cannot be an HDF5 attribute (Object dtype "
+                              "dtype('O') has no native HDF5 equivalent); give a string, a number or a list of them")
+    assert not list(tmp_path.iterdir()) and not model[0]._forward_hooks
+    prof = Profiler(tmp_path / "context.h5", ["0"], meta={"model": "mine", "lr": 0.1, "tags": ["a", "b"]})
+    prof.attach(model)
+    prof.close()
+    with h5py.File(tmp_path / "context.h5") as f:
+        assert f.attrs["model"] == "mine" and f.attrs["lr"] == 0.1 and list(f.attrs["tags"]) == ["a", "b"]
+
+
 def test_a_glob_matching_no_layer_says_which_convs_are_not_recordable(tmp_path):
     # It ended "layers are e.g. " with nothing after it, and a conv padded unevenly ('same' with an
     # even kernel) or by reflection looked absent.

@@ -132,6 +132,15 @@ def match_names(names: list[str], patterns: list[str], key: str, where: str = ""
     return [n for n in names if n in chosen]
 
 
+def _write_meta(attrs: h5py.AttributeManager, meta: dict) -> None:
+    for key, value in meta.items():
+        try:
+            attrs[key] = value
+        except (TypeError, ValueError) as err:
+            raise PeatError(f"Profiler: meta[{key!r}] = {value!r} cannot be an HDF5 attribute ({err}); "
+                            "give a string, a number or a list of them") from None
+
+
 def _as_linear(module: nn.Module, tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is not None and hyper_params(module).get("transposed"):
         return tensor.t()
@@ -187,8 +196,8 @@ class Profiler:
         self._inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._written: dict[int, tuple[torch.Tensor, h5py.Dataset]] = {}
         self.recording = False
+        self._open(resuming=first_step > 0)  # first: a refused file leaves no hook behind
         self._hooks = [m.register_forward_hook(self._forward_hook(n)) for n, m in self.all_layers.items()]
-        self._open(resuming=first_step > 0)
 
     def _open(self, resuming: bool) -> None:
         # A file open for writing when its process was killed may be corrupt: resume from the
@@ -200,7 +209,13 @@ class Profiler:
             return
         self.partial.parent.mkdir(parents=True, exist_ok=True)
         self.file = open_h5(self.partial, "w")
-        self.file.attrs.update(self.meta)
+        try:
+            _write_meta(self.file.attrs, self.meta)
+        except PeatError:  # closed and removed, or the next Profiler could not create the file
+            self.file.close()
+            self.partial.unlink()
+            self._drop_empty_partial_folder()
+            raise
         self.file.attrs.update(torch_version=str(torch.__version__), dtype="float32", every=self.every,
                                record_epochs=list(self.epochs or []), derived=self.derived,
                                layers=np.array(list(self.targets), dtype=h5py.string_dtype()))
@@ -294,8 +309,7 @@ class Profiler:
         self.file.attrs["steps"] = steps
         self.file.close()
         os.replace(self.partial, self.path)
-        with contextlib.suppress(OSError):  # left empty unless training keeps its own state there
-            self.partial.parent.rmdir()
+        self._drop_empty_partial_folder()
         context = self.path.stat().st_size
         naive = self.naive_bytes_per_step * steps
         write_json(self.path.with_name("storage.json"), {
@@ -303,6 +317,10 @@ class Profiler:
             "naive_bytes": naive, "ratio": context / naive if naive else None,
             "recorded_layers": list(self.targets), "every": self.every, "derived": self.derived,
         })
+
+    def _drop_empty_partial_folder(self) -> None:
+        with contextlib.suppress(OSError):  # left empty unless training keeps its own state there
+            self.partial.parent.rmdir()
 
     # -- hooks --------------------------------------------------------------------------
     def _forward_hook(self, name: str):
