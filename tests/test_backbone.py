@@ -191,6 +191,25 @@ def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):
     assert torch.equal(data.load(tmp_path / "t2.h5").val.x, text.val.x)
 
 
+def test_hdf5_open_errors_keep_hdf5s_short_reason(tmp_path):
+    # The reason in parentheses was cut off: 'not a readable HDF5 file (Unable to synchronously create
+    # file)' for a file another handle (a Profiler left open) still held, opened for writing.
+    from peat.io import open_h5
+
+    (tmp_path / "text.h5").write_text("not hdf5")
+    with pytest.raises(PeatError) as err:
+        open_h5(tmp_path / "text.h5")
+    assert str(err.value) == f"{tmp_path / 'text.h5'}: not a readable HDF5 file (Unable to synchronously open file: " \
+                             "file signature not found)"
+    with open_h5(tmp_path / "held.h5", "w"), pytest.raises(PeatError) as err:
+        open_h5(tmp_path / "held.h5", "w")
+    assert str(err.value) == (f"{tmp_path / 'held.h5'}: cannot create this HDF5 file (Unable to synchronously create "
+                              "file: unable to truncate a file which is already open)")
+    with pytest.raises(PeatError) as err:  # HDF5's detail here is a dump of flags: left out
+        open_h5(tmp_path / "no" / "x.h5", "w")
+    assert str(err.value) == f"{tmp_path / 'no' / 'x.h5'}: cannot create this HDF5 file ([Errno 2] Unable to synchronously create file)"
+
+
 def test_truncated_or_foreign_hdf5_fails_naming_the_file(tmp_path):
     data.prepare("digits", {"source": "digits", "image_size": 32, "val_fraction": 0.2}, tmp_path / "d.h5")
     blob = (tmp_path / "d.h5").read_bytes()

@@ -73,8 +73,16 @@ def open_h5(path: str | os.PathLike, mode: str = "r") -> h5py.File:
     try:
         return h5py.File(path, mode)
     except OSError as err:
-        reason = str(err).split("(")[0].strip() or "unreadable"
-        raise PeatError(f"{path}: not a readable HDF5 file ({reason})") from None
+        what = "not a readable" if mode != "w" and path.exists() else "cannot create this"
+        raise PeatError(f"{path}: {what} HDF5 file ({_h5_reason(str(err))})") from None
+
+
+def _h5_reason(message: str) -> str:
+    """h5py's reason in a few words: 'Unable to ... file', plus HDF5's own detail where it is short
+    ('file signature not found', 'unable to truncate a file which is already open'), not a dump of flags."""
+    head, _, rest = message.partition("(")
+    head, detail = head.strip() or "unreadable", rest.rpartition(")")[0]
+    return f"{head}: {detail}" if detail and "=" not in detail else head
 
 
 def require(group: h5py.Group, name: str, path) -> h5py.Dataset | h5py.Group:
