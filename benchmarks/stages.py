@@ -60,15 +60,15 @@ def playback_runs(settings) -> dict:
     layers = candidate.target_layers(kspec, context)
     sidecars, steps = [], []
 
-    def campaign():
+    def campaign(propagate: bool = bool(config["playback"].get("propagate"))):
         # Exactly the workflow's playback job (peat.playback.run_job), with the default config's
         # playback, detect and error settings, on the context of the configured golden training.
         out = settings.workdir / "playback"
-        propagate = {"spec": c.spec, "data": c.data, "checkpoints": golden_dir / "checkpoints", "init": None,
-                     "seed": config["seed"]}
+        later = {"spec": c.spec, "data": c.data, "checkpoints": golden_dir / "checkpoints", "init": None,
+                 "seed": config["seed"]}
         playback.run_job(MODEL, "cpu", name, kspec, context, out / "table.parquet", out / "record.json",
                          errors_=specs, settings=config["playback"], rules=config["detect"], seed=config["seed"],
-                         threads=1, propagate_from=propagate if config["playback"].get("propagate") else None)
+                         threads=1, propagate_from=later if propagate else None)
         sidecars.append(json.loads((out / "record.json").read_text()))
 
     def runtime_fi():
@@ -79,7 +79,10 @@ def playback_runs(settings) -> dict:
         steps.append(int((pd.read_csv(out / "metrics.csv")["split"] == "train").sum()))
 
     campaign_s, training_s = paired(campaign, runtime_fi, settings.repeats)
-    sidecars = sidecars[-settings.repeats:]  # drop the warm-up
+    timings = [s["timings"] for s in sidecars[-settings.repeats:]]  # the warm-up dropped
+    for _ in range(settings.repeats):  # the same campaign without the later observing points, for its split
+        campaign(propagate=False)
+    at_output = [s["timings"] for s in sidecars[-settings.repeats:]]
     recorded = len(recorded_steps(context, layers[0]))
     runs = {"campaign": campaign_s, "rfi_training": training_s, "cases": len(specs) * len(layers),
             "errors": specs, "layers": layers, "kernel": name, "playback_settings": config["playback"],
@@ -87,7 +90,7 @@ def playback_runs(settings) -> dict:
             "replayed_steps_per_layer": min(recorded, config["playback"].get("max_samples_per_layer") or recorded),
             "training": training_text(c, steps[-1], settings.quick), "training_steps": steps[-1],
             "epochs": c.spec["epochs"], "record": record_spec(settings, c),
-            "timings": [s["timings"] for s in sidecars]}
+            "timings": timings, "output_only_timings": at_output}
     settings.cache["playback"] = runs
     return runs
 
@@ -123,7 +126,10 @@ def playback_efficiency(settings) -> Result:
                   details={"timings": r["timings"], "reading_and_scoring_over_kernel": [
                       (t.get("io_s", 0.0) + t.get("score_s", 0.0)) / t["kernel_s"] for t in r["timings"]],
                       # The kernel calls plus the network's own forward passes to the later observing points.
-                      "compute_fraction": [t["compute_fraction"] for t in r["timings"]]})
+                      "compute_fraction": [t["compute_fraction"] for t in r["timings"]],
+                      # The same campaign observed at the kernel's output alone (playback.propagate: false).
+                      "output_only_kernel_fraction": [t["kernel_fraction"] for t in r["output_only_timings"]],
+                      "output_only_timings": r["output_only_timings"]})
 
 
 # -- SDC checks -----------------------------------------------------------------------------------

@@ -430,6 +430,54 @@ def test_later_observing_points_see_the_fault_seen_at_the_output(golden_run):
     assert len(stale) == 2 and (stale["err_max"] > 0).all()
 
 
+@pytest.fixture(scope="module")
+def resnet_run(digits, tmp_path_factory):
+    """A real golden training of the test config's ResNet-18 (8 steps, steps 0, 2, 4, 6 recorded)."""
+    import yaml
+
+    from conftest import TEST_CONFIG
+    from peat.train import train_model
+
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"]
+    out = tmp_path_factory.mktemp("resnet")
+    train_model("resnet18", spec, digits, out, seed=0, threads=1, config_hash="h", progress=False)
+    return out, spec, digits
+
+
+def test_the_network_after_the_injected_layer_runs_channels_last_and_nothing_before_it_does(resnet_run):
+    """Downstream convolutions take channels-last weights (oneDNN's fast layout), every run of a step
+    alike: golden through golden is still exact there, L's input is still golden training's at the
+    exactly rebuilt steps, and the rebuilt network is handed back in its own layout."""
+    from peat.propagate import Propagator
+
+    root, spec, data = resnet_run
+    prop = Propagator(context=root / "context.h5", spec=spec, data=data, checkpoints=root / "checkpoints", samples=None)
+    layouts = []
+    real = prop.observe
+
+    def observing(model, layer, *args, **kwargs):
+        if model.conv1.weight.dtype == torch.float32:
+            layouts.append({name: m.weight.is_contiguous(memory_format=torch.channels_last)
+                            for name, m in model.named_modules() if isinstance(m, nn.Conv2d)})
+        return real(model, layer, *args, **kwargs)
+
+    prop.observe = observing
+    table, _ = replay(root / "context.h5", "conv2d", errors=["rv:2"], computations=("forward",), propagate=prop)
+    down = table[table["fop"] != "output"]
+    assert set(down["layer"]) == {"conv1", "layer1.0.conv2"} and set(down["step"]) == {0, 2, 4, 6}
+    assert (down.loc[down["case"] == "kernel", "err_max"] == 0).all()
+    assert (down.loc[down["case"] == "rv:2", "err_max"] > 0).all()
+    recon = down.groupby("step")["recon_error"].max()
+    assert recon[0] == 0 and recon[4] == 0  # step 0 and the epoch-1 checkpoint's: exact
+    # conv1 runs first: every later conv is channels-last; layer1.0.conv2 keeps the four before it and itself.
+    first, second = layouts[0], layouts[-1]
+    assert not first["conv1"] and all(v for k, v in first.items() if k != "conv1")
+    kept = {"conv1", "layer1.0.conv1", "layer1.0.conv2"}
+    assert all(second[k] != (k in kept) for k in second)
+    for model, _ in prop._models.values():
+        assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
 def test_downstream_variants_injecting_into_results_reuse_the_kernels_output_there(golden_run, tmp_path):
     from peat.propagate import Propagator
 
