@@ -422,10 +422,11 @@ def _channels_last(model: torch.nn.Module, layer: str, before: set[str]):
     output is laid out so, and so are the float32 Conv2d weights of the modules after L
     (``before``: those whose forward starts before L). L and what runs before it are untouched.
 
-    On the CPU, oneDNN's float32 convolution with channels-last weights took 80 ms for ResNet-18's
-    forward on a batch of 64 images of 32 x 32 against 150 ms in PyTorch's default layout, and
-    channels-last max-pooling 2 ms against 17: these forwards are most of what the later observing
-    points cost. Their results round differently from the default layout's, but every run of a
+    On the CPU these forwards are most of what the later observing points cost, and oneDNN's
+    float32 convolution can be much faster so: ResNet-18's forward on a batch of 64 images of
+    32 x 32 took 85 ms against 150 in PyTorch's default layout on an AMD EPYC, though the same
+    on an Intel Xeon (56 and 57 ms); channels-last max-pooling took 2 ms against 17 on both.
+    Their results round differently from the default layout's, but every run of a
     step (golden, references, candidates) goes through the same layout, so the downstream error
     stays the kernel's alone; and golden's layout before L keeps L's input golden training's own.
     """
