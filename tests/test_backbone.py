@@ -76,6 +76,10 @@ BAD_CONFIGS = [
     # Playback replays recorded layers only: it failed on this one after golden training.
     (lambda c: c["kernels"]["im2col"].update(layers=["layer1.0.conv9"]), "kernels.im2col.layers",
      "'layer1.0.conv9' is not among the layers model 'resnet18' records"),
+    # A glob over layers the model has but does not record: playback failed on it after golden training.
+    (lambda c: c["kernels"]["my_gemm"].update(layers=["*.attn.*"]), "kernels.my_gemm.layers",
+     "'*.attn.*' matches no linear layer model 'gpt2' records (models.gpt2.record.layers: transformer.h.0.ln_1, "
+     "transformer.h.0.mlp.c_fc)"),
     # Need the model's layers (peat.models.layer_ops): found only in a job, some after golden training.
     (lambda c: c["models"]["resnet18"]["record"].update(layers=["conv1", "layer1.0.conv9"]),
      "models.resnet18.record.layers", "'layer1.0.conv9' matches no conv/linear/norm layer"),

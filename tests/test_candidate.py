@@ -254,6 +254,26 @@ def test_config_cross_checks():
         candidate.check(bad)
 
 
+def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path):
+    """A misspelt function (def fwd) loaded as all-golden nowhere: load() refused it in the playback
+    job, after golden training. Sources that may bind the names dynamically are let through."""
+    config = validate(yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml")
+    sources = {"typo.py": 'OP = "linear"\n\ndef fwd(x, weight, bias):\n    return F.linear(x, weight, bias)\n',
+               "ok.py": 'OP = "linear"\n\ndef input_grad(grad_out, weight):\n    return grad_out @ weight\n',
+               "dynamic.py": 'globals()["line" + "ar"] = object()\n',
+               "unparsable.py": "def forward(:\n"}
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+        config["kernels"]["my_gemm"]["impl"] = str(tmp_path / name)
+        if name == "typo.py":
+            with pytest.raises(PeatError) as err:
+                candidate.check(config)
+            assert str(err.value) == (f"config key 'kernels.my_gemm.impl': {tmp_path / name} defines none of "
+                                      "forward, input_grad, weight_grad for op 'linear'")
+        else:
+            candidate.check(config)
+
+
 def test_config_names_models_that_would_silently_get_no_jobs():
     """A typo in rfi.models, or a kernel listed for a model without its op, ran nothing and said nothing."""
     config = validate(yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml")

@@ -76,6 +76,9 @@ def check(config: dict) -> None:
         if declared not in (None, spec["op"]):  # load() refused it in the job, after golden training
             raise PeatError(f"config key 'kernels.{name}.op': {spec['op']}, but {spec['impl']} is a {declared} "
                             f"kernel (OP = {declared!r})")
+        if sources and sources[0].endswith(".py") and not _may_define(sources[0], spec["op"]):
+            raise PeatError(f"config key 'kernels.{name}.impl': {spec['impl']} defines none of "
+                            f"{', '.join(kernels.COMPUTATIONS)} for op {spec['op']!r}")
         for model in models_for(config, name):
             _check_recorded(config, name, model)
             _check_layers(config, name, model)
@@ -120,6 +123,37 @@ def _declared_op(path: str, op: str) -> str | None:
     return declared
 
 
+# Names through which a module binds names it does not spell out: a star import, a module-level
+# __getattr__, globals()[op] = ... (peat.alt_kernels.compiled), setattr, vars(), exec.
+_DYNAMIC = {"*", "__getattr__", "globals", "setattr", "vars", "exec", "__dict__"}
+
+
+def _may_define(path: str, op: str) -> bool:
+    """Whether a Python kernel source may define one of the computations, read without running it:
+    False only where none of their names, the op's namespace or a way to bind names dynamically
+    appears in it, as with a misspelt ``def fwd``, which load() refused in the job, after golden
+    training. Code it cannot parse: True (the job says why)."""
+    try:
+        tree = ast.parse(Path(path).read_text(errors="replace"))
+    except (SyntaxError, ValueError):
+        return True
+    names = {*kernels.COMPUTATIONS, op, *_DYNAMIC}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found = {node.name}
+        elif isinstance(node, ast.alias):
+            found = {node.asname or node.name.split(".")[-1]}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):  # not OP = "linear"
+            found = {node.value} & set(kernels.COMPUTATIONS)  # setattr(module, "forward", ...)
+        elif isinstance(node, ast.Attribute):  # F.linear(...) defines nothing
+            found = {node.attr} if isinstance(node.ctx, ast.Store) or node.attr == "__dict__" else set()
+        else:
+            found = {getattr(node, "id", None), getattr(node, "arg", None)}
+        if found & names:
+            return True
+    return False
+
+
 def _bound_names(node: ast.stmt) -> set[str]:
     """Names a top-level statement binds (``*`` for a star import)."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -135,15 +169,20 @@ def _check_layers(config: dict, name: str, model: str) -> None:
     """Each of a kernel's layer globs matches a layer of its op in the model (from the config,
     ``models.layer_ops``): a glob matching nothing crashed the candidate training after golden
     training; one matching only layers of another op failed so too, or beside other globs was
-    skipped without a word."""
+    skipped without a word. Playback replays recorded layers only, so each glob must also match
+    one the model records: it failed there after golden training (and candidate training)."""
     spec, key = config["kernels"][name], f"kernels.{name}.layers"
     ops = layer_ops(config["models"][model])
+    recorded = config["models"][model]["record"]["layers"]
     for pattern in spec.get("layers") or []:
         hits = match_names(list(ops), [pattern], key, where=f" of model {model!r}")
         if not any(ops[n] == spec["op"] for n in hits):
             others = sorted({ops[n] for n in hits})
             raise PeatError(f"config key '{key}': {pattern!r} matches no {spec['op']} layer of model {model!r}, "
                             f"only {'/'.join(others)} ones ({', '.join(hits[:4])})")
+        if not any(ops[n] == spec["op"] and any(fnmatch.fnmatchcase(n, g) for g in recorded) for n in hits):
+            raise PeatError(f"config key '{key}': {pattern!r} matches no {spec['op']} layer model {model!r} "
+                            f"records (models.{model}.record.layers: {', '.join(recorded)})")
 
 
 def _check_recorded(config: dict, name: str, model: str) -> None:
