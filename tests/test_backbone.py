@@ -57,6 +57,9 @@ BAD_CONFIGS = [
     (lambda c: c.pop("datasets"), "datasets", "is missing"),
     (lambda c: c["datasets"].update(cifar={"source": "cifar10", "path": "/no/such/dir"}),
      "datasets.cifar.path", "/no/such/dir does not exist"),
+    # A folder that exists but lacks the batches (the archive not extracted there): data preparation failed.
+    (lambda c: c["datasets"].update(digits={"source": "cifar10", "path": str(REPO / "config")}), "datasets.digits.path",
+     f"no CIFAR-10 python batches under {REPO / 'config'} (cifar-10-batches-py/data_batch_1 is missing)"),
     (lambda c: c["models"]["resnet18_parity"].update(init_from="ghost"), "models.resnet18_parity.init_from", "unknown model"),
     (lambda c: c["models"]["resnet18_parity"].update(init_from="gpt2"), "models.resnet18_parity.init_from",
      "'gpt2' is a gpt2, not a resnet18"),
@@ -181,6 +184,20 @@ def test_a_tiny_rfi_fraction_has_its_job(tmp_path):
     assert "results/rfi/resnet18/cpu/lane_fc/f5e-05/outcome.json" in dry.stdout
 
 # -- data ----------------------------------------------------------------------------------
+
+def test_cifar10_folder_is_checked_by_its_file_names_before_any_job(tmp_path):
+    spec = {"source": "cifar10", "path": str(tmp_path), "val_fraction": 0.1}
+    batches = tmp_path / "cifar-10-batches-py"
+    batches.mkdir()
+    for name in data.CIFAR10_FILES[:-1]:
+        (batches / name).write_bytes(b"")  # not read: sizes() only counts
+    with pytest.raises(PeatError) as err:
+        data.sizes("cifar", spec)
+    assert str(err.value) == (f"config key 'datasets.cifar.path': no CIFAR-10 python batches under {tmp_path} "
+                              "(cifar-10-batches-py/batches.meta is missing)")
+    (batches / "batches.meta").write_bytes(b"")
+    assert data.sizes("cifar", spec) == (54000, 6000)
+
 
 def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):
     data.prepare("digits", {"source": "digits", "image_size": 32, "val_fraction": 0.2}, tmp_path / "d.h5")

@@ -19,6 +19,7 @@ IMAGE_MEAN, IMAGE_STD = 0.5, 0.5
 # Examples in the fixed image sets (scikit-learn's digits; CIFAR-10's train and test batches, which
 # torchvision reads only when all are there): ``sizes`` counts them without loading the images.
 IMAGE_COUNTS = {"digits": 1797, "cifar10": 60000}
+CIFAR10_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
 
 
 @dataclass
@@ -60,6 +61,8 @@ def sizes(name: str, spec: dict) -> tuple[int, int]:
     checks need them before any job (text is read or, from local files, only measured)."""
     source = spec["source"]
     if source in IMAGE_COUNTS:
+        if source == "cifar10":  # a folder without the batches passed here, then failed data preparation
+            _cifar10_root(name, spec)
         n = IMAGE_COUNTS[source]
     else:
         length = _pydoc_bytes(name, spec).size if source == "pydoc" else _text_length(name, spec)
@@ -110,14 +113,24 @@ def _digits(spec: dict):
 def _cifar10(name: str, spec: dict):
     from torchvision.datasets import CIFAR10
 
-    root = _local_path(name, spec)
-    try:
+    root = _cifar10_root(name, spec)
+    try:  # files there but damaged: torchvision's checksums refuse them
         sets = [CIFAR10(root, train=t, download=False) for t in (True, False)]
     except RuntimeError:
         raise PeatError(f"config key 'datasets.{name}.path': no CIFAR-10 python batches under {root}") from None
     x = np.concatenate([s.data for s in sets]).transpose(0, 3, 1, 2).astype(np.float32) / 255.0
     y, classes = _labels(np.concatenate([np.asarray(s.targets) for s in sets]), spec)
     return _images(x, spec["image_size"]), y, {"num_classes": classes}
+
+
+def _cifar10_root(name: str, spec: dict) -> Path:
+    """The folder holding ``cifar-10-batches-py/``, checked by file names only (no reading)."""
+    root = _local_path(name, spec)
+    missing = [f for f in CIFAR10_FILES if not (root / "cifar-10-batches-py" / f).is_file()]
+    if missing:
+        raise PeatError(f"config key 'datasets.{name}.path': no CIFAR-10 python batches under {root} "
+                        f"(cifar-10-batches-py/{missing[0]} is missing)")
+    return root
 
 
 def _pydoc_bytes(name: str, spec: dict) -> np.ndarray:
