@@ -54,6 +54,8 @@ BAD_CONFIGS = [
     (lambda c: c["models"]["resnet18"].update(epochs="two"), "models.resnet18.epochs", "is not of type 'integer'"),
     (lambda c: c["models"]["resnet18"].update(epochs=2.0), "models.resnet18.epochs", "2.0 is not of type 'integer'"),
     (lambda c: c["models"]["resnet18"].pop("record"), "models.resnet18.record", "is missing"),
+    (lambda c: c["kernels"]["my_gemm"].update(layers="*.mlp.*"), "kernels.my_gemm.layers",
+     "'*.mlp.*' is not of type 'array', 'null'"),  # was "is not valid under any of the given schemas"
     (lambda c: c.pop("datasets"), "datasets", "is missing"),
     (lambda c: c["datasets"].update(cifar={"source": "cifar10", "path": "/no/such/dir"}),
      "datasets.cifar.path", "/no/such/dir does not exist"),

@@ -31,6 +31,9 @@ def _message(err: jsonschema.ValidationError) -> str:
         return f"config key '{_key([*err.absolute_path, missing])}' is missing"
     if err.validator == "additionalProperties":
         return f"config key '{key}': {err.message}"
+    if err.validator in ("oneOf", "anyOf") and err.context and all(
+            e.validator == "type" and not e.relative_path for e in err.context):  # said only "not valid under any"
+        return f"config key '{key}': {err.instance!r} is not of type {', '.join(repr(e.validator_value) for e in err.context)}"
     if err.validator == "pattern" and "pattern_means" in err.schema:  # the schema's own word for a long regex
         return f"config key '{key}': {err.instance!r} is not {err.schema['pattern_means']}"
     return f"config key '{key}': {err.message}"
