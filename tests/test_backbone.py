@@ -73,6 +73,9 @@ BAD_CONFIGS = [
     (lambda c: c["models"]["resnet18"].update(checkpoint_epochs=[1, 3]), "models.resnet18.checkpoint_epochs",
      "epoch 3 is past the last epoch (2)"),
     (lambda c: c["models"]["resnet18"]["record"].update(epochs=[5]), "models.resnet18.record.epochs", "epoch 5 is past"),
+    # 4 steps per epoch (128 samples, batches of 32): epoch 2 is steps 4-7. The golden job refused it, after data prep.
+    (lambda c: c["models"]["resnet18"]["record"].update(epochs=[2], every=8), "models.resnet18.record.every",
+     "no step of record.epochs [2] is a multiple of 8 (4 training steps per epoch, from step 0); nothing would be recorded"),
     (lambda c: c["models"]["gpt2"]["optimizer"].update(momentum=0.9), "models.gpt2.optimizer.momentum",
      "adamw takes no momentum"),
     # Error specs the schema's pattern lets through but that do not fit a float32 named no key.
