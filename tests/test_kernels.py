@@ -90,7 +90,7 @@ def rel_err(got, ref):
 def test_golden_replays_the_recorded_context_bit_exactly(context):
     seen = set()
     for layer, attrs, sample, computation in cases(context):
-        got = kernels.call(kernels.golden(attrs["op"]), computation, sample, attrs)
+        got = kernels.call(kernels.golden(attrs["op"], attrs), computation, sample, attrs)
         assert torch.equal(got, kernels.expected(computation, sample)), (layer, computation)
         seen.add((attrs["op"], computation))
     assert len(seen) == 12  # 4 ops x 3 computations
@@ -178,6 +178,18 @@ def test_golden_routing_of_a_layer_norm_without_affine_is_bit_identical():
     assert torch.equal(*grads)
 
 
+def test_golden_linear_weight_grad_is_pytorchs_for_either_weight_layout():
+    """nn.Linear's weight gradient is dO^T x; GPT-2's Conv1D (x W + b, W stored (in, out)) gets
+    x^T dO. Some BLAS (MKL on AMD CPUs) round the two products differently: golden follows the layer."""
+    torch.manual_seed(0)
+    x, grad_out = torch.randn(37, 48), torch.randn(37, 10)
+    linear, conv1d = torch.randn(10, 48, requires_grad=True), torch.randn(48, 10, requires_grad=True)
+    nn.functional.linear(x, linear).backward(grad_out)
+    torch.addmm(torch.zeros(10), x, conv1d).backward(grad_out)
+    assert torch.equal(kernels.golden("linear").weight_grad(grad_out, x), linear.grad)
+    assert torch.equal(kernels.golden("linear", {"transposed": True}).weight_grad(grad_out, x), conv1d.grad.t())
+
+
 @pytest.mark.parametrize("custom", [("forward",), ("input_grad",), ("weight_grad",), kernels.COMPUTATIONS])
 def test_golden_functions_called_as_a_kernel_are_bit_identical_too(custom):
     """The same golden functions declared as the kernel's own: each goes through the kernel path
@@ -185,8 +197,10 @@ def test_golden_functions_called_as_a_kernel_are_bit_identical_too(custom):
     torch.manual_seed(0)
     plain = Tiny()
     routed = copy.deepcopy(plain)
+    # GPT-2's Conv1D (proj) stores its weight transposed, and PyTorch's weight gradient is then another product.
+    kernels.route(routed, dataclasses.replace(kernels.golden("linear", {"transposed": True}), custom=custom), ["proj"])
     for op in kernels.OPS:
-        kernels.route(routed, dataclasses.replace(kernels.golden(op), custom=custom))
+        kernels.route(routed, dataclasses.replace(kernels.golden(op), custom=custom), ["fc"] if op == "linear" else None)
     train_steps(plain)
     train_steps(routed)
     for (name, a), b in zip(plain.state_dict().items(), routed.state_dict().values()):

@@ -28,7 +28,7 @@ import torch
 from . import errors, kernels, provenance
 from .io import PeatError, write_csv, write_json
 from .models import layer_ops
-from .profiler import match_names
+from .profiler import hyper_params, match_names
 
 # Ops each architecture contains (llama normalises with RMSNorm, which is none of PEAT's ops).
 ARCH_OPS = {"resnet18": {"conv2d", "batch_norm", "linear"}, "resnet34": {"conv2d", "batch_norm", "linear"},
@@ -273,8 +273,10 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
         # RFI schedules training steps; validation passes in between run golden.
         active = (lambda: model.training and scheduled()) if scheduled else None
         chosen = kernels.select(model, kernel.op, layers, key=f"kernels.{kernel_name}.layers")
+        modules = dict(model.named_modules())
         for layer in chosen:  # one kernel per layer under RFI, so each call's error names its layer
-            routed_kernel = kernel if schedule is None else monitored(kernel, layer, record_call, state)
+            routed_kernel = kernel if schedule is None else \
+                monitored(kernel, layer, record_call, state, hyper_params(modules[layer]))
             kernels.route(model, routed_kernel, [layer], active=active)
         routed.extend(chosen)
 
@@ -313,9 +315,11 @@ def schedule_predicate(schedule: str, state: dict, total_steps: int):
     return lambda: state["step"] < last
 
 
-def monitored(kernel: kernels.Kernel, layer: str, on_row: Callable[[dict], None], state: dict) -> kernels.Kernel:
-    """``kernel`` that also compares each output with golden on the same inputs: ``on_row`` gets one row per call."""
-    golden = kernels.golden(kernel.op)
+def monitored(kernel: kernels.Kernel, layer: str, on_row: Callable[[dict], None], state: dict,
+              attrs: dict | None = None) -> kernels.Kernel:
+    """``kernel`` that also compares each output with golden on the same inputs: ``on_row`` gets one
+    row per call. ``attrs``: the layer's (``profiler.hyper_params``)."""
+    golden = kernels.golden(kernel.op, attrs)
     counters = dict.fromkeys(kernels.COMPUTATIONS, 0)
 
     def wrap(computation):

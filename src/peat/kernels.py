@@ -83,6 +83,13 @@ def _linear_weight_grad(grad_out, x):
     return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
 
+def _transposed_weight_grad(grad_out, x):
+    """``_linear_weight_grad`` of a layer that stores its weight transposed (GPT-2's ``Conv1D``,
+    y = x W + b): PyTorch computes x^T dO there, not (dO^T x)^T, and some BLAS (MKL on AMD CPUs)
+    round the two products differently."""
+    return (x.reshape(-1, x.shape[-1]).t() @ grad_out.reshape(-1, grad_out.shape[-1])).t()
+
+
 def _conv_input_grad(grad_out, weight, *, input_shape, stride, padding, dilation, groups):
     return torch.nn.grad.conv2d_input(list(input_shape), weight, grad_out, stride, padding, dilation, groups)
 
@@ -155,10 +162,12 @@ def _check_op(op: str, key: str = "op") -> None:
         raise PeatError(f"{key}: unknown op {op!r}; allowed: {', '.join(OPS)}")
 
 
-def golden(op: str) -> Kernel:
-    """PyTorch's own op (float32 inputs give the golden result, float64 the reference)."""
+def golden(op: str, attrs: dict | None = None) -> Kernel:
+    """PyTorch's own op (float32 inputs give the golden result, float64 the reference); ``attrs``:
+    the layer's (recorded or routed), for a layer storing its weight transposed."""
     _check_op(op)
-    return Kernel(name="golden", op=op, **GOLDEN[op])
+    own = {"weight_grad": _transposed_weight_grad} if op == "linear" and (attrs or {}).get("transposed") else {}
+    return Kernel(name="golden", op=op, **(GOLDEN[op] | own))
 
 
 # -- loading user kernels -------------------------------------------------------------------
@@ -415,7 +424,7 @@ def expected(computation: str, sample: dict, attrs: dict | None = None) -> torch
     if target in sample:
         return sample[target]
     shapes = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in sample.items()}
-    return call(golden(attrs["op"]), computation, shapes, attrs)
+    return call(golden(attrs["op"], attrs), computation, shapes, attrs)
 
 
 # -- running a kernel in a child process -------------------------------------------------------
@@ -863,8 +872,8 @@ def _golden_grads(plan: _Plan, state: dict, dO, x, w, stats, mask: list[bool]) -
     (``stats``: what the golden forward saved, empty when the kernel's own forward ran)."""
     op, hp = plan.kernel.op, plan.hp
     if op == "linear":
-        golden = GOLDEN["linear"]
-        return (golden["input_grad"](dO, w) if mask[0] else None, golden["weight_grad"](dO, x) if mask[1] else None,
+        pytorch = golden(op, plan.attrs)
+        return (pytorch.input_grad(dO, w) if mask[0] else None, pytorch.weight_grad(dO, x) if mask[1] else None,
                 dO.reshape(-1, dO.shape[-1]).sum(0) if mask[2] else None)
     if op == "conv2d":
         return torch.ops.aten.convolution_backward(

@@ -201,7 +201,7 @@ def _injected(timer: Timer, kernel, computation, result: torch.Tensor, sample, a
 
 def references(timer: Timer, computation: str, sample: dict, attrs: dict) -> dict[str, torch.Tensor]:
     """Golden fp32, fp64, and the golden op on operands rounded to fp16/bf16/tf32."""
-    gold = kernels.golden(attrs["op"])
+    gold = kernels.golden(attrs["op"], attrs)
     out = {"golden": _call(timer, gold, computation, sample, attrs),
            "fp64": _call(timer, gold, computation, sample, attrs, torch.float64)}
     for p in REFERENCES:

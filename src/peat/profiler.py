@@ -462,10 +462,11 @@ def _golden(computation: str, sample: dict, attrs: dict) -> torch.Tensor:
     """What the golden kernel computes for ``computation`` of a recorded sample."""
     from . import kernels
 
-    args, kwargs = kernels.arguments(attrs["op"], computation, sample, attrs)
+    # As training laid them out (a transposed layer's weight): some BLAS round another layout's product differently.
+    args, kwargs = kernels.arguments(attrs["op"], computation, kernels.as_trained(sample, attrs), attrs)
     # clones: the batch-norm forward updates the running statistics in place
     kwargs = {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    return kernels.golden(attrs["op"]).computation(computation)(*args, **kwargs)
+    return kernels.golden(attrs["op"], attrs).computation(computation)(*args, **kwargs)
 
 
 def _bias_grad(op: str, grad_out: torch.Tensor, attrs: dict) -> torch.Tensor:
