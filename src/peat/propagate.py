@@ -455,16 +455,20 @@ def started_before(model, order: list[str], kind: str, x, y, seed: int) -> dict[
     """For each recorded layer, the modules whose forward starts before its first call (one
     forward; the call order of a model without data-dependent control flow is the same at every step)."""
     calls = []
-    hooks = [m.register_forward_pre_hook(lambda module, inputs, name=name: calls.append(name))
-             for name, m in model.named_modules() if name]
+    _hooked_forward(model, [m.register_forward_pre_hook(lambda module, inputs, name=name: calls.append(name))
+                            for name, m in model.named_modules() if name], kind, x, y, seed)
+    return {layer: set(calls[:calls.index(layer)] if layer in calls else calls) for layer in order}
+
+
+def _hooked_forward(model, hooks: list, kind: str, x, y, seed: int, grad: bool = False) -> None:
+    """One seeded forward of ``model`` to the loss, ``hooks`` (registered) removed after it."""
     try:
         torch.manual_seed(seed)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             loss_and_metrics(model, kind, x, y)
     finally:
         for h in hooks:
             h.remove()
-    return {layer: set(calls[:calls.index(layer)] if layer in calls else calls) for layer in order}
 
 
 def next_readers(model, order: list[str], kind: str, x, y, seed: int) -> dict[str, str | None]:
@@ -489,16 +493,12 @@ def next_readers(model, order: list[str], kind: str, x, y, seed: int) -> dict[st
         return hook
 
     frozen = [(p, p.requires_grad) for p in model.parameters()]
-    hooks = [modules[name].register_forward_hook(cut(name)) for name in order]
     try:
         for p, _ in frozen:
             p.requires_grad_(False)
-        torch.manual_seed(seed)
-        with torch.enable_grad():
-            loss_and_metrics(model, kind, x, y)
+        _hooked_forward(model, [modules[name].register_forward_hook(cut(name)) for name in order], kind, x, y, seed,
+                        grad=True)
     finally:
-        for h in hooks:
-            h.remove()
         for p, flag in frozen:
             p.requires_grad_(flag)
     readers = {}
