@@ -190,6 +190,21 @@ def test_golden_linear_weight_grad_is_pytorchs_for_either_weight_layout():
     assert torch.equal(kernels.golden("linear", {"transposed": True}).weight_grad(grad_out, x), conv1d.grad.t())
 
 
+@pytest.mark.parametrize("impl", ["golden", "forward only"])
+def test_playback_replays_what_a_kernel_leaves_to_golden_as_golden_on_a_transposed_layer(context, impl):
+    """Golden as the candidate (impl: golden), or the computations a kernel does not define: on
+    GPT-2's Conv1D (proj) their weight gradient is the transposed layer's golden one, so the
+    kernel case scores no error there (dO^T x differed from x^T dO on an AMD EPYC)."""
+    from peat import playback
+
+    plan = playback.Plan(context=context, kernel=kernels.load(impl, "linear") if impl == "golden" else
+                         dataclasses.replace(kernels.golden("linear"), custom=("forward",)), errors=["rz:2"],
+                         layers=["proj"], meta={"model": "tiny", "vendor": "cpu", "kernel": "k"})
+    table, _ = playback.replay(plan)
+    kernel = table[table["case"] == "kernel"]
+    assert set(kernel["computation"]) == set(kernels.COMPUTATIONS) and (kernel["err_max"] == 0).all()
+
+
 @pytest.mark.parametrize("custom", [("forward",), ("input_grad",), ("weight_grad",), kernels.COMPUTATIONS])
 def test_golden_functions_called_as_a_kernel_are_bit_identical_too(custom):
     """The same golden functions declared as the kernel's own: each goes through the kernel path

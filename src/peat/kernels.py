@@ -170,6 +170,16 @@ def golden(op: str, attrs: dict | None = None) -> Kernel:
     return Kernel(name="golden", op=op, **(GOLDEN[op] | own))
 
 
+def on_layer(kernel: Kernel, attrs: dict) -> Kernel:
+    """``kernel`` with the computations it leaves to golden computed as golden does on a layer of
+    ``attrs`` (a transposed layer's weight gradient, see ``golden``); ``kernel`` itself where that changes nothing."""
+    gold = golden(kernel.op, attrs)
+    fallback = {c: gold.computation(c) for c in COMPUTATIONS
+                if c not in kernel.custom and kernel.computation(c) is GOLDEN[kernel.op][c]
+                and gold.computation(c) is not GOLDEN[kernel.op][c]}
+    return dataclasses.replace(kernel, **fallback) if fallback else kernel
+
+
 # -- loading user kernels -------------------------------------------------------------------
 def load(impl: str, op: str, name: str | None = None) -> Kernel:
     """A kernel from ``impl``: "golden", a .py file, a C++ source, or a dotted import."""

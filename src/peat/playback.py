@@ -289,16 +289,17 @@ def _recorded_difference(golden: torch.Tensor, recorded: torch.Tensor | None) ->
     return 0.0 if recorded is None else float((golden.double() - recorded.cpu().double()).abs().max())
 
 
-def _variants(plan: Plan, layer: str, computation: str) -> dict[str, kernels.Kernel]:
-    out = {"kernel": plan.kernel}
+def _variants(plan: Plan, layer: str, computation: str, attrs: dict) -> dict[str, kernels.Kernel]:
+    kernel = kernels.on_layer(plan.kernel, attrs)  # what it leaves to golden, as golden computes it on this layer
+    out = {"kernel": kernel}
     for spec in plan.errors:
-        out[spec] = errors.faulty(plan.kernel, spec, computation, seed=case_seed(plan.seed, layer, computation, spec))
+        out[spec] = errors.faulty(kernel, spec, computation, seed=case_seed(plan.seed, layer, computation, spec))
     return out
 
 
 def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, samples: list, attrs: dict) -> list:
     rows = []
-    variants = _variants(plan, layer, computation)  # made once: stateful models see consecutive calls
+    variants = _variants(plan, layer, computation, attrs)  # made once: stateful models see consecutive calls
     target = kernels.TARGET[computation]
     follow = plan.propagate is not None and computation == "forward"
     for sample in samples:
@@ -310,7 +311,7 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
         for case, kernel in variants.items():
             reusable = "kernel" in candidates and candidates["kernel"].shape == ref["golden"].shape
             try:
-                if reusable and errors.reuses(kernel, computation, plan.kernel):
+                if reusable and errors.reuses(kernel, computation, variants["kernel"]):
                     candidates[case] = _injected(timer, kernel, computation, candidates["kernel"], sample, attrs)
                 else:
                     if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
