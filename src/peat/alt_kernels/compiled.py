@@ -3,7 +3,9 @@
 Compilation happens per op, computation and input shape on first use (seconds on a CPU; cached
 by Inductor afterwards). Where it cannot work (no C++ compiler, unsupported platform) or
 ``PEAT_NO_COMPILE=1`` is set, the eager golden op runs instead and ``FALLBACK`` says why, once,
-on stderr: the kernel then equals golden, which a comparison shows plainly.
+on stderr: the kernel then equals golden, which a comparison shows plainly (but for a transposed
+linear layer's weight gradient, which the eager op computes in ``nn.Linear``'s orientation: the
+last bits may then differ where the BLAS rounds the two products differently).
 """
 
 from __future__ import annotations
