@@ -12,7 +12,7 @@ import yaml
 from .data import sizes
 from .io import PeatError
 from .models import IMAGE_ARCHS, layer_ops
-from .profiler import match_names
+from .profiler import check_records_a_step, match_names
 
 # Sources prepared as images (peat.data.prepare); the others are byte-level text.
 IMAGE_SOURCES = ("digits", "cifar10")
@@ -193,17 +193,10 @@ def _check_batch(name: str, model: dict, dataset: dict) -> None:
     if model["batch_size"] > n_train:
         raise PeatError(f"config key 'models.{name}.batch_size': {model['batch_size']} is more than the "
                         f"{n_train} training examples of dataset {model['dataset']!r}")
-    _check_recorded_steps(name, model, min(n_train, model.get("max_train_samples") or n_train))
-
-
-def _check_recorded_steps(name: str, model: dict, n_train: int) -> None:
-    """record.epochs with no step that is a multiple of record.every (epoch e runs steps (e-1)*B to
-    e*B-1, B full batches each; as peat.train.fit counts them): the golden job refused it, after data preparation."""
-    every, epochs = model["record"]["every"], model["record"].get("epochs")
-    per_epoch = n_train // model["batch_size"]
-    if epochs and not any(step % every == 0 for e in epochs for step in range((e - 1) * per_epoch, e * per_epoch)):
-        raise PeatError(f"config key 'models.{name}.record.every': no step of record.epochs {epochs} is a multiple "
-                        f"of {every} ({per_epoch} training steps per epoch, from step 0); nothing would be recorded")
+    n_train = min(n_train, model.get("max_train_samples") or n_train)
+    # As peat.train.fit checks it, before any job: the golden job refused it after data preparation.
+    check_records_a_step(f"models.{name}.record.every", model["record"]["every"], model["record"].get("epochs"),
+                         n_train // model["batch_size"])
 
 
 def config_hash(obj) -> str:

@@ -132,6 +132,15 @@ def match_names(names: list[str], patterns: list[str], key: str, where: str = ""
     return [n for n in names if n in chosen]
 
 
+def check_records_a_step(key: str, every: int, epochs, per_epoch: int) -> None:
+    """``record.epochs`` (None: every epoch) must hold a step that is a multiple of ``every``
+    (epoch e runs steps (e-1)*per_epoch to e*per_epoch-1): a context without a sample leaves
+    playback nothing to replay. ``key``: the config key named when it does not."""
+    if epochs and not any(step % every == 0 for e in epochs for step in range((e - 1) * per_epoch, e * per_epoch)):
+        raise PeatError(f"config key '{key}': no step of record.epochs {list(epochs)} is a multiple of {every} "
+                        f"({per_epoch} training steps per epoch, from step 0); nothing would be recorded")
+
+
 def _write_meta(attrs: h5py.AttributeManager, meta: dict) -> None:
     for key, value in meta.items():
         try:

@@ -25,6 +25,7 @@ from . import checkpoint
 from .data import Dataset
 from .io import PeatError, open_h5, write_csv
 from .models import loss_and_metrics
+from .profiler import check_records_a_step
 
 
 @dataclass
@@ -102,12 +103,8 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     if batches_per_epoch == 0:  # the last partial batch is dropped: nothing would train
         raise PeatError(f"config key '{_key(run, 'batch_size')}': {run.batch_size} is more than the {len(train_x)} "
                         "training samples; no training step would run")
-    if profiler is not None and not any(profiler.want(s, 1 + s // batches_per_epoch)
-                                        for s in range(run.epochs * batches_per_epoch)):
-        # Only possible with record.epochs: a context without a sample left playback nothing to replay.
-        raise PeatError(f"config key '{_key(run, 'record.every')}': no step of record.epochs {list(profiler.epochs)} "
-                        f"is a multiple of {profiler.every} ({batches_per_epoch} training steps per epoch, from step 0); "
-                        "nothing would be recorded")
+    if profiler is not None:
+        check_records_a_step(_key(run, "record.every"), profiler.every, profiler.epochs, batches_per_epoch)
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
     for epoch in range(first_epoch, run.epochs + 1):
         model.train()
