@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import os
 from pathlib import Path
 
@@ -63,6 +64,13 @@ def json_safe(obj):
     if hasattr(obj, "item"):
         return json_safe(obj.item())
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def check_int(label: str, value, least: int, means: str) -> None:
+    """``value`` an integer of any type (numpy's too; a bool is no count) >= ``least``, else one
+    line: ``{label}={value!r}: {means}``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise PeatError(f"{label}={value!r}: {means}")
 
 
 def open_h5(path: str | os.PathLike, mode: str = "r") -> h5py.File:

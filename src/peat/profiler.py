@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
-import numbers
 import os
 import shutil
 from pathlib import Path
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .io import PeatError, atomic_path, open_h5, write_json
+from .io import PeatError, atomic_path, check_int, open_h5, write_json
 from .tensor_stats import stats
 
 SUMMARY_STATS = ("mean", "std", "min", "max", "absmax", "nonfinite")
@@ -173,8 +172,7 @@ class Profiler:
 
     def __init__(self, path: str | Path, layers: list[str], *, every: int = 1, epochs: list[int] | None = None,
                  meta: dict | None = None, key: str = "record.layers", derived: bool = False):
-        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-            raise PeatError(f"Profiler: every={every!r}: record every N-th step needs an integer N >= 1")
+        check_int("Profiler: every", every, 1, "record every N-th step needs an integer N >= 1")
         self.path = Path(path)
         # Kept beside the training state so that a killed run resumes the same file.
         self.partial = self.path.parent / ".partial" / self.path.name

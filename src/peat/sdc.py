@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import cmath
 import json
-import numbers
 import os
 import socket
 import sys
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .io import PeatError
+from .io import PeatError, check_int
 
 EXIT_SDC = 75  # EX_TEMPFAIL: "try again later" - requeue the job on healthy nodes
 # Detected, but no rank to blame (a divergence, two replicas): a requeue would only repeat it, so a
@@ -198,8 +197,8 @@ class Guard:
             raise PeatError(f"sdc policy {policy!r} is unknown; allowed: {', '.join(POLICIES)}")
         if not isinstance(ddp, DistributedDataParallel):  # the audit needs its module and no_sync()
             raise PeatError(f"sdc.Guard: pass the DistributedDataParallel wrapper, DDP(model), not a {type(ddp).__name__}")
-        _check_every("audit_every", audit_every, 0)
-        _check_every("fingerprint_every", fingerprint_every, 1)
+        check_int("sdc.Guard: audit_every", audit_every, 0, "every N steps needs an integer N >= 0 (0 = off)")
+        check_int("sdc.Guard: fingerprint_every", fingerprint_every, 1, "every N steps needs an integer N >= 1")
         self.ddp, self.module, self.group = ddp, ddp.module, group
         self.policy, self.events, self.save = policy, events, save
         self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
@@ -448,12 +447,6 @@ class Guard:
     def costs(self) -> dict:
         """Median seconds of each check per step where it ran."""
         return {c: (float(torch.tensor(v).median()) if v else None) for c, v in self.timers.items()}
-
-
-def _check_every(name: str, value, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise PeatError(f"sdc.Guard: {name}={value!r}: every N steps needs an integer N >= {least}"
-                        + (" (0 = off)" if least == 0 else ""))
 
 
 def exit_code(event: Event) -> int:
