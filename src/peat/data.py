@@ -1,8 +1,11 @@
-"""Dataset prep: real, learnable data that ships with installed packages, written to HDF5.
+"""Dataset prep: real, learnable data, written to HDF5. ``digits`` and ``pydoc`` ship with
+installed packages (scikit-learn, CPython); ``cifar10`` and ``text`` read local files (``path``),
+never downloaded.
 
 Every prepared dataset is one HDF5 file with ``/train/x``, ``/train/y``, ``/val/x``,
-``/val/y`` and root attributes ``kind`` ("image" or "text") plus ``num_classes`` (images)
-or ``vocab_size`` and ``seq_len`` (text). Text is byte-level tokenized: token = byte value.
+``/val/y`` and root attributes ``kind`` ("image" or "text"), ``source``, ``name``, plus
+``num_classes`` (images) or ``vocab_size`` and ``seq_len`` (text). Text is byte-level
+tokenized: token = byte value.
 """
 
 from __future__ import annotations

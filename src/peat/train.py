@@ -1,9 +1,10 @@
 """Deterministic training: golden runs, candidate-kernel runs and resumed runs share this loop.
 
-Same config, same machine -> bit-identical weights, metrics and recorded context: seeds are
-fixed, deterministic algorithms are enforced, the thread count is fixed and the batch order
-of epoch ``e`` depends only on ``(seed, e)``, so a run resumed from a checkpoint replays
-exactly the batches an uninterrupted run would have seen.
+Same config, same machine -> bit-identical weights, metrics (but their ``wall_time`` column)
+and recorded context: seeds are fixed, deterministic algorithms are enforced, the thread count
+is fixed, and the batch order and random draws (dropout) of epoch ``e`` depend only on
+``(seed, e)``, so a run resumed from a checkpoint replays exactly the batches and draws an
+uninterrupted run would have seen.
 """
 
 from __future__ import annotations
