@@ -266,7 +266,8 @@ def source_of(impl: str) -> str | None:
 
 
 def source_files(impl: str) -> list[str]:
-    """Files whose change must rerun a kernel's jobs: its source, plus a shipped kernel's private helpers."""
+    """Files whose change must rerun a kernel's jobs: its source, plus for a dotted import (a
+    shipped ``peat.alt_kernels`` module or a user's package) the ``_*.py`` modules beside it."""
     source = source_of(impl)
     if source is None:
         return []

@@ -10,7 +10,8 @@ also stores cheap summaries (mean, std, min, max, absmax, non-finite count, see
 Everything goes to one self-describing HDF5 file:
 
     /layers/<module name>/            attrs: op, module_type, hyper-parameters
-    /layers/<module name>/<step>/     A, W, B, dO [, O, dA, dW, dB] [, running_mean, running_var];
+    /layers/<module name>/<step>/     (step zero-padded to 7 digits, e.g. 0000040)
+                                      A, W, B, dO [, O, dA, dW, dB] [, running_mean, running_var];
                                       attrs step, epoch, training, input_grad [, momentum]
     /summaries                        table: step, epoch, layer, tensor, mean, std, ...
     root attrs                        model, vendor, torch_version, config_hash, dtype, derived, ...
