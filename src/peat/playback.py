@@ -360,7 +360,8 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
             threads: int = 1, config_hash: str | None = None, propagate_from: dict | None = None) -> pd.DataFrame:
     """One workflow job: replay ``context`` through configured kernel ``kernel_name`` (``kspec``).
 
-    The context must carry this workflow's ``config_hash`` and the running torch version.
+    The context must carry this workflow's ``config_hash`` and the running torch release (the
+    build tag, such as ``+cu130``, may differ: cross-vendor replay).
     ``propagate_from`` (model spec, data and checkpoint paths) enables the later observing points.
     """
     from .candidate import build
