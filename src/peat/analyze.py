@@ -8,7 +8,8 @@ Reads one playback table (``peat.playback``) and the context's per-step summarie
   error) and [rmin, rmax] (same for the error variance) per case and computation; Spearman
   correlations of the top-10 % error with the mean and variance of the layer's weights and
   output activations; the pattern across repeated blocks (layers equal up to block indices);
-  forward against backward (input and weight gradient) errors;
+  forward against backward (input and weight gradient) errors; forward errors at the kernel's
+  output against the later observing points (``propagation``);
 - seaborn figures: score against iteration per layer, per-layer distributions per error
   model, a layer x iteration heatmap, bit-position histograms and spatial error maps.
 """
@@ -109,7 +110,8 @@ def repeated_blocks(layers: pd.DataFrame) -> list[dict]:
 
 
 def forward_backward(layers: pd.DataFrame) -> list[dict]:
-    """Per case: median over layers of the top-10 % error of each computation, and forward / backward."""
+    """Per case: median over layers of each computation's ``rel_top10`` (top-10 % error over fp32
+    noise), and forward over the larger backward one."""
     own = layers[layers["fop"] == "output"]
     out = []
     for case, rows in own.groupby("case", sort=True):
@@ -195,7 +197,8 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int) -> None:
 
 
 def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int) -> None:
-    """One error map per case: the first replayed step of the first layer's forward (or first) pass."""
+    """One error map per case: the first replayed step of the first layer by name, forward pass
+    (else input_grad, else weight_grad)."""
     first = own.sort_values(["computation", "layer", "step"]).groupby("case", sort=True).head(1)
     cases = first.to_dict("records")
     cols = min(4, len(cases))

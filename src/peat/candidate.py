@@ -384,7 +384,8 @@ def _summary(frame: pd.DataFrame, metrics: pd.DataFrame | None) -> dict:
 def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_path, golden_dir, out_dir, *,
                     vendor: str = "cpu", seed: int = 0, threads: int = 1, init=None, config_hash: str = "",
                     schedule: str | None = None) -> dict:
-    """Candidate training (``schedule`` None) or one RFI case; writes outcome.json and compare.csv."""
+    """Candidate training (``schedule`` None) or one RFI case; writes outcome.json and compare.csv
+    (and, for an RFI case, calls.csv)."""
     out_dir, golden_dir = Path(out_dir), Path(golden_dir)
     # A kernel that does not load fails the job with one line and writes nothing, as in playback
     # (the training child below would record it as a crash, and downstream jobs would run on it).
