@@ -1,6 +1,7 @@
 """The ``peat`` command: one sub-command per user-facing tool.
 
-Each sub-command lives in the module of its concern as ``cli(argv) -> int``.
+Each sub-command lives in the module of its concern as ``cli_<command>(argv) -> int`` (or
+``cli(argv)``), e.g. ``peat.alter.cli_alter`` and ``peat.alter.cli_h5diff``.
 """
 
 from __future__ import annotations
