@@ -175,6 +175,25 @@ def test_a_wrong_loss_is_classed_by_its_value():
     assert got == {"value": "random_value", "zero": "random_zero", "flip": "bit_flip", "rounding": "reduced_precision"}
 
 
+@pytest.mark.parametrize("flip", [1 << 20, 1 << 31])
+def test_a_bit_flip_on_a_reordered_result_is_a_bit_flip(flip):
+    """A kernel summing in its own order is a few ULPs off golden; a bit upset on top of that
+    differs from golden in the flipped bit plus the carry of those ULPs, which can run through
+    bits far above the noise's magnitude (0x..3F + 1 ULP = 0x..40). Flipping the upset bit back
+    still lands within the fp32 envelope: it is a bit flip, not a random value."""
+    sample, attrs, golden, ref, env = case("linear")
+    bits = golden.contiguous().view(torch.int32).reshape(-1)
+    trailing_ones = torch.stack([(bits >> b) & 1 for b in range(23)]).cumprod(0).sum(0)
+    where = trailing_ones.argsort(descending=True)[:4]  # +1 ULP there carries through the most bits
+    assert trailing_ones[where].min() >= 8
+    faulty = golden.clone().contiguous()
+    wrong = faulty.view(torch.int32).reshape(-1)
+    wrong[where] += 1  # one ULP: within float32 reordering noise
+    assert classify(faulty, golden, env) == "none"
+    wrong[where] ^= flip  # 1 << 31 wraps to the sign bit
+    assert classify(faulty, golden, env) == "bit_flip"
+
+
 @pytest.mark.parametrize("op", ["linear", "conv2d"])
 def test_splitk_tile_and_stale_tile_are_block_structured(op):
     sample, attrs, golden, ref, env = case(op)
