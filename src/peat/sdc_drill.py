@@ -7,7 +7,8 @@ Worker entry point, the same under torchrun and srun::
 
 All drills of one model run in one launch (one process group, a fresh model per drill): process
 start-up dominates these small runs. A drill that ends every rank (policy stop, ``dead``, ``hang``)
-ends the launch; ``launch`` checks that end and starts the drills after it anew. Rank 0 writes
+ends the launch; ``launch`` checks that end, records it (every rank's exit code) in that drill's
+``DIR/{drill}.json`` and starts the drills after it anew. Otherwise rank 0 writes
 ``DIR/{drill}.json``; alarms go to ``DIR/events/{drill}.jsonl``. ``--bench`` instead times plain DDP
 steps against guarded ones.
 """
