@@ -3,7 +3,7 @@
 Reads one playback table (``peat.playback``) and the context's per-step summaries and writes:
 
 - ``layers.csv``: per case x computation x layer x observing point, mean and std over
-  iterations of every score;
+  iterations of each score in ``SCORES``;
 - ``summary.json``: PEAT's [xmin, xmax] (range over layers of the per-layer mean top-10 %
   error) and [rmin, rmax] (same for the error variance) per case and computation; Spearman
   correlations of the top-10 % error with the mean and variance of the layer's weights and
@@ -40,7 +40,8 @@ def _ok(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def per_layer(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std over iterations of each score, per case x computation x layer x observing point."""
+    """Mean and std over iterations of each score in ``SCORES``, per case x computation x layer x
+    observing point."""
     grouped = _ok(table).groupby(KEYS, sort=True)[list(SCORES)]
     out = grouped.agg(["mean", "std"])
     out.columns = [f"{score}_{stat}" for score, stat in out.columns]
