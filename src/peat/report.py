@@ -27,9 +27,10 @@ from .io import PeatError, atomic_path, write_csv
 SECTIONS = {
     "verdicts": ("Kernel verdicts", (
         "One row per candidate kernel run on one model and vendor. <b>verdict</b> is the Detector's "
-        "pass/fail; <b>error model</b> is the kind of error the Analyzer's evidence looks most like "
+        "pass/fail; <b>error model</b> is the kind of error the kernel's errors look most like "
         "(none and reduced_precision pass; random_value, random_zero, bit_flip, periodic_lane, "
-        "block_structured, non_finite fail; crash/timeout mean the kernel did not finish; "
+        "block_structured, non_finite fail; crash, oom and timeout mean the kernel did not finish, "
+        "shape_mismatch that it returned a result of the wrong shape or dtype; "
         "not_applicable: the model records no layer of the kernel's op, so nothing was replayed); "
         "<b>confidence</b> (0..1) is how consistently the tensors of the failing layers point to "
         "that error model. <b>injected</b> names the error a test kernel injects on purpose (config "
@@ -45,7 +46,7 @@ SECTIONS = {
         "golden run step by step (left: training loss of both; right: their absolute difference, "
         "log scale). A candidate curve that leaves the golden one means the kernel's errors change "
         "what the model learns; differences near 1e-7 are float32 rounding. <b>candidate.csv</b> "
-        "gives each run's outcome (status ok/crash/timeout, final validation loss and accuracy of "
+        "gives each run's outcome (status ok, crash, oom, timeout or shape_mismatch, final validation loss and accuracy of "
         "candidate and golden); <b>rfi.csv</b> the same for frequency-based runtime fault "
         "injection, where the faulty kernel is active only in the first fraction of the steps "
         "(<b>case</b>).")),
