@@ -38,7 +38,7 @@ def seed_everything(seed: int, threads: int) -> None:
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     # torch.use_deterministic_algorithms(True) also sets inductor's flag, and importing inductor
-    # costs about 4 s of CPU in every job; only the peat.alt_kernels.compiled candidate compiles
+    # costs 2-4 s of CPU in every job; only the peat.alt_kernels.compiled candidate compiles
     # (then without inductor's deterministic mode, which skips autotuning that changes numerics),
     # so set the ATen flag alone (what that function does besides).
     torch._C._set_deterministic_algorithms(True)

@@ -131,7 +131,7 @@ def round_to(t: torch.Tensor, precision: str) -> torch.Tensor:
 # -- element errors ------------------------------------------------------------------------
 def _choose(n: int, k: int, generator) -> torch.Tensor:
     """``k`` distinct positions out of ``n``, uniformly, drawn on the CPU (same draws on every device)."""
-    if 8 * k >= n:
+    if 8 * k >= n:  # a large share of n: one permutation costs less than k Python-level draws
         return torch.randperm(n, generator=generator)[:k]
     # Floyd's algorithm: k draws instead of a permutation of all n (5 ms for a million elements).
     chosen: dict[int, None] = {}

@@ -227,7 +227,7 @@ def _few_bits(c: np.ndarray, g: np.ndarray, noise) -> np.ndarray:
     off golden, and their carry (0x..3F + 1 = 0x..40) may run through bits far above them."""
     xor = (c.view(np.int32) ^ g.view(np.int32)).astype(np.int64) & 0xFFFFFFFF
     _, exponent = np.frexp(g)
-    ulp = np.ldexp(1.0, exponent.astype(np.int64) - 24)
+    ulp = np.ldexp(1.0, exponent.astype(np.int64) - 24)  # g = m 2^e, m in [0.5, 1); float32 keeps 24 bits of m
     low = np.clip(np.floor(np.log2(noise / ulp)), 0, 23).astype(np.int64)
     bits = np.bitwise_count(xor & ~((np.int64(1) << low) - 1))
     found = (bits >= 1) & (bits <= 2)

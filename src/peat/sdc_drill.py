@@ -176,7 +176,7 @@ class Launch:
             if now >= give_up:
                 break
             if any(proc.poll() is not None for proc in procs):
-                give_up = min(give_up, now + self.timeout_s + 10)
+                give_up = min(give_up, now + self.timeout_s + 10)  # 10 s to report the dead peer and exit
             time.sleep(0.1)
         return [proc.poll() is None for proc in procs]
 
