@@ -5,7 +5,8 @@ computed by ``peat.evidence``; this module holds the rules, the kernel verdict a
 baselines, and needs no torch (the detect and analyze jobs stay light).
 
 Every rule compares a candidate result with golden float32 *on the same recorded inputs*,
-against envelopes measured on those inputs, never against a fixed absolute tolerance:
+against envelopes measured on those inputs, never against a fixed absolute tolerance
+(upper-case names are the fields of ``Rules`` below, config ``detect.<name in lower case>``):
 
 - fp32 envelope ``tau32 = K32 * max|golden - fp64|`` (floored at one float32 ULP of the
   tensor's largest value): what reordering a float32 sum can do to this tensor.
@@ -30,7 +31,9 @@ block_structured   >= COVER of S lies in at most MAX_TILES connected tiles (both
 periodic_lane      >= COVER of S lies in columns (or rows) filled >= FILL, and those columns
                    are one lane or a whole progression of stride >= 2 (>= COVER of its lanes).
 bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
-                   of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch.
+                   of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch,
+                   or comes back within that noise when 1 or 2 of its bits flip (a kernel's own
+                   summation order is a few ULPs off golden, and their carry runs up the bits).
 random_zero        S is sparse and >= COVER of it is exactly 0 where golden is not.
 random_value       S is sparse (any other few scattered wrong values).
 reduced_precision  S is unstructured or a precision's footprint, and G is empty: every error
