@@ -815,3 +815,56 @@ def test_summary_of_cells_the_model_lacks(tmp_path):
     assert list(table.columns) == list(S.COLUMNS) and table.loc[0, "status"] == "not_applicable"
     assert pd.read_csv(tmp_path / "a.csv").empty
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_hard_linked_dataset_is_altered_once_and_its_second_name_names_the_one_to_select(tmp_path):
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("b/w", data=np.arange(1, 9, dtype=np.float32))
+        f["a/alias"] = f["b/w"]  # a hard link: one dataset, two names; scan lists the first
+    rows = run_alter(src, tmp_path / "o.h5", fraction=1.0, region="sign").records
+    assert [r["dataset"] for r in rows] == ["/a/alias"] * 8  # each value once, not once per name
+    with h5py.File(tmp_path / "o.h5") as f:
+        assert (f["b/w"][()] == -np.arange(1, 9, dtype=np.float32)).all()
+    with pytest.raises(PeatError, match=r"'b/w' names b/w, a link to a/alias .*: select a/alias$"):
+        run_alter(src, tmp_path / "p.h5", select=["b/w"])
+    assert not (tmp_path / "p.h5").exists()
+
+
+def test_a_log_directory_fails_with_one_line_before_any_work(mixed, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(logs)]) == 2
+    assert capsys.readouterr().err.strip() == f"peat alter: error: --log {logs}: is a directory; name the log file"
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_an_input_another_process_holds_open_for_writing_is_named_as_locked(mixed, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", f"import h5py, sys; f = h5py.File({str(mixed)!r}, 'a'); "
+                               "print('open', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        for argv in (["alter", str(mixed), str(tmp_path / "o.h5")], ["h5diff", str(mixed), str(mixed)]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err.strip()
+            if "locked" not in err and os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() == "FALSE":
+                pytest.skip("HDF5 file locking is off")
+            assert err == (f"peat {argv[0]}: error: {mixed}: locked by another process that has it open "
+                           "(HDF5 file locking); retry once it is closed")
+    finally:
+        holder.communicate("")
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_too_little_space_to_rewrite_chunked_datasets_fails_with_one_line(mixed, tmp_path, monkeypatch, capsys):
+    # HDF5 crashes the process (segmentation fault) closing a file whose chunk write ran out of space.
+    real = A.shutil.disk_usage
+    monkeypatch.setattr(A.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--select", "chunked/data"]) == 2
+    assert capsys.readouterr().err.strip() == (f"peat alter: error: {tmp_path}: 0.0 MiB free; rewriting the chunked "
+                                               f"datasets of {mixed} there needs up to 1.0 MiB")
+    assert sorted(tmp_path.iterdir()) == [mixed]

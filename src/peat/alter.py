@@ -232,13 +232,20 @@ def scan(path: str | os.PathLike) -> list[Entry]:
     return sorted(entries, key=lambda e: e.path)
 
 
-def soft_links(path: str | os.PathLike) -> dict[str, str]:
-    """Soft links in the file (``/name`` -> ``/target``); ``scan`` lists their targets once."""
-    links = {}
+def links(path: str | os.PathLike, listed: list[str]) -> dict[str, str]:
+    """Second names of datasets (``/name`` -> ``/target``): soft links, and hard links other than the
+    name ``scan`` lists (``listed``); ``scan`` lists each dataset once."""
+    found = {}
     with open_h5(path) as f:
-        f.visititems_links(lambda name, link: links.update({"/" + name: link.path})
-                           if isinstance(link, h5py.SoftLink) else None)
-    return links
+        ids = {f[name].id: name for name in listed}
+
+        def visit(name, link):
+            if isinstance(link, h5py.SoftLink):
+                found["/" + name] = link.path
+            elif isinstance(link, h5py.HardLink) and "/" + name not in listed and f[name].id in ids:
+                found["/" + name] = ids[f[name].id]
+        f.visititems_links(visit)
+    return found
 
 
 def _offset(ds: h5py.Dataset) -> int | None:
@@ -287,6 +294,13 @@ class Storage:
         # the copy is not fsynced either, so flushing would only cost time.
         self._maps.clear()
         if self.mode == "r+" and self._arrays:
+            # Rewritten chunks may not fit where the old ones were. Checked first: HDF5 crashes the
+            # process (segmentation fault) closing a file whose write ran out of space.
+            need = sum(raw.nbytes for raw in self._arrays.values()) * 1.01 + 2**20
+            free = shutil.disk_usage(self.path.parent).free
+            if free < need:
+                raise PeatError(f"{self.path.parent}: {free / 2**20:.1f} MiB free; rewriting the chunked datasets "
+                                f"of {self.name} there needs up to {need / 2**20:.1f} MiB")
             with open_h5(self.path, "r+") as f:
                 for name, raw in self._arrays.items():
                     ds = f[name]
@@ -317,9 +331,10 @@ def select(entries: list[Entry], patterns: list[str], classes: list[str], source
             except re.error as err:
                 raise PeatError(f"--select {pattern!r}: bad regular expression ({err})") from None
         if not any(_match(pattern, e.path) for e in entries):
-            links = {name: target for name, target in soft_links(source).items() if _match(pattern, name)}
-            if links:  # a tied weight's second name (peat checkpoints: GPT-2's lm_head.weight)
-                name, target = next(iter(links.items()))
+            named = {name: target for name, target in links(source, [e.path for e in entries]).items()
+                     if _match(pattern, name)}
+            if named:  # a tied weight's second name (peat checkpoints: GPT-2's lm_head.weight)
+                name, target = next(iter(named.items()))
                 raise PeatError(f"{source}: {pattern!r} names {name.lstrip('/')}, a link to {target.lstrip('/')} "
                                 f"(one tensor under two names): select {target.lstrip('/')}")
             close = difflib.get_close_matches(pattern.removeprefix("re:").lstrip("/"), names, n=5, cutoff=0.3)
@@ -646,6 +661,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
     if log is not None and Path(log).resolve() in {src.resolve(), out.resolve()}:
         raise PeatError(f"--log {log}: that is the checkpoint itself; name another file")
+    if log is not None and Path(log).is_dir():  # else its rename fails after all the work
+        raise PeatError(f"--log {log}: is a directory; name the log file")
     t0 = time.perf_counter()
     entries = [e for e in scan(src) if not e.fixed]
     if not entries:

@@ -81,6 +81,9 @@ def open_h5(path: str | os.PathLike, mode: str = "r") -> h5py.File:
     try:
         return h5py.File(path, mode)
     except OSError as err:
+        if "unable to lock file" in str(err):  # a valid file that a running job (training, a writer) holds open
+            raise PeatError(f"{path}: locked by another process that has it open (HDF5 file locking); "
+                            "retry once it is closed") from None
         what = "not a readable" if mode != "w" and path.exists() else "cannot create this"
         raise PeatError(f"{path}: {what} HDF5 file ({_h5_reason(str(err))})") from None
 
