@@ -868,3 +868,20 @@ def test_too_little_space_to_rewrite_chunked_datasets_fails_with_one_line(mixed,
     assert capsys.readouterr().err.strip() == (f"peat alter: error: {tmp_path}: 0.0 MiB free; rewriting the chunked "
                                                f"datasets of {mixed} there needs up to 1.0 MiB")
     assert sorted(tmp_path.iterdir()) == [mixed]
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"dataset": "/x", "index": [3], "bit": [9, 9]}], r"log\.json: injection 0 lists bit 9 twice"),
+    ([{"dataset": "/x", "index": [3], "bit": 9}, {"dataset": "/x", "index": [3], "bit": 10}],
+     r"log\.json alters /x at index \[3\] twice: give one injection per value \(a list of bits\)"),
+])
+def test_a_log_that_flips_a_bit_or_alters_a_value_twice_fails_with_one_line(tmp_path, rows, message):
+    # Concatenated or hand-written logs: the same bit twice carried into the next bit, and of two
+    # injections into one value only the last was applied, while the log listed both.
+    src, log = tmp_path / "in.h5", tmp_path / "log.json"
+    with h5py.File(src, "w") as f:
+        f["x"] = np.ones(8, np.float32)
+    log.write_text(json.dumps({"injections": rows}))
+    with pytest.raises(PeatError, match=message):
+        A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log)
+    assert not (tmp_path / "o.h5").exists()

@@ -716,6 +716,9 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
         if not _well_formed(row, bit=scale is None):
             raise PeatError(f"{log}: injection {i} needs dataset (a path), index (a list of integers)"
                             + ("" if scale is not None else ", bit (an integer or a list of them)"))
+        if scale is None and isinstance(row["bit"], list) and len(set(row["bit"])) < len(row["bit"]):
+            twice = next(b for b in row["bit"] if row["bit"].count(b) > 1)  # its mask would carry into the next bit
+            raise PeatError(f"{log}: injection {i} lists bit {twice} twice")
     by_path = {e.path: e for e in entries}
     groups: dict[str, list[dict]] = {}
     for row in rows:
@@ -733,6 +736,10 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
         if entry.shape and ((index < 0) | (index >= np.array(entry.shape))).any():
             raise PeatError(f"{source}: log {log} has an index outside {name} of shape {entry.shape}")
         positions = np.ravel_multi_index(index.T, entry.shape) if entry.shape else np.zeros(len(group), np.int64)
+        _, first, seen = np.unique(positions, return_index=True, return_counts=True)
+        if (seen > 1).any():  # only the last would be applied, and the log would list both
+            raise PeatError(f"{source}: log {log} alters {name} at index {group[first[seen > 1][0]]['index']} twice: "
+                            "give one injection per value (a list of bits)")
         if scale is not None:
             edits.append(Edit(entry, positions, scale=scale))
         else:
