@@ -654,7 +654,7 @@ def test_any_plan_agrees_with_h5diff(tmp_path_factory, count, seed, region, burs
     try:
         rows = run_alter(src, tmp / "o.h5", **plan).records
     except PeatError as err:
-        assert "eligible" in str(err) or "can take" in str(err)
+        assert "eligible" in str(err) or "can take" in str(err) or "contradicts --no-sign-change" in str(err)
         return
     assert len(rows) == count
     assert canon(A.diff(src, tmp / "o.h5", positions=True)["positions"]) == canon(rows)
@@ -884,4 +884,10 @@ def test_a_log_that_flips_a_bit_or_alters_a_value_twice_fails_with_one_line(tmp_
     log.write_text(json.dumps({"injections": rows}))
     with pytest.raises(PeatError, match=message):
         A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log)
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_region_sign_with_no_sign_change_fails_with_one_line_naming_both(mixed, tmp_path, capsys):
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--region", "sign", "--no-sign-change"]) == 2
+    assert capsys.readouterr().err.strip() == "peat alter: error: --region sign flips only sign bits: it contradicts --no-sign-change"
     assert not (tmp_path / "o.h5").exists()

@@ -399,6 +399,8 @@ class Plan:
             raise PeatError("--scale replaces bit flips: do not combine it with --region, --bits, --burst or --mask")
         if self.scale is not None and not math.isfinite(self.scale):
             raise PeatError(f"--scale {self.scale}: must be finite")
+        if self.region == "sign" and not self.sign_change:
+            raise PeatError("--region sign flips only sign bits: it contradicts --no-sign-change")
         if self.scale is not None and self.scale < 0 and not self.sign_change:
             raise PeatError(f"--scale {self.scale} changes every sign: it contradicts --no-sign-change")
         for cls in self.classes:
