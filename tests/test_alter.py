@@ -399,7 +399,8 @@ def test_data_stored_outside_the_file_is_never_altered(tmp_path):
     rows = run_alter(src, tmp_path / "o.h5", fraction=1.0).records
     assert {r["dataset"] for r in rows} == {"/own"}
     assert [sha(p) for p in (src, tmp_path / "ext.bin", tmp_path / "vsrc.h5")] == before
-    with pytest.raises(PeatError, match="no numeric dataset matches"):
+    with pytest.raises(PeatError, match=r"'virtual' names virtual, which peat never alters \(its data is stored "
+                                        r"outside the file\)$"):
         run_alter(src, tmp_path / "o.h5", select=["virtual"])
 
 
@@ -890,4 +891,19 @@ def test_a_log_that_flips_a_bit_or_alters_a_value_twice_fails_with_one_line(tmp_
 def test_region_sign_with_no_sign_change_fails_with_one_line_naming_both(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--region", "sign", "--no-sign-change"]) == 2
     assert capsys.readouterr().err.strip() == "peat alter: error: --region sign flips only sign bits: it contradicts --no-sign-change"
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_selecting_a_dataset_peat_never_alters_says_why(tmp_path):
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f["empty"] = np.zeros(0, np.float32)
+        f["flags"] = np.ones(4, bool)
+        f["pairs"] = np.zeros(4, [("a", "f4"), ("b", "i4")])
+        f["w"] = np.ones(4, np.float32)
+    for name, reason in (("empty", "it has no values"), ("flags", "bool values"), ("pairs", "compound values")):
+        with pytest.raises(PeatError, match=rf"{src}: '{name}' names {name}, which peat never alters \({reason}\)$"):
+            run_alter(src, tmp_path / "o.h5", select=[name])
+    with pytest.raises(PeatError, match="no numeric dataset matches 'nothing'"):
+        run_alter(src, tmp_path / "o.h5", select=["nothing"])
     assert not (tmp_path / "o.h5").exists()

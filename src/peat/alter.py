@@ -248,6 +248,32 @@ def links(path: str | os.PathLike, listed: list[str]) -> dict[str, str]:
     return found
 
 
+def unalterable(path: str | os.PathLike) -> dict[str, str]:
+    """Datasets peat never alters (``/name`` -> why), for the error of a pattern that names one."""
+    found = {}
+    with open_h5(path) as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset) and (why := _why_unalterable(obj)):
+                found["/" + name] = why
+        f.visititems(visit)
+    return found
+
+
+def _why_unalterable(ds: h5py.Dataset) -> str | None:
+    if layout_of(ds) is None:
+        try:
+            kind = {"b": "bool", "V": "compound", "O": "string", "S": "string", "U": "string", "c": "complex"}.get(ds.dtype.kind)
+        except TypeError:
+            kind = None
+        return f"{kind} values" if kind else "a stored type peat cannot edit bit for bit"
+    if ds.shape is None or ds.size == 0:
+        return "it has no values"
+    plist = ds.id.get_create_plist()
+    if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0:
+        return "its data is stored outside the file"
+    return "floats behind HDF5's lossy scale-offset filter" if _fixed(ds) else None
+
+
 def _offset(ds: h5py.Dataset) -> int | None:
     plist = ds.id.get_create_plist()
     if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
@@ -337,6 +363,10 @@ def select(entries: list[Entry], patterns: list[str], classes: list[str], source
                 name, target = next(iter(named.items()))
                 raise PeatError(f"{source}: {pattern!r} names {name.lstrip('/')}, a link to {target.lstrip('/')} "
                                 f"(one tensor under two names): select {target.lstrip('/')}")
+            never = {name: why for name, why in unalterable(source).items() if _match(pattern, name)}
+            if never:  # there, but empty, not numeric, or stored where a flip would not stay in this copy
+                name, why = next(iter(never.items()))
+                raise PeatError(f"{source}: {pattern!r} names {name.lstrip('/')}, which peat never alters ({why})")
             close = difflib.get_close_matches(pattern.removeprefix("re:").lstrip("/"), names, n=5, cutoff=0.3)
             hint = f"closest: {', '.join(close)}" if close else f"datasets: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
             raise PeatError(f"{source}: no numeric dataset matches {pattern!r}; {hint}")
