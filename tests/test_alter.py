@@ -866,8 +866,9 @@ def test_too_little_space_to_rewrite_chunked_datasets_fails_with_one_line(mixed,
     real = A.shutil.disk_usage
     monkeypatch.setattr(A.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--select", "chunked/data"]) == 2
-    assert capsys.readouterr().err.strip() == (f"peat alter: error: {tmp_path}: 0.0 MiB free; rewriting the chunked "
-                                               f"datasets of {mixed} there needs up to 1.0 MiB")
+    assert capsys.readouterr().err.strip() == ("peat alter: error: [Errno 28] No space left on device to rewrite the "
+                                               f"chunked datasets of {mixed} (0.0 MiB free, up to 1.0 MiB needed): "
+                                               f"'{tmp_path}'")
     assert sorted(tmp_path.iterdir()) == [mixed]
 
 

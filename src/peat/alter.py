@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import fnmatch
 import json
 import math
@@ -324,9 +325,9 @@ class Storage:
             # process (segmentation fault) closing a file whose write ran out of space.
             need = sum(raw.nbytes for raw in self._arrays.values()) * 1.01 + 2**20
             free = shutil.disk_usage(self.path.parent).free
-            if free < need:
-                raise PeatError(f"{self.path.parent}: {free / 2**20:.1f} MiB free; rewriting the chunked datasets "
-                                f"of {self.name} there needs up to {need / 2**20:.1f} MiB")
+            if free < need:  # an OSError as the copy's own: the study records a PeatError as not applicable
+                raise OSError(errno.ENOSPC, f"No space left on device to rewrite the chunked datasets of {self.name} "
+                              f"({free / 2**20:.1f} MiB free, up to {need / 2**20:.1f} MiB needed)", str(self.path.parent))
             with open_h5(self.path, "r+") as f:
                 for name, raw in self._arrays.items():
                     ds = f[name]
