@@ -908,3 +908,16 @@ def test_selecting_a_dataset_peat_never_alters_says_why(tmp_path):
     with pytest.raises(PeatError, match="no numeric dataset matches 'nothing'"):
         run_alter(src, tmp_path / "o.h5", select=["nothing"])
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_a_full_disk_writing_the_log_names_the_log(mixed, tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(self, *args, **kwargs):  # a write error carries no file name
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    log = tmp_path / "logs" / "l.json"
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(log)]) == 2
+    assert capsys.readouterr().err.strip() == f"peat alter: error: [Errno 28] No space left on device: '{log}'"
+    assert not (tmp_path / "o.h5").exists() and not log.exists()

@@ -28,6 +28,10 @@ def atomic_path(path: str | os.PathLike):
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:
+        if err.errno is not None and err.filename is None:  # a failed write (disk full) names no file
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
