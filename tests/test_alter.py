@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -921,3 +922,11 @@ def test_a_full_disk_writing_the_log_names_the_log(mixed, tmp_path, monkeypatch,
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(log)]) == 2
     assert capsys.readouterr().err.strip() == f"peat alter: error: [Errno 28] No space left on device: '{log}'"
     assert not (tmp_path / "o.h5").exists() and not log.exists()
+
+
+def test_the_timing_line_shows_the_log_time_when_there_is_a_log(mixed, tmp_path, capsys):
+    # Writing the log of a million flips takes seconds, far more than drawing and flipping them.
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(tmp_path / "l.json")]) == 0
+    assert re.search(r"flips \d+\.\d{3} s, log \d+\.\d{3} s\)$", capsys.readouterr().out.strip())
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5")]) == 0
+    assert re.search(r"flips \d+\.\d{3} s\)$", capsys.readouterr().out.strip())

@@ -943,7 +943,8 @@ def cli_alter(argv: list[str]) -> int:
     t = result.timings
     print(f"peat alter: {result.flips} value(s) altered in {result.datasets} of {result.eligible_datasets} "
           f"selected dataset(s) that can take it -> {args.input if args.in_place else args.output} "
-          f"({t['total']:.3f} s: copy {t['copy']:.3f} s, draw {t['select']:.3f} s, flips {t['flip']:.3f} s)")
+          f"({t['total']:.3f} s: copy {t['copy']:.3f} s, draw {t['select']:.3f} s, flips {t['flip']:.3f} s"
+          + (f", log {t['log']:.3f} s)" if args.log else ")"))
     return 0
 
 
