@@ -930,3 +930,32 @@ def test_the_timing_line_shows_the_log_time_when_there_is_a_log(mixed, tmp_path,
     assert re.search(r"flips \d+\.\d{3} s, log \d+\.\d{3} s\)$", capsys.readouterr().out.strip())
     assert main(["alter", str(mixed), str(tmp_path / "o.h5")]) == 0
     assert re.search(r"flips \d+\.\d{3} s\)$", capsys.readouterr().out.strip())
+
+
+def test_selecting_a_group_says_how_to_select_its_datasets(mixed, tmp_path):
+    for pattern in ("model", "/model/"):
+        with pytest.raises(PeatError, match=rf"{mixed}: '{pattern}' names the group model: select its datasets "
+                                            r"with 'model/\*'$"):
+            run_alter(mixed, tmp_path / "o.h5", select=[pattern])
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_selecting_an_external_link_or_a_dangling_one_says_what_it_names(tmp_path):
+    other, src = tmp_path / "other.h5", tmp_path / "in.h5"
+    with h5py.File(other, "w") as f:
+        f["g/x"] = np.ones(3, np.float32)
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f["ext"] = h5py.ExternalLink(str(other), "/g")
+        f["dangling"] = h5py.SoftLink("/nothing")
+        f["chain"] = h5py.SoftLink("/alias")
+        f["alias"] = h5py.SoftLink("w")  # relative
+    for pattern in ("ext", "ext/x"):
+        with pytest.raises(PeatError, match=rf"'{pattern}' names {pattern}, in another file through an external link; "
+                                            rf"only {src}'s own datasets are altered$"):
+            run_alter(src, tmp_path / "o.h5", select=[pattern])
+    with pytest.raises(PeatError, match="no numeric dataset matches 'dangling'; datasets: w$"):  # not "select nothing"
+        run_alter(src, tmp_path / "o.h5", select=["dangling"])
+    with pytest.raises(PeatError, match=r"'chain' names chain, a link to w .*: select w$"):
+        run_alter(src, tmp_path / "o.h5", select=["chain"])
+    assert not (tmp_path / "o.h5").exists()

@@ -241,12 +241,26 @@ def links(path: str | os.PathLike, listed: list[str]) -> dict[str, str]:
         ids = {f[name].id: name for name in listed}
 
         def visit(name, link):
-            if isinstance(link, h5py.SoftLink):
-                found["/" + name] = link.path
-            elif isinstance(link, h5py.HardLink) and "/" + name not in listed and f[name].id in ids:
-                found["/" + name] = ids[f[name].id]
+            # Soft links by the dataset they resolve to (none when dangling or not to a listed dataset).
+            obj = f.get(name) if isinstance(link, (h5py.SoftLink, h5py.HardLink)) and "/" + name not in listed else None
+            if isinstance(obj, h5py.Dataset) and obj.id in ids:
+                found["/" + name] = ids[obj.id]
         f.visititems_links(visit)
     return found
+
+
+def _named(path, pattern: str) -> str | None:
+    """What a literal pattern that matches no dataset names instead: a group, or something in another file."""
+    name = pattern.strip("/")
+    if pattern.startswith("re:") or not name:
+        return None
+    with open_h5(path) as f:
+        link, obj = f.get(name, getlink=True), f.get(name)
+        if isinstance(link, h5py.ExternalLink) or (obj is not None and obj.id.fileno != f.id.fileno):
+            return f"names {name}, in another file through an external link; only {path}'s own datasets are altered"
+        if isinstance(obj, h5py.Group):
+            return f"names the group {name}: select its datasets with '{name}/*'"
+    return None
 
 
 def unalterable(path: str | os.PathLike) -> dict[str, str]:
@@ -364,6 +378,9 @@ def select(entries: list[Entry], patterns: list[str], classes: list[str], source
                 name, target = next(iter(named.items()))
                 raise PeatError(f"{source}: {pattern!r} names {name.lstrip('/')}, a link to {target.lstrip('/')} "
                                 f"(one tensor under two names): select {target.lstrip('/')}")
+            named = _named(source, pattern)
+            if named:
+                raise PeatError(f"{source}: {pattern!r} {named}")
             never = {name: why for name, why in unalterable(source).items() if _match(pattern, name)}
             if never:  # there, but empty, not numeric, or stored where a flip would not stay in this copy
                 name, why = next(iter(never.items()))
