@@ -32,8 +32,9 @@ periodic_lane      >= COVER of S lies in columns (or rows) filled >= FILL, and t
                    are one lane or a whole progression of stride >= 2 (>= COVER of its lanes).
 bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
                    of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch,
-                   or comes back within that noise when 1 or 2 of its bits flip (a kernel's own
-                   summation order is a few ULPs off golden, and their carry runs up the bits).
+                   or comes back within that noise, with golden's sign and binade, when one of its
+                   bits flips (a kernel's own summation order is a few ULPs off golden, and their
+                   carry runs up the bits).
 random_zero        S is sparse and >= COVER of it is exactly 0 where golden is not.
 random_value       S is sparse (any other few scattered wrong values).
 reduced_precision  S is unstructured or a precision's footprint, and G is empty: every error
