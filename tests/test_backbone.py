@@ -516,6 +516,47 @@ def test_a_module_called_twice_in_a_step_records_its_first_call(tmp_path, derive
     assert not torch.allclose(sample["dW"], fc.weight.grad)
 
 
+def test_a_batch_norm_in_eval_mode_without_running_statistics_records_batch_statistics(tmp_path):
+    """A frozen batch norm (eval mode during training) that tracks no running statistics
+    normalises with the batch's, as in training mode: it was recorded as training=False, and
+    read_layer and playback raised "running_mean must be defined in evaluation mode"."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, track_running_stats=False))
+    model[1].eval()
+    prof = Profiler(tmp_path / "context.h5", ["1"], every=1, derived=True)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(4, 3, 6, 6)).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    attrs, [sample] = read_layer(tmp_path / "context.h5", "1", derive=False)
+    assert sample["training"] and "running_mean" not in sample
+    derived = derive_outputs(sample, attrs)
+    assert torch.equal(derived["O"], sample["O"])
+    torch.testing.assert_close(derived["dA"], sample["dA"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["autocast", "double"])
+def test_a_layer_not_computed_in_float32_is_refused_naming_it(tmp_path, precision):
+    """Under torch.autocast a conv computed in bfloat16: the context (dtype float32) held its
+    bfloat16 output and replayed it against float32 golden, differing by 1e-2 with no word."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 2))
+    prof = Profiler(tmp_path / "context.h5", ["0", "2"], every=1)
+    if precision == "double":
+        with pytest.raises(PeatError, match=r"^Profiler: layer '0' has torch.float64 weights; "
+                                            r"the context records float32 layers only$"):
+            prof.attach(model.double())
+        assert not model[0]._forward_hooks
+        return
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    with pytest.raises(PeatError, match=r"^Profiler: layer '0' computed in torch.bfloat16 \(under torch.autocast\?\); "
+                                        r"the context records float32 layers only$"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 3, 6, 6))
+
+
 class WithEmptyLayer(torch.nn.Module):
     def __init__(self):
         super().__init__()

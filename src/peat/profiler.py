@@ -184,6 +184,10 @@ class Profiler:
     def attach(self, model: nn.Module, first_step: int = 0) -> None:
         self.model = model
         self.targets = match_layers(model, self.patterns, self.key)
+        for name, module in self.targets.items():
+            if module.weight is not None and module.weight.dtype != torch.float32:  # golden replays float32
+                raise PeatError(f"Profiler: layer {name!r} has {module.weight.dtype} weights; "
+                                "the context records float32 layers only")
         self.all_layers = {n: m for n, m in model.named_modules() if n and op_of(m)}
         # A weight tied to another module's (GPT-2's lm_head and wte): its .grad sums both uses.
         uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -336,6 +340,9 @@ class Profiler:
             if not self.model.training:
                 return
             out = output if torch.is_tensor(output) else output[0]
+            if name in self.targets and out.dtype != torch.float32:  # golden replays it in float32
+                raise PeatError(f"Profiler: layer {name!r} computed in {out.dtype} (under torch.autocast?); "
+                                "the context records float32 layers only")
             self._pending[name, "act"] = stats(out)
             if self.naive_bytes_per_step == 0:
                 w = getattr(module, "weight", None)
@@ -408,7 +415,9 @@ class Profiler:
             elif "dO" in cap:
                 cap["dB"] = _bias_grad(attrs["op"], cap["dO"], attrs)
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
-        group.attrs.update(step=self.step, epoch=self.epoch, training=module.training,
+        # A batch norm without running statistics normalises with the batch's even in eval mode.
+        training = module.training or (attrs["op"] == "batch_norm" and module.running_mean is None)
+        group.attrs.update(step=self.step, epoch=self.epoch, training=training,
                            **{"input_grad": False} | self._step_attrs.pop(name, {}))
         for key, tensor in cap.items():
             if tensor is None:
