@@ -557,6 +557,49 @@ def test_a_layer_not_computed_in_float32_is_refused_naming_it(tmp_path, precisio
             model(torch.randn(2, 3, 6, 6))
 
 
+class KeywordCalls(torch.nn.Module):
+    """Layers called with their input as a keyword argument, as some model code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.b(input=torch.relu(self.norm(input=self.a(input=x))))
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_layers_called_with_a_keyword_input_are_recorded(tmp_path, derived):
+    """The forward hook read the input as the first positional argument: IndexError mid-training."""
+    torch.manual_seed(0)
+    model = KeywordCalls()
+    prof = Profiler(tmp_path / "context.h5", ["*"], every=1, derived=derived)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    attrs, [a] = read_layer(tmp_path / "context.h5", "a")
+    assert torch.equal(a["A"], x) and not a["input_grad"] and torch.equal(a["dW"], model.a.weight.grad)
+    attrs, [b] = read_layer(tmp_path / "context.h5", "b", derive=False)
+    assert b["input_grad"] and ("dA" in b) == derived
+    if derived:
+        torch.testing.assert_close(derive_outputs(b, attrs)["dA"], b["dA"], rtol=1e-6, atol=1e-7)
+
+
+def test_an_unbatched_conv_input_is_refused_naming_the_layer(tmp_path):
+    """nn.Conv2d takes a (C, H, W) input as a batch of one: it was recorded as is, and deriving
+    its weight gradient raised "Expected 4-dimensional input" in read_layer and playback."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    prof = Profiler(tmp_path / "context.h5", ["0"], every=1)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    with pytest.raises(PeatError, match=r"^Profiler: layer '0' got an input of shape \(3, 6, 6\); "
+                                        r"a conv2d layer is recorded on batched \(N, C, H, W\) inputs$"):
+        model(torch.randn(3, 6, 6))
+
+
 class WithEmptyLayer(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -236,6 +236,27 @@ def test_golden_routing_lets_an_in_place_op_follow_a_linear_layer():
     assert torch.equal(*grads)
 
 
+def test_a_routed_layer_called_with_a_keyword_input_runs():
+    """The routed forward took the input as its first positional argument: TypeError."""
+    x, outs = torch.randn(3, 4), []
+    for active in (None, lambda: True, lambda: False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5))
+        kernels.route(model, kernels.golden("linear"), active=active)
+        outs.append(model[0](input=x))
+    assert all(torch.equal(out, nn.functional.linear(x, model[0].weight, model[0].bias)) for out in outs)
+
+
+def test_a_routed_conv_refuses_an_unbatched_input_naming_the_layer():
+    """nn.Conv2d takes a (C, H, W) input as a batch of one; routed, its golden input gradient
+    raised "Expected 4-dimensional input" in the backward, naming no layer."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    kernels.route(model, kernels.golden("conv2d"))
+    with pytest.raises(PeatError, match=r"^layer '0' got an input of shape \(3, 8, 8\); "
+                                        r"a conv2d layer is routed on batched \(N, C, H, W\) inputs$"):
+        model(torch.randn(3, 8, 8))
+
+
 RETURNED = {"its result reshaped": lambda out, x: out.reshape(x.shape), "its input": lambda out, x: x,
             "a view of its input": lambda out, x: x.view(x.shape)}
 

@@ -209,7 +209,7 @@ class Profiler:
         self._written: dict[int, tuple[torch.Tensor, h5py.Dataset]] = {}
         self.recording = False
         self._open(resuming=first_step > 0)  # first: a refused file leaves no hook behind
-        self._hooks = [m.register_forward_hook(self._forward_hook(n)) for n, m in self.all_layers.items()]
+        self._hooks = [m.register_forward_hook(self._forward_hook(n), with_kwargs=True) for n, m in self.all_layers.items()]
 
     def _open(self, resuming: bool) -> None:
         # A file open for writing when its process was killed may be corrupt: resume from the
@@ -258,7 +258,7 @@ class Profiler:
             for name, module in self.targets.items():
                 self._captured[name] = self._before(module)
                 if self.derived:  # dA is only stored then
-                    self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name)))
+                    self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name), with_kwargs=True))
 
     def end_step(self) -> None:
         for name, module in self.all_layers.items():
@@ -336,13 +336,17 @@ class Profiler:
 
     # -- hooks --------------------------------------------------------------------------
     def _forward_hook(self, name: str):
-        def hook(module, inputs, output):
+        def hook(module, args, kwargs, output):
             if not self.model.training:
                 return
+            inputs = args or tuple(kwargs.values())  # the layer's one input, also given by keyword
             out = output if torch.is_tensor(output) else output[0]
             if name in self.targets and out.dtype != torch.float32:  # golden replays it in float32
                 raise PeatError(f"Profiler: layer {name!r} computed in {out.dtype} (under torch.autocast?); "
                                 "the context records float32 layers only")
+            if name in self.targets and op_of(module) == "conv2d" and inputs[0].dim() != 4:
+                raise PeatError(f"Profiler: layer {name!r} got an input of shape {tuple(inputs[0].shape)}; "
+                                "a conv2d layer is recorded on batched (N, C, H, W) inputs")
             self._pending[name, "act"] = stats(out)
             if self.naive_bytes_per_step == 0:
                 w = getattr(module, "weight", None)
@@ -378,13 +382,13 @@ class Profiler:
     def _input_hook(self, name: str):
         """Feed the layer an alias of its input, so the alias's gradient is this layer's dA alone
         (the input itself may also feed a skip connection)."""
-        def hook(module, inputs):
-            x = inputs[0]
+        def hook(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()), None)
             if not (torch.is_tensor(x) and x.requires_grad) or "A" in self._captured[name]:
                 return None
             alias = x.view_as(x)
             alias.register_hook(self._store(name, "dA"))
-            return (alias, *inputs[1:])
+            return ((alias, *args[1:]), kwargs) if args else (args, kwargs | {next(iter(kwargs)): alias})
         return hook
 
     def _store(self, name: str, key: str):
