@@ -600,6 +600,43 @@ def test_an_unbatched_conv_input_is_refused_naming_the_layer(tmp_path):
         model(torch.randn(3, 6, 6))
 
 
+class Checkpointed(torch.nn.Module):
+    """A block under a reentrant activation checkpoint: its first forward runs without autograd,
+    and again with it during the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.norm = torch.nn.Linear(6, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        block = (lambda t: self.bn(self.norm(self.mid(torch.relu(t)))))
+        return torch.utils.checkpoint.checkpoint(block, self.inp(x), use_reentrant=True)
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_a_call_without_gradient_gives_way_to_a_later_one_with_it(tmp_path, derived):
+    """The first call of a layer in a reentrant checkpoint (or under no_grad) has no output gradient:
+    recorded alone, the layer's backward was silently left out of the context. A training batch norm
+    keeps its first call: the later one saw the running statistics it updated."""
+    torch.manual_seed(0)
+    model = Checkpointed()
+    prof = Profiler(tmp_path / "context.h5", ["mid", "norm", "bn"], every=1, derived=derived)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(5, 6)).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    for name in ("mid", "norm"):
+        attrs, [sample] = read_layer(tmp_path / "context.h5", name)
+        assert "dO" in sample and sample["input_grad"] and "dA" in sample, name
+        torch.testing.assert_close(sample["dW"], getattr(model, name).weight.grad, rtol=1e-5, atol=1e-7)
+        if derived:
+            torch.testing.assert_close(derive_outputs(sample, attrs)["dA"], sample["dA"], rtol=1e-5, atol=1e-7)
+    _, [bn] = read_layer(tmp_path / "context.h5", "bn")
+    assert "dO" not in bn and "O" in bn
+
+
 class WithEmptyLayer(torch.nn.Module):
     def __init__(self):
         super().__init__()

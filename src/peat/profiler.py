@@ -254,6 +254,7 @@ class Profiler:
         self.recording = self.want(step, epoch)
         self._input_hooks = []
         self._repeated = set()  # targets called more than once this step: their first call is recorded
+        self._graded = set()  # targets whose recorded call this step produced an output needing a gradient
         if self.recording:
             for name, module in self.targets.items():
                 self._captured[name] = self._before(module)
@@ -354,9 +355,9 @@ class Profiler:
                 self._sizes[name] = 4 * (inputs[0].numel() + out.numel() + (w.numel() if w is not None else 0))
             if self.recording and name in self.targets:
                 cap = self._captured[name]
-                if "A" in cap:  # a later call (weights reused in one step): A, O, dO stay the first call's
-                    self._repeated.add(name)
-                    return
+                if not self._records(name, module) or ("A" in cap and not out.requires_grad):
+                    self._repeated.add(name)  # a later call (weights reused in one step): A, O, dO stay
+                    return                    # the recorded call's
                 # Clones: later in-place code (ResNet's `out += identity`) may change these.
                 x = inputs[0]
                 same = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
@@ -370,8 +371,19 @@ class Profiler:
                 # gradient of the value this layer produced. A frozen layer behind a frozen
                 # prefix has no gradient: only its forward is recorded.
                 if out.requires_grad:
+                    self._graded.add(name)
                     out.register_hook(self._store(name, "dO"))
         return hook
+
+    def _records(self, name: str, module: nn.Module) -> bool:
+        """Whether this call of a target is the one recorded this step: its first, or a later one where
+        the first carried no gradient (under no_grad, or a reentrant checkpoint's first pass, which
+        runs again with one in the backward); not a training batch norm's, whose running statistics
+        the first call already updated."""
+        if "A" not in self._captured[name]:
+            return True
+        updates = op_of(module) == "batch_norm" and module.training and module.running_mean is not None
+        return name not in self._graded and not updates
 
     @property
     def _naive_bytes(self) -> int:
@@ -384,7 +396,7 @@ class Profiler:
         (the input itself may also feed a skip connection)."""
         def hook(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()), None)
-            if not (torch.is_tensor(x) and x.requires_grad) or "A" in self._captured[name]:
+            if not (torch.is_tensor(x) and x.requires_grad) or not self._records(name, module):
                 return None
             alias = x.view_as(x)
             alias.register_hook(self._store(name, "dA"))
