@@ -637,6 +637,59 @@ def test_a_call_without_gradient_gives_way_to_a_later_one_with_it(tmp_path, deri
     assert "dO" not in bn and "O" in bn
 
 
+def test_a_spectral_normed_layer_is_recorded_without_changing_training(tmp_path):
+    """spectral_norm computes its weight at each access, with a power iteration in training mode:
+    the Profiler's own reads (summaries, the weight at begin_step) changed training, and the recorded
+    weight was one iteration behind the one the forward used (O differed by 4e-6)."""
+    def train(record: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        torch.nn.utils.parametrizations.spectral_norm(model[2])
+        prof = Profiler(tmp_path / "context.h5", ["2"], every=1, derived=True) if record else None
+        if prof:
+            prof.attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(0)
+        for step in range(3):
+            if prof:
+                prof.begin_step(step, 1)
+            opt.zero_grad()
+            model(torch.randn(4, 6, generator=g)).square().sum().backward()
+            if prof:
+                prof.end_step()
+            opt.step()
+        if prof:
+            prof.close()
+        return model.state_dict()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading .grad of the computed weight warned
+        plain, recorded = train(False), train(True)
+    assert all(torch.equal(plain[k], recorded[k]) for k in plain)
+    attrs, samples = read_layer(tmp_path / "context.h5", "2", derive=False)
+    for sample in samples:
+        derived = derive_outputs(sample, attrs)
+        assert torch.equal(derived["O"], sample["O"]), sample["step"]
+        assert torch.equal(derived["dW"], sample["dW"])  # the computed weight's: it has no .grad
+
+
+def test_a_frozen_layer_inside_the_network_stores_the_weight_gradients_read_layer_derives(tmp_path):
+    """Its parameters have no .grad: a derived context held no dW, dB where one recorded without
+    derived outputs gave them (read_layer derives them from A and dO)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+    model[2].requires_grad_(False)
+    prof = Profiler(tmp_path / "context.h5", ["2"], every=1, derived=True)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(3, 4)).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    attrs, [sample] = read_layer(tmp_path / "context.h5", "2", derive=False)
+    derived = derive_outputs(sample, attrs)
+    assert set(derived) == {"O", "dA", "dW", "dB"} and all(torch.equal(derived[k], sample[k]) for k in derived)
+
+
 class WithEmptyLayer(torch.nn.Module):
     def __init__(self):
         super().__init__()

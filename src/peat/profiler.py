@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .io import PeatError, atomic_path, check_int, open_h5, write_json
 from .tensor_stats import stats
@@ -110,8 +111,9 @@ def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layer
             raise
         raise PeatError(f"{err} (not recordable: {', '.join(odd[:6])}: Conv2d padded unevenly or not with zeros)") from None
     for name, module in chosen.items():
-        if module.weight is not None and not module.weight.numel():
-            raise PeatError(f"config key '{key}': layer {name!r} has a weight of shape {tuple(module.weight.shape)}, "
+        weight = _weight(module)
+        if weight is not None and not weight.numel():
+            raise PeatError(f"config key '{key}': layer {name!r} has a weight of shape {tuple(weight.shape)}, "
                             "no element to replay")
     return chosen
 
@@ -150,6 +152,24 @@ def _write_meta(attrs: h5py.AttributeManager, meta: dict) -> None:
                             "give a string, a number or a list of them") from None
 
 
+def _weight(module: nn.Module) -> torch.Tensor | None:
+    """``module.weight``, read without side effects. A parametrized weight (weight_norm,
+    spectral_norm) is computed at each access, spectral_norm's after a power iteration in training
+    mode that would change training: it is read as the last forward computed it, without one."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return getattr(module, "weight", None)
+    chain = list(module.parametrizations.weight.modules())
+    modes = [m.training for m in chain]
+    try:
+        for m in chain:
+            m.training = False
+        with torch.no_grad():  # a computed weight has no .grad
+            return module.weight
+    finally:
+        for m, mode in zip(chain, modes):
+            m.training = mode
+
+
 def _as_linear(module: nn.Module, tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is not None and hyper_params(module).get("transposed"):
         return tensor.t()
@@ -185,13 +205,14 @@ class Profiler:
         self.model = model
         self.targets = match_layers(model, self.patterns, self.key)
         for name, module in self.targets.items():
-            if module.weight is not None and module.weight.dtype != torch.float32:  # golden replays float32
-                raise PeatError(f"Profiler: layer {name!r} has {module.weight.dtype} weights; "
+            weight = _weight(module)
+            if weight is not None and weight.dtype != torch.float32:  # golden replays float32
+                raise PeatError(f"Profiler: layer {name!r} has {weight.dtype} weights; "
                                 "the context records float32 layers only")
         self.all_layers = {n: m for n, m in model.named_modules() if n and op_of(m)}
         # A weight tied to another module's (GPT-2's lm_head and wte): its .grad sums both uses.
         uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-        self._tied = {n for n, m in self.targets.items() if m.weight is not None and uses[id(m.weight)] > 1}
+        self._tied = {n for n, m in self.targets.items() if uses[id(_weight(m))] > 1}
         self.first_step, self.last_step = first_step, first_step - 1
         self.naive_bytes_per_step = 0
         self._rows: list[tuple] = []
@@ -263,7 +284,7 @@ class Profiler:
 
     def end_step(self) -> None:
         for name, module in self.all_layers.items():
-            weight = getattr(module, "weight", None)
+            weight = _weight(module)
             if weight is not None:
                 self._pending[name, "W"] = stats(weight)
                 if weight.grad is not None:
@@ -350,7 +371,7 @@ class Profiler:
                                 "a conv2d layer is recorded on batched (N, C, H, W) inputs")
             self._pending[name, "act"] = stats(out)
             if self.naive_bytes_per_step == 0:
-                w = getattr(module, "weight", None)
+                w = _weight(module)
                 self._sizes = getattr(self, "_sizes", {})
                 self._sizes[name] = 4 * (inputs[0].numel() + out.numel() + (w.numel() if w is not None else 0))
             if self.recording and name in self.targets:
@@ -367,6 +388,8 @@ class Profiler:
                 self._step_attrs[name] = {"input_grad": bool(inputs[0].requires_grad)} | _cumulative_momentum(module)
                 if self.derived:
                     cap["O"] = out.detach().clone()
+                if parametrize.is_parametrized(module, "weight"):  # the weight this forward computed
+                    cap["W"] = _as_linear(module, _weight(module).clone())
                 # A hook registered before an in-place change of `out` still sees the
                 # gradient of the value this layer produced. A frozen layer behind a frozen
                 # prefix has no gradient: only its forward is recorded.
@@ -410,7 +433,8 @@ class Profiler:
 
     @staticmethod
     def _before(module: nn.Module) -> dict:
-        cap = {"W": _as_linear(module, module.weight.detach().clone()) if module.weight is not None else None}
+        weight = _weight(module)
+        cap = {"W": _as_linear(module, weight.detach().clone()) if weight is not None else None}
         cap["B"] = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
         if op_of(module) == "batch_norm" and module.running_mean is not None:
             cap["running_mean"] = module.running_mean.detach().clone()
@@ -418,18 +442,16 @@ class Profiler:
         return cap
 
     def _write(self, name: str, module: nn.Module, cap: dict) -> None:
-        # A tied weight's .grad, or that of a module called twice, sums several uses: the recorded
-        # call's own share follows from its A and dO.
+        # A tied weight's .grad, or that of a module called twice, sums several uses, and a frozen or
+        # computed (parametrized) weight has none: the recorded call's own follows from its A and dO.
         attrs = hyper_params(module) | {"op": op_of(module)}
-        if self.derived and (name in self._tied or name in self._repeated) and "dO" in cap:
-            cap["dW"] = _golden("weight_grad", cap, attrs)
-        elif self.derived and module.weight is not None and module.weight.grad is not None:
-            cap["dW"] = _as_linear(module, module.weight.grad)
-        if self.derived and getattr(module, "bias", None) is not None and module.bias.grad is not None:
-            if name not in self._repeated:
-                cap["dB"] = module.bias.grad
-            elif "dO" in cap:
-                cap["dB"] = _bias_grad(attrs["op"], cap["dO"], attrs)
+        weight, bias = _weight(module), getattr(module, "bias", None)
+        if self.derived and weight is not None and "dO" in cap:
+            own = weight.grad is not None and name not in self._tied and name not in self._repeated
+            cap["dW"] = _as_linear(module, weight.grad) if own else _golden("weight_grad", cap, attrs)
+        if self.derived and bias is not None and "dO" in cap:
+            own = bias.grad is not None and name not in self._repeated
+            cap["dB"] = bias.grad if own else _bias_grad(attrs["op"], cap["dO"], attrs)
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
         # A batch norm without running statistics normalises with the batch's even in eval mode.
         training = module.training or (attrs["op"] == "batch_norm" and module.running_mean is None)
