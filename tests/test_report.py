@@ -223,6 +223,23 @@ def test_a_kernel_setting_of_one_stage_reruns_only_that_stage(workflow_run, tmp_
 
 
 @pytest.mark.xdist_group("workflow")
+@pytest.mark.parametrize("setting, rerun", [
+    ({"accept_reduced_precision": False}, {"detect", "collate_report", "all"}),
+    ({"benchmark_seeds": 2}, set()),
+])
+def test_a_detector_setting_reruns_only_the_stages_that_read_it(workflow_run, tmp_path, setting, rerun):
+    """The whole detect section was a param of playback and detect: accept_reduced_precision (the
+    verdict's alone) reran every playback, benchmark_seeds (the on-demand benchmark's) every
+    playback and detection."""
+    config = yaml.safe_load((REPO / "config/test.yaml").read_text())
+    config["detect"].update(setting)
+    path = tmp_path / "detect.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = snakemake(workflow_run, "-n", "--rerun-triggers", "params", configfile=path).stdout
+    assert (_planned_jobs(out) if "Job stats:" in out else set()) == rerun, out[-2000:]
+
+
+@pytest.mark.xdist_group("workflow")
 def test_snakemake_report(workflow_run):
     """README's command as written, without --cores: the bench rule's threads (workflow.cores)
     stopped it with a WorkflowError asking for --cores."""

@@ -157,6 +157,16 @@ def kernel_hash(wildcards):
     )
 
 
+def detect_rules(*unread):
+    # The Detector settings a stage reads: benchmark_seeds (the on-demand benchmark's) reran
+    # every playback and detection, accept_reduced_precision (the verdict's) every playback.
+    return {
+        key: value
+        for key, value in DETECT.items()
+        if key not in ("benchmark_seeds", *unread)
+    }
+
+
 def routed_inputs():
     """Inputs of a training with a kernel routed in (candidate training and runtime FI)."""
     return {

@@ -22,7 +22,7 @@ rule playback:
         kernel=lambda w: kernel_spec(w.kernel, "train_timeout"),
         errors=config["errors"],
         settings=PLAYBACK,
-        rules=DETECT,
+        rules=detect_rules("accept_reduced_precision"),
         seed=config["seed"],
         config_hash=lambda w: model_hash(w.model),
     script:
@@ -42,7 +42,7 @@ rule detect:
     resources:
         **CPU_RESOURCES,
     params:
-        rules=DETECT,
+        rules=detect_rules(),
     script:
         "../scripts/detect.py"
 
