@@ -20,7 +20,7 @@ from peat.config import validate
 from peat.data import prepare
 from peat.io import PeatError, write_json
 from conftest import TEST_CONFIG, snakemake
-from peat.sdc_drill import EXIT_OOM, EXIT_PEER, PEER_FAILED, RankEnd, check_config, drill_end, launch
+from peat.sdc_drill import EXIT_OOM, EXIT_PEER, PEER_FAILED, RankEnd, check_config, drill_config, drill_end, launch
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -220,6 +220,15 @@ def test_config_errors_name_the_key(bad, message):
         make_config(**bad)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_drill_params_do_not_hold_the_report_name():
+    """The drills' params held the config's name, which only names the report: a renamed copy of
+    a config reran every drill (torchrun, one process per rank)."""
+    config = make_config()
+    renamed = drill_config({**config, "name": "mine"}, "resnet18")
+    assert renamed == drill_config(config, "resnet18")
+    validate(renamed, SCHEMA)
 
 
 # --- real multi-process runs --------------------------------------------------------------------

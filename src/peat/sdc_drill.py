@@ -261,10 +261,12 @@ def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: P
 def drill_config(config: dict, model: str) -> dict:
     """The part of a validated config that ``model``'s drills depend on (Snakemake params: editing
     another section does not rerun the drills). Drills train from scratch: ``init_from`` is dropped.
+    The config's ``name`` only names its report: a fixed one, so a renamed copy of a config does not
+    rerun the drills.
     """
     spec = {k: v for k, v in config["models"][model].items() if k != "init_from"}
-    keep = ("name", "seed", "threads", "vendors", "reference_vendor")
-    return {**{k: config[k] for k in keep if k in config}, "models": {model: spec},
+    keep = ("seed", "threads", "vendors", "reference_vendor")
+    return {"name": "sdc", **{k: config[k] for k in keep if k in config}, "models": {model: spec},
             "datasets": {spec["dataset"]: config["datasets"][spec["dataset"]]},
             "sdc": {**config["sdc"], "models": [model]}}
 
