@@ -39,6 +39,17 @@ def write_config(tmp_path: Path, mutate) -> Path:
 
 # -- config and DAG ------------------------------------------------------------------------
 
+def record_one_step(path: Path, model, layers: list[str], x, derived: bool = False) -> Profiler:
+    """One recorded training step of ``model`` on ``x`` (loss: the sum of the squared output)."""
+    prof = Profiler(path, layers, every=1, derived=derived)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(x).square().sum().backward()
+    prof.end_step()
+    prof.close()
+    return prof
+
+
 def test_dry_run_of_default_config_lists_every_golden_job(tmp_path):
     proc = snakemake(tmp_path, "-n", configfile=REPO / "config" / "config.yaml")
     default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -414,12 +425,7 @@ def test_convs_padded_by_name_replay_and_other_paddings_are_not_taken_for_conv2d
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding="same"), torch.nn.Conv2d(4, 4, 3, padding="valid"),
                                 torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"),
                                 torch.nn.Conv2d(4, 4, 2, padding="same"))
-    prof = Profiler(tmp_path / "context.h5", ["*"], every=1, derived=True)
-    prof.attach(model)
-    prof.begin_step(0, 1)
-    model(torch.randn(2, 3, 7, 7)).square().sum().backward()
-    prof.end_step()
-    prof.close()
+    prof = record_one_step(tmp_path / "context.h5", model, ["*"], torch.randn(2, 3, 7, 7), derived=True)
     assert list(prof.targets) == ["0", "1"]
     for layer, padding in (("0", [1, 1]), ("1", [0, 0])):
         attrs, [recorded] = read_layer(tmp_path / "context.h5", layer)
@@ -432,12 +438,7 @@ def test_reading_a_layer_that_did_not_run_at_a_recorded_step(tmp_path):
     read_layer, deriving the golden outputs from a missing input, raised a TypeError."""
     torch.manual_seed(0)
     model = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-    prof = Profiler(tmp_path / "context.h5", ["self_attn.out_proj", "linear1"], every=1)
-    prof.attach(model)
-    prof.begin_step(0, 1)
-    model(torch.randn(3, 5, 8)).square().sum().backward()
-    prof.end_step()
-    prof.close()
+    record_one_step(tmp_path / "context.h5", model, ["self_attn.out_proj", "linear1"], torch.randn(3, 5, 8))
     _, [idle] = read_layer(tmp_path / "context.h5", "self_attn.out_proj")
     assert "A" not in idle and "O" not in idle and idle["W"].shape == (8, 8)
     _, [ran] = read_layer(tmp_path / "context.h5", "linear1")
@@ -523,12 +524,7 @@ def test_a_batch_norm_in_eval_mode_without_running_statistics_records_batch_stat
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, track_running_stats=False))
     model[1].eval()
-    prof = Profiler(tmp_path / "context.h5", ["1"], every=1, derived=True)
-    prof.attach(model)
-    prof.begin_step(0, 1)
-    model(torch.randn(4, 3, 6, 6)).square().sum().backward()
-    prof.end_step()
-    prof.close()
+    record_one_step(tmp_path / "context.h5", model, ["1"], torch.randn(4, 3, 6, 6), derived=True)
     attrs, [sample] = read_layer(tmp_path / "context.h5", "1", derive=False)
     assert sample["training"] and "running_mean" not in sample
     derived = derive_outputs(sample, attrs)
@@ -621,12 +617,7 @@ def test_a_call_without_gradient_gives_way_to_a_later_one_with_it(tmp_path, deri
     keeps its first call: the later one saw the running statistics it updated."""
     torch.manual_seed(0)
     model = Checkpointed()
-    prof = Profiler(tmp_path / "context.h5", ["mid", "norm", "bn"], every=1, derived=derived)
-    prof.attach(model)
-    prof.begin_step(0, 1)
-    model(torch.randn(5, 6)).square().sum().backward()
-    prof.end_step()
-    prof.close()
+    record_one_step(tmp_path / "context.h5", model, ["mid", "norm", "bn"], torch.randn(5, 6), derived=derived)
     for name in ("mid", "norm"):
         attrs, [sample] = read_layer(tmp_path / "context.h5", name)
         assert "dO" in sample and sample["input_grad"] and "dA" in sample, name
@@ -679,12 +670,7 @@ def test_a_frozen_layer_inside_the_network_stores_the_weight_gradients_read_laye
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
     model[2].requires_grad_(False)
-    prof = Profiler(tmp_path / "context.h5", ["2"], every=1, derived=True)
-    prof.attach(model)
-    prof.begin_step(0, 1)
-    model(torch.randn(3, 4)).square().sum().backward()
-    prof.end_step()
-    prof.close()
+    record_one_step(tmp_path / "context.h5", model, ["2"], torch.randn(3, 4), derived=True)
     attrs, [sample] = read_layer(tmp_path / "context.h5", "2", derive=False)
     derived = derive_outputs(sample, attrs)
     assert set(derived) == {"O", "dA", "dW", "dB"} and all(torch.equal(derived[k], sample[k]) for k in derived)
@@ -704,12 +690,7 @@ def test_a_layer_of_width_zero_is_summarised_as_nan_and_refused_for_recording(tm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: initialising a zero-element tensor is a no-op
         model = WithEmptyLayer()
-    prof = Profiler(tmp_path / "context.h5", ["fc"], every=1)
-    prof.attach(model)
-    prof.begin_step(0, 1)
-    model(torch.randn(3, 4)).square().sum().backward()
-    prof.end_step()
-    prof.close()
+    record_one_step(tmp_path / "context.h5", model, ["fc"], torch.randn(3, 4))
     with h5py.File(tmp_path / "context.h5") as f:
         rows = f["summaries"][f["summaries"]["layer"] == b"empty"]
     assert len(rows) == 3 and all(np.isnan(rows[s]).all() for s in ("mean", "std", "min", "max", "absmax"))
