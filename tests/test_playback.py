@@ -288,6 +288,16 @@ def test_analyzer_tables_and_figures(context, tmp_path):
     assert set(lane["median_rel_top10"]) == {"forward", "input_grad", "weight_grad"}
 
 
+def test_forward_over_backward_does_not_depend_on_which_backward_median_is_nan():
+    """A computation whose every score is NaN (all-NaN results) has a NaN median: the ratio is then
+    over the other backward one, whichever of the two it is (Python's max() kept a leading NaN)."""
+    layers = pd.DataFrame({"case": "kernel", "fop": "output", "layer": "4",
+                           "computation": ["forward", "input_grad", "weight_grad"]})
+    for back in ([np.nan, 5.0], [5.0, np.nan]):
+        (row,) = analyze.forward_backward(layers.assign(rel_top10_mean=[10.0, *back]))
+        assert row["forward_over_backward"] == 2.0
+
+
 def test_analyzer_on_a_kernel_that_fails_after_its_probe(context, tmp_path):
     """The probe passes in its child process; every later call fails: only the references score."""
     kernel = tmp_path / "parent_fails.py"

@@ -40,8 +40,8 @@ def _ok(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def per_layer(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std over iterations of each score in ``SCORES``, per case x computation x layer x
-    observing point."""
+    """Mean and sample std (ddof 1: NaN for one iteration) over iterations of each score in
+    ``SCORES``, per case x computation x layer x observing point."""
     grouped = _ok(table).groupby(KEYS, sort=True)[list(SCORES)]
     out = grouped.agg(["mean", "std"])
     out.columns = [f"{score}_{stat}" for score, stat in out.columns]
@@ -76,7 +76,8 @@ def summaries(context: str | Path) -> pd.DataFrame:
 
 
 def spearman(table: pd.DataFrame, context_summaries: pd.DataFrame) -> list[dict]:
-    """Spearman correlation of the top-10 % error with weight/activation mean and variance."""
+    """Spearman correlation of the top-10 % error with weight/activation mean and variance, over the
+    layers and steps of a case and computation; left out where undefined (< 3 points, a constant side)."""
     own = _ok(table)
     own = own[own["fop"] == "output"].merge(context_summaries, on=["layer", "step"], how="inner")
     out = []
@@ -112,12 +113,13 @@ def repeated_blocks(layers: pd.DataFrame) -> list[dict]:
 
 def forward_backward(layers: pd.DataFrame) -> list[dict]:
     """Per case: median over layers of each computation's ``rel_top10`` (top-10 % error over fp32
-    noise), and forward over the larger backward one."""
+    noise), and forward over the larger backward one (a backward median that is NaN, every score
+    of that computation NaN, is left out)."""
     own = layers[layers["fop"] == "output"]
     out = []
     for case, rows in own.groupby("case", sort=True):
         med = rows.groupby("computation")["rel_top10_mean"].median().to_dict()
-        back = [med[c] for c in ("input_grad", "weight_grad") if c in med]
+        back = [med[c] for c in ("input_grad", "weight_grad") if pd.notna(med.get(c))]
         ratio = med.get("forward", np.nan) / max(back) if back and max(back) > 0 else np.nan
         out.append({"case": case, "median_rel_top10": med, "forward_over_backward": float(ratio)})
     return out
