@@ -553,6 +553,30 @@ def test_guard_refuses_a_plain_module_and_bad_intervals(one_rank):
     assert guard.audit_every == 2
 
 
+def test_guard_calls_out_of_order_are_one_line(one_rank):
+    # No begin_step: an AttributeError from inside backward. check_gradients before backward: every audit
+    # compared no report with the replay, an unlocalized alarm naming every rank at every step.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+    replay = lambda r: guard.module(torch.ones(3, 4)).sum()  # noqa: E731
+    before_begin = r"^sdc.Guard: a gradient arrived before begin_step\(\): call guard.begin_step\(step\) before each"
+    with pytest.raises(PeatError, match=before_begin):
+        guard.ddp(torch.ones(3, 4)).sum().backward()
+    guard.begin_step(0)
+    with pytest.raises(PeatError, match=r"^sdc.Guard: check_gradients\(\) at step 0 saw no gradient of this step: "
+                                        r"call guard.begin_step\(step\) before backward and check_gradients\(\) after it$"):
+        guard.check_gradients(replay=replay)
+    guard.begin_step(1)
+    model.zero_grad(set_to_none=True)
+    guard.ddp(torch.ones(3, 4)).sum().backward()
+    assert guard.check_gradients(replay=replay) and guard.alarms == []
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(PeatError, match=before_begin):  # the next step's backward before its begin_step
+        guard.ddp(torch.ones(3, 4)).sum().backward()
+
+
 def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
     # Policy log without events used to skip the step without a word.
     from torch.nn.parallel import DistributedDataParallel

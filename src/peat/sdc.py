@@ -215,6 +215,9 @@ class Guard:
         self.alarms: list[Event] = []
         self.timers: dict[str, list[float]] = {c: [] for c in CHECKS}
         self.step = -1
+        # Gradient hook calls since begin_step (None: no step begun), and whether check_gradients ran:
+        # a call out of order (no begin_step, check before backward) is one line, not a false alarm.
+        self._fired, self._checked = None, False
         self._weights = None  # (step, pending gather) of the last weight checksums
         # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
         # bucket for the all-reduce: DDP keeps its fused C++ path (no Python comm hook, and the
@@ -224,7 +227,7 @@ class Guard:
     # - per step -
 
     def begin_step(self, step: int) -> None:
-        self.step = step
+        self.step, self._fired, self._checked = step, 0, False
         self._reported: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # This rank's non-finite flag: a bool on CPU, a device tensor elsewhere (no host sync in backward).
         self._bad = False if self.device.type == "cpu" else torch.zeros((), dtype=torch.bool, device=self.device)
@@ -242,6 +245,10 @@ class Guard:
         and the step will be skipped), so that after the all-reduce every rank finds out from that
         one element of the reduced gradient, without exchanging flags on healthy steps.
         """
+        if self._fired is None or self._checked:
+            raise PeatError("sdc.Guard: a gradient arrived before begin_step(): call guard.begin_step(step) "
+                            "before each step's backward, and check_gradients() after it")
+        self._fired += 1
         t0 = time.perf_counter()
         grad = param.grad.detach()
         if self._auditing:
@@ -255,6 +262,10 @@ class Guard:
         gradients (and which), and run the ring audit when due. Returns False when the step must be
         skipped (non-finite gradients).
         """
+        if not self._fired:  # else the audit compares no report with the replay: a false alarm on every rank
+            raise PeatError(f"sdc.Guard: check_gradients() at step {self.step} saw no gradient of this step: "
+                            "call guard.begin_step(step) before backward and check_gradients() after it")
+        self._checked = True
         self._resolve_weights()
         t0 = time.perf_counter()
         # The reduced gradients are the same bits on every rank: all ranks take the same branch.
