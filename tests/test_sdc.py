@@ -577,6 +577,24 @@ def test_guard_calls_out_of_order_are_one_line(one_rank):
         guard.ddp(torch.ones(3, 4)).sum().backward()
 
 
+def test_audit_after_freezing_a_layer_once_the_guard_was_built(one_rank):
+    # Fine-tuning freezes a layer mid-run: every audit failed with autograd's "One of the differentiated
+    # Tensors does not require grad".
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    guard = sdc.Guard(DistributedDataParallel(model, find_unused_parameters=True), audit_every=1)
+    x = torch.randn(5, 4)
+    for step in range(2):
+        model[0].requires_grad_(step == 0)
+        guard.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        guard.ddp(x).sum().backward()
+        assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
+    assert guard.alarms == []
+
+
 def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
     # Policy log without events used to skip the step without a word.
     from torch.nn.parallel import DistributedDataParallel

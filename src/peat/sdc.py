@@ -392,11 +392,14 @@ class Guard:
         try:
             with self.ddp.no_sync():
                 loss = replay(rank)
-                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+                # Parameters frozen since the guard was built report no gradient (zeros), as here.
+                trained = [p for p in self.params if p.requires_grad]
+                grads = dict(zip(map(id, trained), torch.autograd.grad(loss, trained, allow_unused=True)))
         finally:
             _set_rng_state(after, self.device)
             _set_buffers(self.module, buffers)
-        return gradient_fingerprint([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
+        return gradient_fingerprint([torch.zeros_like(p) if grads.get(id(p)) is None else grads[id(p)]
+                                     for p in self.params])
 
     # - alarms -
 
