@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .io import PeatError
+from .profiler import layer_input
 
 OPS = ("linear", "conv2d", "batch_norm", "layer_norm")
 COMPUTATIONS = ("forward", "input_grad", "weight_grad")
@@ -904,16 +905,13 @@ class _RoutedForward:
     def __init__(self, module, plan: _Plan, active: Callable[[], bool] | None, original: Callable):
         self.module, self.plan, self.active, self.original = module, plan, active, original
         self.transposed = bool(plan.attrs.get("transposed"))
-        self.batch_norm, self.conv = plan.kernel.op == "batch_norm", plan.kernel.op == "conv2d"
+        self.batch_norm = plan.kernel.op == "batch_norm"
         self.routed = plan.kernel
 
     def __call__(self, *args, **kw):
         if self.active is not None and not self.active():
             return self.original(*args, **kw)
-        x = args[0] if args else next(iter(kw.values()))  # the layer's one input, also given by keyword
-        if self.conv and x.dim() != 4:  # the golden gradients need the batch dimension
-            raise PeatError(f"layer {self.plan.layer!r} got an input of shape {tuple(x.shape)}; "
-                            "a conv2d layer is routed on batched (N, C, H, W) inputs")
+        x = layer_input(f"layer {self.plan.layer!r}", self.routed.op, args, kw, "routed")
         module = self.module
         weight = module.weight.t() if self.transposed else module.weight
         return _Routed.apply(self.plan, _bn_state(module) if self.batch_norm else {}, x, weight, module.bias)

@@ -170,6 +170,17 @@ def _weight(module: nn.Module) -> torch.Tensor | None:
             m.training = mode
 
 
+def layer_input(label: str, op: str, args: tuple, kwargs: dict, how: str) -> torch.Tensor | None:
+    """A recorded or routed layer's one input, given by position or keyword (``fc(input=x)``); a
+    conv2d's must be batched: golden's gradients need the batch dimension. ``label`` names the
+    layer in the error, ``how`` says what needs the batch ("recorded", "routed")."""
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if op == "conv2d" and torch.is_tensor(x) and x.dim() != 4:
+        raise PeatError(f"{label} got an input of shape {tuple(x.shape)}; "
+                        f"a conv2d layer is {how} on batched (N, C, H, W) inputs")
+    return x
+
+
 def _as_linear(module: nn.Module, tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is not None and hyper_params(module).get("transposed"):
         return tensor.t()
@@ -361,31 +372,28 @@ class Profiler:
         def hook(module, args, kwargs, output):
             if not self.model.training:
                 return
-            inputs = args or tuple(kwargs.values())  # the layer's one input, also given by keyword
+            target = name in self.targets
+            x = layer_input(f"Profiler: layer {name!r}", op_of(module) if target else None, args, kwargs, "recorded")
             out = output if torch.is_tensor(output) else output[0]
-            if name in self.targets and out.dtype != torch.float32:  # golden replays it in float32
+            if target and out.dtype != torch.float32:  # golden replays it in float32
                 raise PeatError(f"Profiler: layer {name!r} computed in {out.dtype} (under torch.autocast?); "
                                 "the context records float32 layers only")
-            if name in self.targets and op_of(module) == "conv2d" and inputs[0].dim() != 4:
-                raise PeatError(f"Profiler: layer {name!r} got an input of shape {tuple(inputs[0].shape)}; "
-                                "a conv2d layer is recorded on batched (N, C, H, W) inputs")
             self._pending[name, "act"] = stats(out)
             if self.naive_bytes_per_step == 0:
                 w = _weight(module)
                 self._sizes = getattr(self, "_sizes", {})
-                self._sizes[name] = 4 * (inputs[0].numel() + out.numel() + (w.numel() if w is not None else 0))
+                self._sizes[name] = 4 * (x.numel() + out.numel() + (w.numel() if w is not None else 0))
             if self.recording and name in self.targets:
                 cap = self._captured[name]
                 if not self._records(name, module) or ("A" in cap and not out.requires_grad):
                     self._repeated.add(name)  # a later call (weights reused in one step): A, O, dO stay
                     return                    # the recorded call's
                 # Clones: later in-place code (ResNet's `out += identity`) may change these.
-                x = inputs[0]
                 same = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
                 if same not in self._inputs:  # x is kept too, so no other tensor gets its memory this step
                     self._inputs[same] = (x, x.detach().clone())
                 cap["A"] = self._inputs[same][1]
-                self._step_attrs[name] = {"input_grad": bool(inputs[0].requires_grad)} | _cumulative_momentum(module)
+                self._step_attrs[name] = {"input_grad": bool(x.requires_grad)} | _cumulative_momentum(module)
                 if self.derived:
                     cap["O"] = out.detach().clone()
                 if parametrize.is_parametrized(module, "weight"):  # the weight this forward computed
@@ -418,7 +426,7 @@ class Profiler:
         """Feed the layer an alias of its input, so the alias's gradient is this layer's dA alone
         (the input itself may also feed a skip connection)."""
         def hook(module, args, kwargs):
-            x = args[0] if args else next(iter(kwargs.values()), None)
+            x = layer_input(name, None, args, kwargs, "recorded")
             if not (torch.is_tensor(x) and x.requires_grad) or not self._records(name, module):
                 return None
             alias = x.view_as(x)
