@@ -572,9 +572,18 @@ def test_guard_calls_out_of_order_are_one_line(one_rank):
     model.zero_grad(set_to_none=True)
     guard.ddp(torch.ones(3, 4)).sum().backward()
     assert guard.check_gradients(replay=replay) and guard.alarms == []
-    model.zero_grad(set_to_none=True)
-    with pytest.raises(PeatError, match=before_begin):  # the next step's backward before its begin_step
+    # A second backward after check_gradients was also said to come "before begin_step()".
+    with pytest.raises(PeatError, match=r"^sdc.Guard: a gradient arrived after check_gradients\(\) of step 1: every "
+                                        r"backward of a step comes before its check_gradients\(\); call "
+                                        r"guard.begin_step\(step\) before the next step's$"):
         guard.ddp(torch.ones(3, 4)).sum().backward()
+
+
+def test_audit_step_without_a_replay_is_one_line(one_rank):
+    # The audit was skipped without a word: a user who set audit_every believed it ran.
+    with pytest.raises(PeatError, match=r"^sdc.Guard: step 0 is an audit step \(audit_every=2\) but check_gradients\(\) "
+                                        r"got no replay: pass replay=lambda r: <rank r's loss>, or audit_every=0$"):
+        _guarded_step(audit_every=2)
 
 
 def test_audit_after_freezing_a_layer_once_the_guard_was_built(one_rank):

@@ -245,9 +245,13 @@ class Guard:
         and the step will be skipped), so that after the all-reduce every rank finds out from that
         one element of the reduced gradient, without exchanging flags on healthy steps.
         """
-        if self._fired is None or self._checked:
+        if self._fired is None:
             raise PeatError("sdc.Guard: a gradient arrived before begin_step(): call guard.begin_step(step) "
                             "before each step's backward, and check_gradients() after it")
+        if self._checked:  # a second backward, or the next step's without its begin_step
+            raise PeatError(f"sdc.Guard: a gradient arrived after check_gradients() of step {self.step}: every "
+                            "backward of a step comes before its check_gradients(); call guard.begin_step(step) "
+                            "before the next step's")
         self._fired += 1
         t0 = time.perf_counter()
         grad = param.grad.detach()
@@ -259,12 +263,15 @@ class Guard:
 
     def check_gradients(self, replay: Callable[[int], torch.Tensor] | None = None) -> bool:
         """After backward, before ``optimizer.step()``: find out whether any rank had non-finite
-        gradients (and which), and run the ring audit when due. Returns False when the step must be
-        skipped (non-finite gradients).
+        gradients (and which), and run the ring audit when due (``replay(r)``, rank r's loss, is then
+        required). Returns False when the step must be skipped (non-finite gradients).
         """
         if not self._fired:  # else the audit compares no report with the replay: a false alarm on every rank
             raise PeatError(f"sdc.Guard: check_gradients() at step {self.step} saw no gradient of this step: "
                             "call guard.begin_step(step) before backward and check_gradients() after it")
+        if self._auditing and replay is None:  # else the configured audit never runs, without a word
+            raise PeatError(f"sdc.Guard: step {self.step} is an audit step (audit_every={self.audit_every}) but "
+                            "check_gradients() got no replay: pass replay=lambda r: <rank r's loss>, or audit_every=0")
         self._checked = True
         self._resolve_weights()
         t0 = time.perf_counter()
@@ -273,7 +280,7 @@ class Guard:
         if not healthy:
             self._localize_nonfinite()
         self.timers["nonfinite"].append(self._hook_time + time.perf_counter() - t0)
-        if healthy and self._auditing and replay is not None:
+        if healthy and self._auditing:
             gathered = self._all_gather(torch.cat([self._reported_fingerprint(), self._rng.to(self.device)]),
                                         "audit fingerprints")
             cut = 2 * len(self.params)
