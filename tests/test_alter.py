@@ -583,11 +583,12 @@ def test_an_output_directory_fails_with_one_line_naming_it(mixed, tmp_path, caps
 
 
 def test_a_log_that_cannot_be_written_leaves_no_output(mixed, tmp_path):
+    # Nor the output's new folders: they were left behind, empty.
     before = sha(mixed)
-    for out, in_place in ((tmp_path / "o.h5", False), (None, True)):
+    for out, in_place in ((tmp_path / "new" / "sub" / "o.h5", False), (None, True)):
         with pytest.raises(OSError):
             A.alter(mixed, out, A.Plan(count=5), in_place=in_place, log=mixed / "log.json")
-    assert not (tmp_path / "o.h5").exists() and sha(mixed) == before  # in place: the input is unaltered
+    assert sorted(tmp_path.iterdir()) == [mixed] and sha(mixed) == before  # in place: the input is unaltered
 
 
 def test_h5diff_statistics(tmp_path):
@@ -919,9 +920,9 @@ def test_a_full_disk_writing_the_log_names_the_log(mixed, tmp_path, monkeypatch,
 
     monkeypatch.setattr(Path, "write_text", full)
     log = tmp_path / "logs" / "l.json"
-    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(log)]) == 2
+    assert main(["alter", str(mixed), str(tmp_path / "out" / "o.h5"), "--log", str(log)]) == 2
     assert capsys.readouterr().err.strip() == f"peat alter: error: [Errno 28] No space left on device: '{log}'"
-    assert not (tmp_path / "o.h5").exists() and not log.exists()
+    assert sorted(tmp_path.iterdir()) == [mixed]  # no output, no log, and no folder made for them
 
 
 def test_the_timing_line_shows_the_log_time_when_there_is_a_log(mixed, tmp_path, capsys):

@@ -20,20 +20,29 @@ class PeatError(Exception):
 def atomic_path(path: str | os.PathLike):
     """Yield a temporary sibling path; rename it onto ``path`` only if the block succeeds.
 
-    A crash or kill mid-write therefore never leaves a file that looks complete.
+    A crash or kill mid-write therefore never leaves a file that looks complete, and a block that
+    fails no folder that was made for it (``peat alter`` left an empty output folder when its log failed).
     """
     path = Path(path)
+    made, folder = [], path.parent
+    while not folder.exists() and folder != folder.parent:
+        made.append(folder)  # deepest first, as they must be removed
+        folder = folder.parent
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)
+        made.clear()  # they hold the file now
     except OSError as err:
         if err.errno is not None and err.filename is None:  # a failed write (disk full) names no file
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     finally:
         tmp.unlink(missing_ok=True)
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty: another writer has put a file there since
+                folder.rmdir()
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
