@@ -903,13 +903,22 @@ def test_selecting_a_dataset_peat_never_alters_says_why(tmp_path):
         f["empty"] = np.zeros(0, np.float32)
         f["flags"] = np.ones(4, bool)
         f["pairs"] = np.zeros(4, [("a", "f4"), ("b", "i4")])
+        # Its integers were flipped as plain integers: -126 in a RED/GREEN/BLUE colour.
+        f.create_dataset("colour", data=np.arange(3, dtype="i1"), dtype=h5py.enum_dtype({"RED": 0, "GREEN": 1, "BLUE": 2}))
         f["w"] = np.ones(4, np.float32)
-    for name, reason in (("empty", "it has no values"), ("flags", "bool values"), ("pairs", "compound values")):
+    for name, reason in (("empty", "it has no values"), ("flags", "bool values"), ("pairs", "compound values"),
+                         ("colour", "enum values")):
         with pytest.raises(PeatError, match=rf"{src}: '{name}' names {name}, which peat never alters \({reason}\)$"):
             run_alter(src, tmp_path / "o.h5", select=[name])
     with pytest.raises(PeatError, match="no numeric dataset matches 'nothing'"):
         run_alter(src, tmp_path / "o.h5", select=["nothing"])
     assert not (tmp_path / "o.h5").exists()
+    assert {r["dataset"] for r in run_alter(src, tmp_path / "o.h5", count=4).records} == {"/w"}  # all of them
+    log = tmp_path / "enum.json"
+    log.write_text(json.dumps({"injections": [{"dataset": "/colour", "index": [1], "bit": 0, "old": 1, "new": -127}]}))
+    with pytest.raises(PeatError, match=rf"{src}: log {log} names colour, which peat never alters \(enum values\)$"):
+        A.alter(src, tmp_path / "o2.h5", A.Plan(), replay=log)
+    assert A.diff(src, tmp_path / "o.h5")["datasets"][0]["dataset"] == "/colour"  # h5diff still compares them
 
 
 def test_a_full_disk_writing_the_log_names_the_log(mixed, tmp_path, monkeypatch, capsys):

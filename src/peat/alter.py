@@ -209,7 +209,7 @@ class Entry:
     layout: Layout
     cls: str
     offset: int | None  # file offset of a contiguous, unfiltered, allocated dataset (memory-mappable)
-    fixed: bool = False  # never altered: edits would reach other files or not survive the write (see _fixed)
+    fixed: bool = False  # never altered: edits would reach other files, not survive the write or name no enum member (see _fixed)
 
     @property
     def size(self) -> int:
@@ -286,6 +286,8 @@ def _why_unalterable(ds: h5py.Dataset) -> str | None:
     plist = ds.id.get_create_plist()
     if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0:
         return "its data is stored outside the file"
+    if _enum(ds):
+        return "enum values"
     return "floats behind HDF5's lossy scale-offset filter" if _fixed(ds) else None
 
 
@@ -302,7 +304,13 @@ def _fixed(ds: h5py.Dataset) -> bool:
     plist = ds.id.get_create_plist()
     lossy = ds.dtype.kind == "f" and any(plist.get_filter(i)[0] == h5py.h5z.FILTER_SCALEOFFSET
                                          for i in range(plist.get_nfilters()))
-    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0 or lossy
+    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0 or lossy or _enum(ds)
+
+
+def _enum(ds: h5py.Dataset) -> bool:
+    # Its integers name members: most flips give an integer that names none, a value the type cannot hold.
+    # (Still scanned, so that h5diff compares them.)
+    return h5py.check_enum_dtype(ds.dtype) is not None
 
 
 class Storage:
@@ -777,6 +785,8 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
     for name, group in sorted(groups.items()):
         entry = by_path.get(name)
         if entry is None:
+            if why := unalterable(source).get(name):  # else "absent here" of a dataset that is there
+                raise PeatError(f"{source}: log {log} names {name.lstrip('/')}, which peat never alters ({why})")
             close = difflib.get_close_matches(name, list(by_path), n=3, cutoff=0.3)
             raise PeatError(f"{source}: log {log} names {name!r}, absent here; closest: {', '.join(close) or 'none'}")
         if any(len(r["index"]) != len(entry.shape) for r in group):
