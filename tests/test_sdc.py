@@ -20,7 +20,8 @@ from peat.config import validate
 from peat.data import prepare
 from peat.io import PeatError, write_json
 from conftest import TEST_CONFIG, snakemake
-from peat.sdc_drill import EXIT_OOM, EXIT_PEER, PEER_FAILED, RankEnd, check_config, drill_config, drill_end, launch
+from peat.sdc_drill import (EXIT_OOM, EXIT_PEER, PEER_FAILED, RankEnd, check_config, drill_config, drill_end, launch,
+                             validated)
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -222,13 +223,20 @@ def test_config_errors_name_the_key(bad, message):
     assert "\n" not in str(err.value)
 
 
-def test_drill_params_do_not_hold_the_report_name():
-    """The drills' params held the config's name, which only names the report: a renamed copy of
-    a config reran every drill (torchrun, one process per rank)."""
+def test_drill_params_hold_only_what_the_drills_read():
+    """The drills' params held the config's name, which only names the report, and the keys that
+    only shape golden training: a renamed copy of a config, or a new record.every, reran every
+    drill (torchrun, one process per rank)."""
     config = make_config()
-    renamed = drill_config({**config, "name": "mine"}, "resnet18")
-    assert renamed == drill_config(config, "resnet18")
-    validate(renamed, SCHEMA)
+    model = config["models"]["resnet18"]
+    edited = {**config, "name": "mine", "models": {"resnet18": {
+        **model, "epochs": 3, "checkpoint_epochs": [3], "record": {"layers": ["conv1"], "every": 2},
+        "max_train_samples": 100, "max_val_samples": 50}}}
+    assert drill_config(edited, "resnet18") == drill_config(config, "resnet18")
+    for changed in ({"batch_size": 6}, {"optimizer": {"name": "sgd", "lr": 0.1}}):
+        assert drill_config({**config, "models": {"resnet18": {**model, **changed}}}, "resnet18") != \
+            drill_config(config, "resnet18")
+    validated(drill_config(edited, "resnet18"))  # what the ranks load
 
 
 # --- real multi-process runs --------------------------------------------------------------------

@@ -262,9 +262,12 @@ def drill_config(config: dict, model: str) -> dict:
     """The part of a validated config that ``model``'s drills depend on (Snakemake params: editing
     another section does not rerun the drills). Drills train from scratch: ``init_from`` is dropped.
     The config's ``name`` only names its report: a fixed one, so a renamed copy of a config does not
-    rerun the drills.
+    rerun the drills. Drills run ``sdc.steps`` steps on the whole training set and record nothing,
+    so the keys that only shape golden training are left at fixed values the schema accepts.
     """
-    spec = {k: v for k, v in config["models"][model].items() if k != "init_from"}
+    golden_only = ("init_from", "epochs", "checkpoint_epochs", "record", "max_train_samples", "max_val_samples")
+    spec = {k: v for k, v in config["models"][model].items() if k not in golden_only}
+    spec |= {"epochs": 1, "record": {"layers": ["*"]}}
     keep = ("seed", "threads", "vendors", "reference_vendor")
     return {"name": "sdc", **{k: config[k] for k in keep if k in config}, "models": {model: spec},
             "datasets": {spec["dataset"]: config["datasets"][spec["dataset"]]},
