@@ -35,7 +35,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .io import PeatError, atomic_path, open_h5, write_json
+from .io import PeatError, atomic_path, json_text, open_h5, write_json
 
 CLASSES = ("weight", "norm_weight", "norm_stats", "bias", "embedding", "optimizer", "other")
 CLASS_HELP = {
@@ -742,17 +742,38 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
         done = apply(edits, storage)
         storage.close()
         t_flip = time.perf_counter()
-        rows = records(done) if (log is not None or keep_records) else None
+        rows = records(done) if keep_records else None
         if log is not None:  # before the rename: a log that cannot be written leaves no output without it
-            write_json(log, {"tool": "peat alter", "format": 1, "input": str(src), "bit_numbering": BIT_NUMBERING,
-                             "plan": asdict(plan) if replay is None else {"replay": str(replay)},
-                             "scale": plan.scale if replay is None else _log_scale(replay), "injections": rows})
+            write_log(log, {"tool": "peat alter", "format": 1, "input": str(src), "bit_numbering": BIT_NUMBERING,
+                            "plan": asdict(plan) if replay is None else {"replay": str(replay)},
+                            "scale": plan.scale if replay is None else _log_scale(replay)}, done)
         t_log = time.perf_counter()
     t_end = time.perf_counter()
     n = int(sum(len(e.positions) for e in edits))
     timings = {"select": t_select - t0, "copy": t_copy - t_select, "flip": t_flip - t_copy,
                "rename": t_end - t_log, "log": t_log - t_flip, "total": t_end - t0}
     return Result(n, len({e.entry.path for e in edits}), takers, timings, rows)
+
+
+LOG_CHUNK = 50_000  # injection-log rows encoded at a time (about 10 MB of JSON)
+
+
+def write_log(path, header: dict, done: list[dict]) -> None:
+    """``write_json(path, {**header, "injections": records(done)})``, the same bytes, encoded ``LOG_CHUNK``
+    rows at a time: all rows at once took about 2 GB of memory per million."""
+    marker = "\0injections"
+    head, tail = json_text({**header, "injections": marker}).split(json.dumps(marker))
+    with atomic_path(path) as tmp, tmp.open("w") as f:
+        f.write(head + "[")
+        first = True
+        for d in done:
+            for i in range(0, len(d["positions"]), LOG_CHUNK):
+                part = slice(i, i + LOG_CHUNK)
+                rows = records([{**d, "positions": d["positions"][part], "old": d["old"][part], "new": d["new"][part]}])
+                # A list alone is encoded one level less deep than under "injections": the rows get 2 more spaces.
+                f.write(("\n" if first else ",\n") + "  " + json_text(rows)[2:-3].replace("\n", "\n  "))
+                first = False
+        f.write(("]" if first else "\n  ]") + tail)
 
 
 def _log_scale(log) -> float | None:

@@ -46,9 +46,14 @@ def atomic_path(path: str | os.PathLike):
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
-    """Strict JSON (``jq``, ``JSON.parse``): NaN/inf become null, as a bare NaN would fail those readers."""
+    """``json_text(obj)``, written atomically."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
+        tmp.write_text(json_text(obj))
+
+
+def json_text(obj) -> str:
+    """Strict JSON (``jq``, ``JSON.parse``): NaN/inf become null, as a bare NaN would fail those readers."""
+    return json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def write_csv(path: str | os.PathLike, frame) -> None:
