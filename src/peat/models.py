@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 IMAGE_ARCHS = ("resnet18", "resnet34", "resnet50", "mobilenet_v2", "efficientnet_b0")
-TEXT_ARCHS = ("llama", "gpt2", "bert")
 
 
 def build(spec: dict, data_attrs: dict, seed: int) -> nn.Module:

@@ -191,12 +191,6 @@ def _bit_counts(xor: np.ndarray) -> np.ndarray:
                            else np.zeros(8, dtype=np.int64) for k in range(4)])
 
 
-def popcount(x: torch.Tensor) -> torch.Tensor:
-    """Set bits per element of the low 32 bits of an integer tensor (as int64)."""
-    low = x.to(torch.int64).bitwise_and(0xFFFFFFFF).numpy().astype(np.uint32)
-    return torch.from_numpy(np.bitwise_count(low).astype(np.int64)).reshape(x.shape)
-
-
 def periodicity(mass: np.ndarray, max_period: int = MAX_PERIOD) -> tuple[int, float]:
     """The longest period K (>= 2) whose best residue class holds at least 99 % of the mass
     that any period holds, and that fraction. (0, 0.0) when there is no mass or < 4 entries.
