@@ -132,17 +132,28 @@ def test_compare_lines_up_curves():
     assert len(crashed) == 3 and crashed["loss_candidate"].isna().all()
 
 
-def train_crashing_kernel(digits, tmp_path) -> dict:
-    """Candidate training of a kernel that raises on its first call; outcome.json is in tmp_path/out."""
+def train_crashing_kernel(digits, tmp_path,
+                          source: str = "def forward(x, weight, bias):\n    raise RuntimeError('boom')\n") -> dict:
+    """Candidate training of ResNet-18's fc, one step, through a kernel that raises on its first call
+    (or through ``source``); outcome.json is in tmp_path/out."""
     golden = tmp_path / "golden"
     golden.mkdir()
     pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
                   "perplexity": [float("nan")], "wall_time": [0.0]}).to_csv(golden / "metrics.csv", index=False)
     path = tmp_path / "raises.py"
-    path.write_text("def forward(x, weight, bias):\n    raise RuntimeError('boom')\n")
+    path.write_text(source)
     spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
     return candidate.train_candidate("resnet18", spec, "raises", {"op": "linear", "impl": str(path), "layers": ["fc"]},
                                      digits, golden, tmp_path / "out", seed=0)
+
+
+def test_candidate_training_leaves_no_empty_checkpoints_folder(digits, tmp_path):
+    """train.fit makes checkpoints/ (golden training's directory output); a candidate run writes no
+    epoch checkpoint, so the folder was left behind, empty."""
+    record = train_crashing_kernel(digits, tmp_path, "import torch.nn.functional as F\n\n"
+                                   "def forward(x, weight, bias):\n    return F.linear(x, weight, bias)\n")
+    assert record["status"] == "ok" and (tmp_path / "out" / "final.h5").is_file()
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
@@ -311,6 +322,7 @@ def test_candidate_training_writes_golden_outputs_and_comparison(workflow_run):
             assert (out / name).is_file(), name
         # Nothing reads a candidate's epoch or resume checkpoints: none is written.
         assert list((golden / "checkpoints").glob("*.h5")) and not list(out.rglob("epoch*.h5"))
+        assert not (out / "checkpoints").exists()
         assert not (out / ".partial").exists()
         frame = pd.read_csv(out / "compare.csv")
         assert len(frame) == len(pd.read_csv(golden / "metrics.csv"))

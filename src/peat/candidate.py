@@ -416,6 +416,10 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
                   else pd.DataFrame(columns=CALL_COLUMNS))
     for partial in (PARTIAL_CURVE, PARTIAL_CALLS):  # compare.csv and calls.csv hold them now
         (out_dir / partial).unlink(missing_ok=True)
+    # train.fit makes the folder golden training declares as an output; with no epoch checkpoint
+    # written (above) it would be left here empty.
+    if (out_dir / "checkpoints").is_dir():
+        (out_dir / "checkpoints").rmdir()
     record |= outcome.record() | {"layers": routed} | _summary(frame, metrics)
     record["provenance"] = provenance.stamp(config_hash, vendor)
     write_json(out_dir / "outcome.json", record)
