@@ -433,6 +433,9 @@ def test_floats_behind_a_lossy_filter_are_never_altered(tmp_path):
     rows = run_alter(src, tmp_path / "o.h5", fraction=1.0, region="mantissa").records
     assert {r["dataset"] for r in rows} == {"/ints"}
     assert sum(r.get("differing", 0) for r in A.diff(src, tmp_path / "o.h5")["datasets"]) == len(rows) == 100
+    with pytest.raises(PeatError, match=r"'lossy' names lossy, which peat never alters \(floats behind HDF5's lossy "
+                                        r"scale-offset filter\)$"):
+        run_alter(src, tmp_path / "o.h5", select=["lossy"])
 
 
 def test_stored_types_numpy_cannot_hold_exactly_are_left_alone(tmp_path):

@@ -209,7 +209,7 @@ class Entry:
     layout: Layout
     cls: str
     offset: int | None  # file offset of a contiguous, unfiltered, allocated dataset (memory-mappable)
-    fixed: bool = False  # never altered: edits would reach other files, not survive the write or name no enum member (see _fixed)
+    fixed: bool = False  # never altered: edits would reach other files, not survive the write or name no enum member (see _why_fixed)
 
     @property
     def size(self) -> int:
@@ -225,7 +225,7 @@ def scan(path: str | os.PathLike) -> list[Entry]:
                 layout = layout_of(obj)
                 if layout is not None and obj.shape is not None and obj.size > 0:
                     entries.append(Entry("/" + name, tuple(obj.shape), obj.dtype, layout,
-                                         location_class(name, obj.attrs), _offset(obj), _fixed(obj)))
+                                         location_class(name, obj.attrs), _offset(obj), _why_fixed(obj) is not None))
         try:
             f.visititems(visit)
         except (OSError, RuntimeError) as err:
@@ -283,12 +283,7 @@ def _why_unalterable(ds: h5py.Dataset) -> str | None:
         return f"{kind} values" if kind else "a stored type peat cannot edit bit for bit"
     if ds.shape is None or ds.size == 0:
         return "it has no values"
-    plist = ds.id.get_create_plist()
-    if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0:
-        return "its data is stored outside the file"
-    if _enum(ds):
-        return "enum values"
-    return "floats behind HDF5's lossy scale-offset filter" if _fixed(ds) else None
+    return _why_fixed(ds)
 
 
 def _offset(ds: h5py.Dataset) -> int | None:
@@ -298,19 +293,21 @@ def _offset(ds: h5py.Dataset) -> int | None:
     return ds.id.get_offset()  # None for unallocated data
 
 
-def _fixed(ds: h5py.Dataset) -> bool:
-    # External storage and virtual datasets live in other files, shared by the input and its copy;
-    # the scale-offset filter rounds floats to a few decimals, so most flips would not be stored.
+def _why_fixed(ds: h5py.Dataset) -> str | None:
+    """Why peat never alters a dataset it scans (None: it may): ``Entry.fixed`` and the error naming it."""
+    # External storage and virtual datasets live in other files, shared by the input and its copy.
     plist = ds.id.get_create_plist()
-    lossy = ds.dtype.kind == "f" and any(plist.get_filter(i)[0] == h5py.h5z.FILTER_SCALEOFFSET
-                                         for i in range(plist.get_nfilters()))
-    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0 or lossy or _enum(ds)
-
-
-def _enum(ds: h5py.Dataset) -> bool:
-    # Its integers name members: most flips give an integer that names none, a value the type cannot hold.
-    # (Still scanned, so that h5diff compares them.)
-    return h5py.check_enum_dtype(ds.dtype) is not None
+    if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0:
+        return "its data is stored outside the file"
+    # An enum's integers name members: most flips give an integer that names none, a value the type
+    # cannot hold. (Still scanned, so that h5diff compares them.)
+    if h5py.check_enum_dtype(ds.dtype) is not None:
+        return "enum values"
+    # The scale-offset filter rounds floats to a few decimals, so most flips would not be stored.
+    if ds.dtype.kind == "f" and any(plist.get_filter(i)[0] == h5py.h5z.FILTER_SCALEOFFSET
+                                    for i in range(plist.get_nfilters())):
+        return "floats behind HDF5's lossy scale-offset filter"
+    return None
 
 
 class Storage:
