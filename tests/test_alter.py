@@ -98,6 +98,7 @@ def test_scan_reads_every_numeric_dataset_with_its_layout_and_class(mixed):
     ("model/model.norm.weight", {"module_type": "LlamaRMSNorm", "kind": "parameter"}, "norm_weight"),
     ("model/bn1.num_batches_tracked", {"module_type": "BatchNorm2d", "kind": "buffer"}, "norm_stats"),
     ("model/transformer.wte.weight", {"module_type": "Embedding", "kind": "parameter"}, "embedding"),
+    ("model/rope.inv_freq", {"module_type": b"Embedding", "kind": b"buffer"}, "other"),  # fixed-length strings
     ("model/rotary_emb.inv_freq", {"module_type": "LlamaRotaryEmbedding", "kind": "buffer"}, "other"),
     ("optimizer/state/fc.weight/exp_avg", {}, "optimizer"),
     ("model_weights/batch_normalization/batch_normalization/moving_mean:0", {}, "norm_stats"),

@@ -89,9 +89,14 @@ FLOAT_LAYOUTS = {"float16": Layout("float16", 16, 5), "bfloat16": Layout("bfloat
                  "float32": Layout("float32", 32, 8), "float64": Layout("float64", 64, 11)}
 
 
+def _attr_text(attrs, key: str) -> str:
+    # h5py reads a variable-length string attribute as str, a fixed-length one as bytes.
+    value = attrs.get(key, b"")
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _is_bfloat16(ds: h5py.Dataset) -> bool:
-    tag = ds.attrs.get("dtype", b"")
-    tag = tag.decode() if isinstance(tag, bytes) else str(tag)
+    tag = _attr_text(ds.attrs, "dtype")
     return ds.dtype.kind == "u" and ds.dtype.itemsize == 2 and (tag.lower() in ("bfloat16", "bf16")
                                                                  or ds.name.lower().endswith(("bf16", "bfloat16")))
 
@@ -155,10 +160,7 @@ def location_class(path: str, attrs) -> str:
     owner = parts[:-1]
     if leaf in _STATS:
         return "norm_stats"
-    module_type = attrs.get("module_type", b"")
-    module_type = (module_type.decode() if isinstance(module_type, bytes) else str(module_type)).lower()
-    kind = attrs.get("kind", b"")
-    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    module_type, kind = _attr_text(attrs, "module_type").lower(), _attr_text(attrs, "kind")
     if module_type:
         if "norm" in module_type:
             return "norm_weight"
