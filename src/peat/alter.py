@@ -493,16 +493,14 @@ class Plan:
         return np.array(masks, dtype=np.uint64)
 
 
-def _nonfinite_targets(masks: np.ndarray, layout: Layout) -> np.ndarray:
-    """For each mask, the exponent field that the mask turns into all ones (NaN/Inf)."""
-    full = (1 << layout.exponent) - 1
-    exp_part = (masks >> np.uint64(layout.mantissa)) & np.uint64(full)
-    return (np.uint64(full) ^ exp_part).astype(np.int64)
-
-
 def _exponent_field(raw: np.ndarray, layout: Layout) -> np.ndarray:
     full = (1 << layout.exponent) - 1
     return ((raw >> raw.dtype.type(layout.mantissa)) & raw.dtype.type(full)).astype(np.int64)
+
+
+def _nonfinite_targets(masks: np.ndarray, layout: Layout) -> np.ndarray:
+    """For each mask, the exponent field that the mask turns into all ones (NaN/Inf)."""
+    return ((1 << layout.exponent) - 1) ^ _exponent_field(masks, layout)
 
 
 # ---------------------------------------------------------------------------------------------
