@@ -231,8 +231,13 @@ def scan(path: str | os.PathLike) -> list[Entry]:
         try:
             f.visititems(visit)
         except (OSError, RuntimeError) as err:
-            raise PeatError(f"{path}: damaged HDF5 file ({str(err).split('(')[0].strip()})") from None
+            raise PeatError(f"{path}: damaged HDF5 file ({_h5_reason(err)})") from None
     return sorted(entries, key=lambda e: e.path)
+
+
+def _h5_reason(err: Exception) -> str:
+    """h5py's message up to HDF5's parenthesised detail ("Can't synchronously read data (...)")."""
+    return str(err).split("(")[0].strip()
 
 
 def links(path: str | os.PathLike, listed: list[str]) -> dict[str, str]:
@@ -333,7 +338,7 @@ class Storage:
                 try:
                     data = f[entry.path][()]
                 except (OSError, RuntimeError) as err:
-                    raise PeatError(f"{self.name}: cannot read {entry.path} ({str(err).split('(')[0].strip()})") from None
+                    raise PeatError(f"{self.name}: cannot read {entry.path} ({_h5_reason(err)})") from None
             self._arrays[entry.path] = np.ascontiguousarray(data).reshape(-1).view(_raw_dtype(entry.dtype))
         return self._arrays[entry.path]
 
