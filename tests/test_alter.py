@@ -378,6 +378,18 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(mixed, tmp_path, capsy
     assert not (tmp_path / "o.h5").exists()
 
 
+def test_a_damaged_object_header_fails_the_scan_with_one_line(tmp_path):
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f["g/d"] = np.arange(10, dtype=np.float32)
+        header = h5py.h5o.get_info(f["g/d"].id).addr
+    data = bytearray(src.read_bytes())
+    data[header:header + 16] = b"\xff" * 16
+    src.write_bytes(data)
+    with pytest.raises(PeatError, match=rf"^{src}: damaged HDF5 file \(Object visitation failed\)$"):
+        A.scan(src)
+
+
 def test_a_damaged_chunk_is_reported_in_the_input_not_its_temporary_copy(tmp_path, capsys):
     src = tmp_path / "in.h5"
     with h5py.File(src, "w") as f:
