@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import json
+import re
 import subprocess
 import sys
 
@@ -878,6 +879,14 @@ def test_isolated_elements_bound_the_components_from_below():
             around = ndimage.convolve(mask.astype(np.int16), np.ones((3, 3), np.int16), mode="constant")
             assert tensor_stats.isolated(mask) == np.count_nonzero(mask & (around == 1))
             assert tensor_stats.isolated(mask) <= ndimage.label(mask, structure=np.ones((3, 3)))[1]
+
+
+def test_every_exported_c_loop_has_its_ctypes_signature():
+    """Without one, ctypes passes and returns C ints: pointers and int64 counts would be cut to 32 bits."""
+    from peat import tensor_stats
+
+    exported = re.findall(r"^(?:CLONES )?(?:void|int64_t) (peat_\w+)\(", tensor_stats.SOURCE, re.MULTILINE)
+    assert sorted(exported) == sorted(tensor_stats._SIGNATURES)
 
 
 def test_scores_of_a_candidate_shaped_unlike_golden_raise_with_and_without_the_c_loops(monkeypatch):

@@ -330,28 +330,26 @@ def _build() -> Path:
     return target
 
 
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# Each C function's argument and return types: ctypes would pass a Python int as a C int (32 bits).
+_SIGNATURES = {
+    "peat_moments": ([_P, _I64, ctypes.c_float, _P], None),
+    "peat_compare": ([_P, *[_I64] * 6, _P, ctypes.c_int, *[_P] * 5], None),
+    "peat_periods": ([_P, _I64, _I64, _P, _P], None),
+    "peat_beyond": ([_P, _I64, ctypes.c_double, _P, ctypes.c_int, *[_P] * 4], None),
+    "peat_column_sums": ([_P, *[_I64] * 3, _P, _I64, *[_P] * 3], None),
+    "peat_squared_deviations": ([_P, _I64, ctypes.c_double, _P], None),
+    "peat_isolated": ([_P, _I64, _I64, _P], _I64),
+}
+
+
 def _library():
     if not _LIB:
         try:
             lib = ctypes.CDLL(str(_build()))
-            lib.peat_moments.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
-            lib.peat_moments.restype = None
-            lib.peat_compare.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_int,
-                                         *[ctypes.c_void_p] * 5]
-            lib.peat_compare.restype = None
-            lib.peat_periods.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                         ctypes.c_void_p]
-            lib.peat_periods.restype = None
-            lib.peat_beyond.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_int,
-                                        *[ctypes.c_void_p] * 4]
-            lib.peat_beyond.restype = None
-            lib.peat_column_sums.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64,
-                                             *[ctypes.c_void_p] * 3]
-            lib.peat_column_sums.restype = None
-            lib.peat_squared_deviations.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p]
-            lib.peat_squared_deviations.restype = None
-            lib.peat_isolated.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-            lib.peat_isolated.restype = ctypes.c_int64
+            for name, (args, result) in _SIGNATURES.items():
+                getattr(lib, name).argtypes = args
+                getattr(lib, name).restype = result
         except (OSError, subprocess.SubprocessError):
             lib = None  # no compiler or no writable cache: torch or numpy do the work
         _LIB.append(lib)
