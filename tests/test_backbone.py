@@ -76,6 +76,10 @@ BAD_CONFIGS = [
     (lambda c: c["models"]["resnet18_parity"].update(init_from="ghost"), "models.resnet18_parity.init_from", "unknown model"),
     (lambda c: c["models"]["resnet18_parity"].update(init_from="gpt2"), "models.resnet18_parity.init_from",
      "'gpt2' is a gpt2, not a resnet18"),
+    # Layers the base lacks failed the job after the base's training; another width loaded nothing.
+    (lambda c: c["models"].update(gpt2_deep=c["models"]["gpt2"] | {
+        "init_from": "gpt2", "size": {"hidden": 32, "layers": 2, "heads": 2}}),
+     "models.gpt2_deep.size", "'layers': 2, 'heads': 2, 'intermediate': 128} is not the size of init_from model 'gpt2'"),
     (lambda c: c["models"]["resnet18"].update(init_from="resnet18_parity"), "models.resnet18.init_from",
      "in a cycle (resnet18 -> resnet18_parity -> resnet18)"),
     (lambda c: c["models"].update(resnet18=c["models"]["resnet18"] | {"init_from": "resnet18_ft"},

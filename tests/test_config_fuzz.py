@@ -94,3 +94,13 @@ def test_valid_configs_pass_and_get_defaults():
         validate(cfg, SCHEMA)
         assert cfg["models"]["resnet18"]["optimizer"]["name"] == "sgd"
         assert all("every" in m["record"] for m in cfg["models"].values())
+
+
+def test_a_section_of_the_wrong_type_is_not_dumped_into_the_line():
+    """The message held the value's whole repr: models given as a list printed every model's spec."""
+    cfg = copy.deepcopy(VALID)
+    cfg["models"] = list(cfg["models"].values())
+    with pytest.raises(PeatError) as err:
+        validate(cfg, SCHEMA)
+    assert str(err.value).startswith("config key 'models': [{'arch': 'resnet18'")
+    assert str(err.value).endswith(" ...] is not of type 'object'") and len(str(err.value)) < 120

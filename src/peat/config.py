@@ -11,7 +11,7 @@ import yaml
 
 from .data import sizes
 from .io import PeatError
-from .models import IMAGE_ARCHS, layer_ops
+from .models import IMAGE_ARCHS, language_size, layer_ops
 from .profiler import check_records_a_step, match_names
 
 # Sources prepared as images (peat.data.prepare); the others are byte-level text.
@@ -22,8 +22,17 @@ def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 
 
+def _short(value, limit: int = 60) -> str:
+    """repr() of a config value, cut: a whole section given as a list was dumped into the line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]} ...{text[-1]}"
+
+
 def _message(err: jsonschema.ValidationError) -> str:
     key = _key(err.absolute_path)
+    if err.validator == "type":
+        types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        return f"config key '{key}': {_short(err.instance)} is not of type {', '.join(map(repr, types))}"
     if err.validator == "enum":
         return f"config key '{key}': {err.instance!r} is not allowed; allowed: {', '.join(map(str, err.validator_value))}"
     if err.validator == "required":
@@ -33,7 +42,7 @@ def _message(err: jsonschema.ValidationError) -> str:
         return f"config key '{key}': {err.message}"
     if err.validator in ("oneOf", "anyOf") and err.context and all(
             e.validator == "type" and not e.relative_path for e in err.context):  # said only "not valid under any"
-        return f"config key '{key}': {err.instance!r} is not of type {', '.join(repr(e.validator_value) for e in err.context)}"
+        return f"config key '{key}': {_short(err.instance)} is not of type {', '.join(repr(e.validator_value) for e in err.context)}"
     if err.validator == "pattern" and "pattern_means" in err.schema:  # the schema's own word for a long regex
         return f"config key '{key}': {err.instance!r} is not {err.schema['pattern_means']}"
     return f"config key '{key}': {err.message}"
@@ -131,6 +140,13 @@ def _cross_check(config: dict) -> None:
             # Its checkpoint would not load: the job would fail only after the base model's training.
             raise PeatError(f"config key 'models.{name}.init_from': {base!r} is a {models[base]['arch']}, "
                             f"not a {model['arch']}")
+        if base is not None and model["arch"] not in IMAGE_ARCHS:
+            # Layers the base lacks failed the job after the base's training; other widths were skipped
+            # by the checkpoint load, a fine-tuning that silently started from scratch.
+            own, theirs = language_size(model.get("size")), language_size(models[base].get("size"))
+            if own != theirs:
+                raise PeatError(f"config key 'models.{name}.size': {own} is not the size of init_from model "
+                                f"{base!r} ({theirs}), whose checkpoint it starts from")
         _check_schedule(name, model)
         _check_batch(name, model, datasets[model["dataset"]])
         # A glob matching no layer failed the golden training job, which records these layers.
@@ -177,8 +193,8 @@ def _check_schedule(name: str, model: dict) -> None:
     if limit is not None and model["batch_size"] > limit:  # no full batch: the training would stop at once
         raise PeatError(f"config key 'models.{name}.batch_size': {model['batch_size']} is more than "
                         f"max_train_samples ({limit})")
-    size = model.get("size") or {}
-    hidden, heads = size.get("hidden", 64), size.get("heads", 4)  # peat.models' defaults
+    size = language_size(model.get("size"))
+    hidden, heads = size["hidden"], size["heads"]
     if model["arch"] not in IMAGE_ARCHS and hidden % heads:
         raise PeatError(f"config key 'models.{name}.size.heads': {heads} heads do not divide the hidden size {hidden}")
     optimizer = model.get("optimizer") or {}

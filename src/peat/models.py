@@ -101,11 +101,19 @@ def _remember(path: Path, layout: dict) -> None:
         pass  # a read-only home: the checks still run, each parse builds the model again
 
 
+def language_size(size: dict | None) -> dict[str, int]:
+    """A language model's ``size`` with its defaults filled in (image models take no size)."""
+    size = size or {}
+    hidden = size.get("hidden", 64)
+    return {"hidden": hidden, "layers": size.get("layers", 2), "heads": size.get("heads", 4),
+            "intermediate": size.get("intermediate", 4 * hidden)}
+
+
 def _language_model(arch: str, size: dict, vocab: int, seq_len: int) -> nn.Module:
     import transformers
 
-    hidden, layers = size.get("hidden", 64), size.get("layers", 2)
-    heads, inner = size.get("heads", 4), size.get("intermediate", 4 * size.get("hidden", 64))
+    size = language_size(size)
+    hidden, layers, heads, inner = size["hidden"], size["layers"], size["heads"], size["intermediate"]
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers,
