@@ -32,17 +32,20 @@ def test_top10_does_not_depend_on_where_the_largest_errors_lie():
 
 
 def test_ulp_distance_counts_representable_floats_across_zero():
+    def ulp(candidate, golden):
+        return scores.difference(candidate, scores.Golden.of(golden)).bits["ulp_max"]
+
     one = torch.tensor([1.0])
-    assert int(scores.ulp_distance(torch.nextafter(one, torch.tensor([2.0])), one)) == 1
+    assert ulp(torch.nextafter(one, torch.tensor([2.0])), one) == 1
     tiny = torch.tensor([1e-45])  # the smallest subnormal
-    assert int(scores.ulp_distance(tiny, -tiny)) == 2
-    assert int(scores.ulp_distance(torch.tensor([0.0]), torch.tensor([-0.0]))) == 0
+    assert ulp(tiny, -tiny) == 2
+    assert ulp(torch.tensor([0.0]), torch.tensor([-0.0])) == 0
 
 
 def test_bit_histogram_names_the_flipped_bits():
     golden = torch.linspace(-3, 3, 100)
     flipped = errors.parse("bit_flip:30:5").apply(golden, torch.Generator().manual_seed(0))
-    hist = scores.bit_histogram(flipped, golden)
+    hist = scores.difference(flipped, scores.Golden.of(golden)).bits["bits"]
     assert hist[30] == 5 and hist.sum() == 5
 
 

@@ -65,7 +65,7 @@ class Diff:
     err: np.ndarray               # abs_error(candidate, golden)
     top: float                    # its largest value
     nonzero: np.ndarray | None    # its nonzero values in flat order when every one is finite (summary reorders them)
-    bits: dict                    # bit_scores(candidate, gold)
+    bits: dict                    # the bit-level scores (_bits_found)
 
 
 def difference(candidate: torch.Tensor, gold: Golden) -> Diff:
@@ -153,35 +153,12 @@ def _top(values: np.ndarray, k: int, nonzero: np.ndarray | None = None) -> np.nd
     return nonzero[n - k:]
 
 
-def ordered_bits(t: torch.Tensor) -> torch.Tensor:
-    """float32 bit patterns mapped to int64 so that adjacent floats differ by one (ULP order)."""
-    bits = t.float().contiguous().view(torch.int32).long()
-    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
-
-
-def ulp_distance(candidate: torch.Tensor, golden: torch.Tensor, golden_bits: torch.Tensor | None = None) -> torch.Tensor:
-    """Number of representable float32 values between candidate and golden, per element."""
-    golden_bits = ordered_bits(golden) if golden_bits is None else golden_bits
-    return (ordered_bits(candidate) - golden_bits).abs()
-
-
 # Bit b of every byte value, for the per-bit histogram of a byte histogram.
 _BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.int64)
 
 
-def xor_bits(candidate: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
-    """Bitwise XOR of the float32 patterns of candidate and golden (int32)."""
-    return candidate.float().contiguous().view(torch.int32) ^ golden.float().contiguous().view(torch.int32)
-
-
-def bit_histogram(candidate: torch.Tensor, golden: torch.Tensor, xor: torch.Tensor | None = None) -> np.ndarray:
-    """Count of elements whose bit ``b`` (0 = mantissa LSB, 31 = sign) differs, for b in 0..31."""
-    xor = xor_bits(candidate, golden) if xor is None else xor
-    return _bit_counts(xor.reshape(-1).numpy())
-
-
 def _bit_counts(xor: np.ndarray) -> np.ndarray:
-    """``bit_histogram`` of int32 XOR patterns."""
+    """Per bit ``b`` (0 = mantissa LSB, 31 = sign), how many int32 XOR patterns have it set."""
     # Four byte histograms (one pass each) instead of 32 bit passes, skipping the bytes no
     # element has a bit set in (rounding differences leave sign and exponent bytes clear).
     xor = xor.astype("<i4", copy=False)
@@ -306,23 +283,18 @@ def spatial(m, top: float | None = None) -> dict:
             "map": small.reshape(-1), "map_rows": small.shape[0], "map_cols": small.shape[1]}
 
 
-def bit_scores(candidate: torch.Tensor, gold: Golden) -> dict:
-    """ULP distance (median, max), fraction of differing elements, non-finite count and bit
-    histogram, from the float32 bit patterns (``peat.tensor_stats.compare``'s one pass, or
-    numpy's)."""
-    candidate = candidate.detach().float().cpu()
-    return _bits_found(candidate, gold, tensor_stats.compare(candidate, gold.matrix, gold.finite))
-
-
 def _bits_found(candidate: torch.Tensor, gold: Golden, found: dict | None) -> dict:
-    """``bit_scores`` from what ``tensor_stats.compare`` found (None: without the C loop)."""
+    """The bit-level scores from the float32 bit patterns: ULP distance (median, max), fraction of
+    differing elements, non-finite count (where golden is finite) and the histogram of differing
+    bit positions (``_bit_counts``), from what ``tensor_stats.compare`` found (None: without
+    the C loop, numpy's)."""
     if found is None:
         return _bit_scores_numpy(candidate.contiguous().view(torch.int32).reshape(-1).numpy(), gold)
     return _bit_scores_of(found["counts"], found["ulp"])
 
 
 def _bit_scores_of(counts: np.ndarray, ulp: np.ndarray) -> dict:
-    """``bit_scores`` from ``tensor_stats.compare``'s counts and ULP distances."""
+    """``_bits_found`` from ``tensor_stats.compare``'s counts and ULP distances."""
     n = ulp.size
     ndiff = int(counts[32])
     median = 0  # when most elements agree
@@ -334,7 +306,7 @@ def _bit_scores_of(counts: np.ndarray, ulp: np.ndarray) -> dict:
 
 
 def _bit_scores_numpy(bits: np.ndarray, gold: Golden) -> dict:
-    """``bit_scores`` without the C loop. Elements whose bits agree contribute zeros only, so
+    """``_bits_found`` without the C loop. Elements whose bits agree contribute zeros only, so
     the rest works on the differing elements alone unless they are most of the tensor."""
     xor = bits ^ gold.bits
     n = xor.size
@@ -356,8 +328,9 @@ def _bit_scores_numpy(bits: np.ndarray, gold: Golden) -> dict:
 
 
 def _ordered(bits: np.ndarray) -> np.ndarray:
-    """``ordered_bits`` of int32 float32 patterns, still int32 (they fit; their differences
-    need int64): a negative pattern -2^31 + L maps to -L, branch-free (sign = -1 there)."""
+    """int32 float32 patterns mapped so that adjacent floats differ by one (ULP order), still
+    int32 (they fit; their differences need int64): a negative pattern -2^31 + L maps to -L,
+    branch-free (sign = -1 there)."""
     sign = bits >> 31
     return (bits ^ (sign & 0x7FFFFFFF)) - sign
 
