@@ -313,6 +313,19 @@ def test_verdicts_link_to_analyzer_figures(tmp_path):
          "injected": "bit_flip:exponent"}]
 
 
+def test_golden_training_curves_carry_their_own_caption(tmp_path):
+    """The golden_curves rule's caption file (Snakemake's report) captions the collated page too:
+    named after the rule instead of <stage>_<figure>.rst, it was not found there."""
+    metrics = tmp_path / "metrics.csv"
+    pd.DataFrame({"step": [0, 1], "epoch": [1, 1], "split": ["train", "val"], "loss": [2.0, 1.7],
+                  "accuracy": [0.1, 0.3], "perplexity": [float("nan")] * 2}).to_csv(metrics, index=False)
+    fig = training_curves(metrics, tmp_path / "results/golden/gpt2/cpu/training_curves.png", title="t", dpi=30)
+    page = build([fig], tmp_path / "out", name="t", models=["gpt2"], vendors=["cpu"],
+                 captions=REPO / "workflow/report").read_text()
+    caption = page.split("<figcaption>", 1)[1].split("</figcaption>", 1)[0]
+    assert "Golden training of gpt2 on cpu, the trusted run every other stage compares against." in caption
+
+
 def test_a_kernel_with_nothing_to_replay_is_not_a_green_pass(tmp_path):
     """A batch-norm kernel on a model that records no batch-norm layer: the Detector's pass
     (confidence 0, evidence applicable: false) showed as a green pass row."""

@@ -16,7 +16,7 @@ rule golden_curves:
     output:
         report(
             golden("{model}", "{vendor}", "training_curves.png"),
-            caption="../report/golden_curves.rst",
+            caption="../report/golden_training_curves.rst",
             category="Golden training",
             subcategory="{model}",
             labels={
