@@ -142,6 +142,17 @@ def test_golden_with_its_own_non_finite_values(bad):
     assert classify(faulty, golden, env) == "random_zero"
 
 
+def test_lanes_are_filled_columns_or_rows_in_one_stride():
+    cols = np.zeros((8, 32), dtype=bool)
+    cols[:, 2::4] = True
+    assert evidence._lanes(cols, detect.Rules()) == {"lane_cover": 1.0, "lane_stride": 4, "lane_axis": "col"}
+    assert evidence._lanes(cols.T.copy(), detect.Rules()) == {"lane_cover": 1.0, "lane_stride": 4, "lane_axis": "row"}
+    none = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
+    assert evidence._lanes(np.where(np.arange(8)[:, None] < 3, cols, False), detect.Rules()) == none  # 3 of 8 filled
+    cols[:, 6] = False  # 7 of the progression's 8 lanes: less than COVER of them
+    assert evidence._lanes(cols, detect.Rules()) == none
+
+
 @pytest.mark.parametrize("computation", ["forward", "weight_grad"])
 def test_single_element_faults_on_a_two_class_head_are_not_lanes(computation):
     """A binary head (resnet18_parity's fc) has a forward output of 2 columns and a weight

@@ -197,17 +197,18 @@ def _lanes(m: np.ndarray, rules: Rules) -> dict:
     (a single filled lane counts when it holds >= 2 wrong elements; lanes of one wrong element,
     a vector's or a 2-row view's, need >= 3 of them)."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
-    for axis, counts, rows in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
-                               ("row", np.count_nonzero(m, axis=1), m.shape[1])):
-        cols = len(counts)
-        if cols < 2:
+    # Lanes are the columns, then the rows: counts holds each one's wrong elements, of ``length``.
+    for axis, counts, length in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
+                                 ("row", np.count_nonzero(m, axis=1), m.shape[1])):
+        n_lanes = len(counts)
+        if n_lanes < 2:
             continue
-        lanes = np.flatnonzero(counts >= rules.fill * rows)
+        lanes = np.flatnonzero(counts >= rules.fill * length)
         # One or two lanes of one wrong element each (a vector, or half of a 2-long lane) are no period.
         if len(lanes) == 0 or (len(lanes) < 3 and counts[lanes].max() < 2):
             continue
-        stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else cols
-        expected = len(range(lanes[0] % stride, cols, stride)) if stride < cols else 1
+        stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else n_lanes
+        expected = len(range(lanes[0] % stride, n_lanes, stride)) if stride < n_lanes else 1
         if stride < 2 or len(lanes) < rules.cover * expected:
             continue
         cover = float(counts[lanes].sum() / counts.sum())
