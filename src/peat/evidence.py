@@ -108,8 +108,8 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     non-finite values where golden is finite) and ``gold`` (``Golden.of(golden)``) may be
     passed in when already computed, and ``top``, ``diff``'s largest value. With ``env`` from
     ``envelopes``, G is measured against its per-tile envelope and S is compared with the
-    references' footprints; with a plain dict (a table row), against ``taurp`` and no footprint. The layout of S and of G is only worked
-    out when the rules can need it.
+    references' footprints; with a plain dict (a table row), against ``taurp`` and no
+    footprint. The layout of S and of G is only worked out when the rules can need it.
     """
     gold = Golden.of(golden) if gold is None else gold
     diff = abs_error(candidate, golden, gold) if diff is None else diff
@@ -121,10 +121,10 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     over32, gross, n32, ngross, ratio = _beyond(diff, env["tau32"], bound)
     out = {"numel": int(diff.size), "nonfinite": nonfinite, "err_over_tau32": top / env["tau32"],
            "err_over_taurp": ratio if isinstance(bound, np.ndarray) else top / bound, "n32": n32, "ngross": ngross}
-    out["s_rounding"] = rounding_footprint(over32, out["n32"], env, rules.cover) if out["n32"] else ""
+    out["s_rounding"] = rounding_footprint(over32, n32, env, rules.cover) if n32 else ""
     s = shape(over32, candidate, gold, env["tau32"], rules, layout=not out["s_rounding"])
     out |= {f"s_{k}": v for k, v in s.items()}
-    needs_gross = out["ngross"] > 0 and out["n32"] > 0 and (out["s_rounding"] or shape_class(out, "s_", rules) is None)
+    needs_gross = ngross > 0 and n32 > 0 and (out["s_rounding"] or shape_class(out, "s_", rules) is None)
     g = shape(gross, candidate, gold, bound, rules, layout=needs_gross, lone=True)
     out |= {f"g_{k}": v for k, v in g.items()}
     return out
