@@ -376,7 +376,6 @@ def _match(pattern: str, path: str) -> bool:
 def select(entries: list[Entry], patterns: list[str], classes: list[str], source) -> list[Entry]:
     """Datasets matching any pattern (all if none) and any class (all if none); errors name the file."""
     chosen = entries
-    names = [e.path.lstrip("/") for e in entries]
     for pattern in patterns:
         if pattern.startswith("re:"):
             try:
@@ -384,22 +383,7 @@ def select(entries: list[Entry], patterns: list[str], classes: list[str], source
             except re.error as err:
                 raise PeatError(f"--select {pattern!r}: bad regular expression ({err})") from None
         if not any(_match(pattern, e.path) for e in entries):
-            named = {name: target for name, target in links(source, [e.path for e in entries]).items()
-                     if _match(pattern, name)}
-            if named:  # a tied weight's second name (peat checkpoints: GPT-2's lm_head.weight)
-                name, target = next(iter(named.items()))
-                raise PeatError(f"{source}: {pattern!r} names {name.lstrip('/')}, a link to {target.lstrip('/')} "
-                                f"(one tensor under two names): select {target.lstrip('/')}")
-            named = _named(source, pattern)
-            if named:
-                raise PeatError(f"{source}: {pattern!r} {named}")
-            never = {name: why for name, why in unalterable(source).items() if _match(pattern, name)}
-            if never:  # there, but empty, not numeric, or stored where a flip would not stay in this copy
-                name, why = next(iter(never.items()))
-                raise PeatError(f"{source}: {pattern!r} names {name.lstrip('/')}, which peat never alters ({why})")
-            close = difflib.get_close_matches(pattern.removeprefix("re:").lstrip("/"), names, n=5, cutoff=0.3)
-            hint = f"closest: {', '.join(close)}" if close else f"datasets: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
-            raise PeatError(f"{source}: no numeric dataset matches {pattern!r}; {hint}")
+            raise PeatError(f"{source}: {_no_match(pattern, entries, source)}")
     if patterns:
         chosen = [e for e in chosen if any(_match(p, e.path) for p in patterns)]
     if classes:
@@ -409,6 +393,26 @@ def select(entries: list[Entry], patterns: list[str], classes: list[str], source
                 raise PeatError(f"{source}: no dataset of class {cls!r} among the selected ones; present: {', '.join(present)}")
         chosen = [e for e in chosen if e.cls in classes]
     return chosen
+
+
+def _no_match(pattern: str, entries: list[Entry], source) -> str:
+    """Why a pattern selects no dataset: what it names instead, else the closest names."""
+    named = {name: target for name, target in links(source, [e.path for e in entries]).items() if _match(pattern, name)}
+    if named:  # a tied weight's second name (peat checkpoints: GPT-2's lm_head.weight)
+        name, target = next(iter(named.items()))
+        return (f"{pattern!r} names {name.lstrip('/')}, a link to {target.lstrip('/')} "
+                f"(one tensor under two names): select {target.lstrip('/')}")
+    named = _named(source, pattern)
+    if named:
+        return f"{pattern!r} {named}"
+    never = {name: why for name, why in unalterable(source).items() if _match(pattern, name)}
+    if never:  # there, but empty, not numeric, or stored where a flip would not stay in this copy
+        name, why = next(iter(never.items()))
+        return f"{pattern!r} names {name.lstrip('/')}, which peat never alters ({why})"
+    names = [e.path.lstrip("/") for e in entries]
+    close = difflib.get_close_matches(pattern.removeprefix("re:").lstrip("/"), names, n=5, cutoff=0.3)
+    hint = f"closest: {', '.join(close)}" if close else f"datasets: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+    return f"no numeric dataset matches {pattern!r}; {hint}"
 
 
 # ---------------------------------------------------------------------------------------------
