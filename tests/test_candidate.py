@@ -156,6 +156,17 @@ def test_candidate_training_leaves_no_empty_checkpoints_folder(digits, tmp_path)
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
+def test_a_kernel_writing_into_its_input_fails_its_run_naming_it(digits, tmp_path):
+    """In training the input is another layer's output: a kernel scaling it in place trained on
+    with the residual stream and the saved tensors changed, status ok (playback's copies hid it)."""
+    record = train_crashing_kernel(digits, tmp_path, "import torch.nn.functional as F\n\n"
+                                   "def forward(x, weight, bias):\n    x.mul_(2.0)\n"
+                                   "    return F.linear(x, weight, bias)\n")
+    assert record["status"] == "crash"
+    assert record["message"] == ("WroteInput: kernel 'raises' forward at layer 'fc' wrote into its input x in place, "
+                                 "which training reads again: leave the inputs as they are and return a new tensor")
+
+
 def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
     """A crash leaves the candidate curve empty, NaN after the merge: outcome.json said
     nonfinite_loss: true, the flag meant for a kernel whose training went NaN."""

@@ -844,7 +844,7 @@ def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
     # x contiguous as playback's recorded one (a no-op in the shipped models); the weight is the
     # parameter itself: a transposed layer's is a non-contiguous view, and playback lays it out so too.
     args, kwargs = arguments(kernel.op, "forward", {"A": x.contiguous(), "W": weight, "B": bias, **state}, plan.attrs)
-    return _checked_result(kernel, "forward", kernel.forward(*args, **kwargs),
+    return _checked_result(kernel, "forward", _untouched(plan, "forward", kernel.forward, args, kwargs),
                            output_shape(kernel.op, x, weight, plan.attrs), x.dtype)
 
 
@@ -853,7 +853,31 @@ def _kernel_grad(plan: _Plan, state: dict, computation: str, grad_out, x, weight
     sample = {"A": x.contiguous(), "W": weight, "dO": grad_out.contiguous(), **state}
     args, kwargs = arguments(kernel.op, computation, sample, plan.attrs)
     like = x if computation == "input_grad" else weight
-    return _checked_result(kernel, computation, kernel.computation(computation)(*args, **kwargs), like.shape, like.dtype)
+    return _checked_result(kernel, computation, _untouched(plan, computation, kernel.computation(computation), args, kwargs),
+                           like.shape, like.dtype)
+
+
+class WroteInput(PeatError):
+    """A kernel wrote into one of its positional inputs in place (outcome ``crash``)."""
+
+
+def _untouched(plan: _Plan, computation: str, func: Callable, args: list, kwargs: dict):
+    """``func(*args, **kwargs)``, refused when it wrote into a positional input: in training that
+    input is another layer's output or a parameter, which the rest of the forward, autograd's saved
+    tensors and the optimizer then read changed, and the run trained on with no error (playback's
+    fresh copies hide it). Only the version counter is read, so writes through ``.data`` or from C++
+    pass unseen; the running statistics a batch norm updates by contract are keyword arguments."""
+    versions = [a._version if torch.is_tensor(a) else None for a in args]
+    value = func(*args, **kwargs)
+    for i, (arg, version) in enumerate(zip(args, versions)):
+        if version is not None and arg._version != version:
+            names = {"forward": "x weight bias", "weight_grad": "grad_out x",
+                     "input_grad": "grad_out weight" if plan.kernel.op in ("linear", "conv2d") else "grad_out x weight"}
+            raise WroteInput(f"kernel {plan.kernel.name!r} {computation} at layer {plan.layer!r} wrote into its input "
+                             f"{names[computation].split()[i]} in place, which training reads again: leave the "
+                             "inputs as they are and return a new tensor")
+    return value
+
 
 
 class ShapeMismatch(PeatError):
