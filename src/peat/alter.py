@@ -788,22 +788,7 @@ def _log_scale(log) -> float | None:
 
 def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[Edit]:
     """Edits that repeat a log exactly: same datasets, positions and bits (or scale factor)."""
-    try:
-        data = json.loads(Path(log).read_text())
-        rows, scale = data["injections"], data.get("scale")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise PeatError(f"{log}: not a peat alter injection log ({type(err).__name__}: {err})") from None
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise PeatError(f"{log}: scale {scale!r} is not a number")
-    if not isinstance(rows, list):
-        raise PeatError(f"{log}: injections is not a list")
-    for i, row in enumerate(rows):
-        if not _well_formed(row, bit=scale is None):
-            raise PeatError(f"{log}: injection {i} needs dataset (a path), index (a list of integers)"
-                            + ("" if scale is not None else ", bit (an integer or a list of them)"))
-        if scale is None and isinstance(row["bit"], list) and len(set(row["bit"])) < len(row["bit"]):
-            twice = next(b for b in row["bit"] if row["bit"].count(b) > 1)  # its mask would carry into the next bit
-            raise PeatError(f"{log}: injection {i} lists bit {twice} twice")
+    rows, scale = _read_log(log)
     by_path = {e.path: e for e in entries}
     groups: dict[str, list[dict]] = {}
     for row in rows:
@@ -838,6 +823,27 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
             edits.append(Edit(entry, positions, xor=xor))
         _warn_if_different(storage, entry, positions, group, source, log)
     return edits
+
+
+def _read_log(log) -> tuple[list[dict], float | None]:
+    """A log's injections and scale factor, each row checked for the fields a replay reads."""
+    try:
+        data = json.loads(Path(log).read_text())
+        rows, scale = data["injections"], data.get("scale")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PeatError(f"{log}: not a peat alter injection log ({type(err).__name__}: {err})") from None
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise PeatError(f"{log}: scale {scale!r} is not a number")
+    if not isinstance(rows, list):
+        raise PeatError(f"{log}: injections is not a list")
+    for i, row in enumerate(rows):
+        if not _well_formed(row, bit=scale is None):
+            raise PeatError(f"{log}: injection {i} needs dataset (a path), index (a list of integers)"
+                            + ("" if scale is not None else ", bit (an integer or a list of them)"))
+        if scale is None and isinstance(row["bit"], list) and len(set(row["bit"])) < len(row["bit"]):
+            twice = next(b for b in row["bit"] if row["bit"].count(b) > 1)  # its mask would carry into the next bit
+            raise PeatError(f"{log}: injection {i} lists bit {twice} twice")
+    return rows, scale
 
 
 def _well_formed(row, bit: bool) -> bool:
