@@ -855,6 +855,35 @@ def test_summary_of_cells_the_model_lacks(tmp_path):
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_diverged_loss_reads_nan_in_the_tables_not_empty_like_an_unmeasured_one(mixed, tmp_path, monkeypatch):
+    diverged = {"status": "ok", "reason": "", "altered_values": 1, "datasets_hit": 1, "nonfinite_injected": 0,
+                "altered_accuracy": 0.0, "altered_loss": np.nan, "final_accuracy": 0.0, "final_loss": np.nan,
+                "golden_accuracy": 0.5, "golden_loss": 0.9, "accuracy_loss_pct": 100.0, "loss_change_pct": np.inf,
+                "diverged": True, "epochs_to_recover": np.nan, "resumed_epochs": 1}
+    monkeypatch.setattr(S, "_cell", lambda *args: diverged)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes())
+    metrics = tmp_path / "metrics.csv"
+    pd.DataFrame({"split": ["val", "val"], "epoch": [1, 2], "accuracy": [0.5, 0.5], "loss": [1.0, 0.9]}).to_csv(metrics)
+    S.run_cells("m", {}, "cpu", 1, "weight", ["sign"], [1], [0], checkpoints=tmp_path / "ckpt", data="",
+                golden_metrics=metrics, tolerance=0.02, run_seed=0, threads=1, config_hash="",
+                out_csv=tmp_path / "part.csv", log_dir=tmp_path / "logs")
+    lacks = dict(model="m", vendor="cpu", epoch=1, cls="weight", region="sign", flips=10**6, seed=0,
+                 status="not_applicable", reason="too few values")
+    pd.DataFrame([lacks], columns=list(S.COLUMNS)).to_csv(tmp_path / "lacks.csv", index=False)
+    S.summarize([tmp_path / "part.csv", tmp_path / "lacks.csv"], tmp_path / "s.csv", tmp_path / "a.csv",
+                tmp_path / "h.png", 1.0)
+    for path in (tmp_path / "part.csv", tmp_path / "s.csv"):
+        row = pd.read_csv(path, keep_default_na=False).iloc[0]
+        assert [str(row[name]) for name in ("altered_loss", "final_loss", "loss_change_pct")] == ["nan", "nan", "inf"]
+        assert row["epochs_to_recover"] == ""  # never recovered
+    lacks_row = pd.read_csv(tmp_path / "s.csv", keep_default_na=False).iloc[1]
+    assert lacks_row["status"] == "not_applicable" and lacks_row["final_loss"] == ""
+    table = pd.read_csv(tmp_path / "s.csv")
+    assert np.isnan(table.loc[0, "final_loss"]) and table.loc[0, "final_accuracy"] == 0.0
+    assert pd.read_csv(tmp_path / "a.csv").loc[0, "diverged_runs"] == 1
+
+
 def test_a_hard_linked_dataset_is_altered_once_and_its_second_name_names_the_one_to_select(tmp_path):
     src = tmp_path / "in.h5"
     with h5py.File(src, "w") as f:

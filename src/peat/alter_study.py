@@ -26,6 +26,10 @@ COLUMNS = GRID + ("status", "reason", "altered_values", "datasets_hit", "nonfini
                   "altered_loss", "final_accuracy",
                   "final_loss", "golden_accuracy", "golden_loss", "accuracy_loss_pct", "loss_change_pct", "diverged",
                   "epochs_to_recover", "resumed_epochs")
+# A diverged run's NaN loss is a measurement: written as "nan", since an empty cell reads as not
+# measured (a not_applicable row) or, in epochs_to_recover, as never.
+MEASURED = ("altered_accuracy", "altered_loss", "final_accuracy", "final_loss", "golden_accuracy", "golden_loss",
+            "accuracy_loss_pct", "loss_change_pct")
 
 
 def check_config(config: dict) -> None:
@@ -66,8 +70,15 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
         print(rows[-1], flush=True)
     table = pd.DataFrame(rows, columns=list(COLUMNS))  # same columns when every cell is not_applicable
     table = table.assign(**columns(stamp(config_hash, vendor)))
-    write_csv(out_csv, table)
+    _write_table(out_csv, table)
     return table
+
+
+def _write_table(path: str | Path, table: pd.DataFrame) -> None:
+    out = table.astype({name: object for name in MEASURED})
+    for name in MEASURED:
+        out.loc[(table["status"] == "ok") & table[name].isna(), name] = "nan"
+    write_csv(path, out)
 
 
 def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run_seed, threads, config_hash, log):
@@ -122,10 +133,10 @@ def compare(run: pd.DataFrame, golden: pd.DataFrame, epoch: int, tolerance: floa
 
 
 def collect(parts: list[str | Path], out_csv: str | Path) -> pd.DataFrame:
-    table = pd.concat([pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in parts], ignore_index=True)
+    table = pd.concat([pd.read_csv(p, keep_default_na=False, na_values=["", "nan"]) for p in parts], ignore_index=True)
     table["diverged"] = table["diverged"].astype(str).eq("True")
     table = table.sort_values(list(GRID), kind="stable").reset_index(drop=True)
-    write_csv(out_csv, table)
+    _write_table(out_csv, table)
     return table
 
 
