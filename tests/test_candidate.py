@@ -58,6 +58,19 @@ def test_gpt2_conv1d_is_served_by_the_linear_kernel():
         assert a.grad.shape == b.grad.shape and torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
 
 
+def test_a_kernel_output_in_another_memory_layout_trains_as_golden():
+    """GPT-2's next Conv1D views its input: a correct forward result laid out transposed (a
+    column-major GEMM's) crashed candidate training with 'view size is not compatible', naming
+    neither the kernel nor the layer, while playback passed it."""
+    golden = kernels.golden("linear")
+    strided = kernels.Kernel("strided", "linear", lambda x, w, b: golden.forward(x, w, b).mT.contiguous().mT,
+                             golden.input_grad, golden.weight_grad, custom=("forward",))
+    plain = tiny_gpt2()
+    routed = copy.deepcopy(plain)
+    kernels.route(routed, strided, ["transformer.h.0.mlp.c_fc"])
+    assert torch.equal(gpt2_step(plain), gpt2_step(routed))
+
+
 def test_active_switches_between_kernel_and_golden():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32))

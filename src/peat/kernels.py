@@ -844,8 +844,11 @@ def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
     # x contiguous as playback's recorded one (a no-op in the shipped models); the weight is the
     # parameter itself: a transposed layer's is a non-contiguous view, and playback lays it out so too.
     args, kwargs = arguments(kernel.op, "forward", {"A": x.contiguous(), "W": weight, "B": bias, **state}, plan.attrs)
-    return _checked_result(kernel, "forward", _untouched(plan, "forward", kernel.forward, args, kwargs),
-                           output_shape(kernel.op, x, weight, plan.attrs), x.dtype)
+    out = _checked_result(kernel, "forward", _untouched(plan, "forward", kernel.forward, args, kwargs),
+                          output_shape(kernel.op, x, weight, plan.attrs), x.dtype)
+    # The model's code after the layer may view it (GPT-2's Conv1D does), as PyTorch's own ops give
+    # contiguous outputs: a correct result in another layout (a column-major GEMM's) is laid out so.
+    return out.contiguous()
 
 
 def _kernel_grad(plan: _Plan, state: dict, computation: str, grad_out, x, weight) -> torch.Tensor:
