@@ -495,8 +495,10 @@ def test_replaying_a_scale_log_on_other_values_warns(mixed, tmp_path, capsys):
         f["model/conv1.weight"][...] += 1
     A.alter(other, tmp_path / "r.h5", A.Plan(), replay=log)
     assert "5 value(s) of /model/conv1.weight" in capsys.readouterr().err
-    A.alter(mixed, tmp_path / "r.h5", A.Plan(), replay=log)
+    A.alter(mixed, tmp_path / "r.h5", A.Plan(), replay=log, log=tmp_path / "again.json")
     assert capsys.readouterr().err == ""
+    again, first = json.loads((tmp_path / "again.json").read_text()), json.loads(log.read_text())
+    assert again["scale"] == 3.0 and again["injections"] == first["injections"]  # the replay's log: the same scaling
 
 
 def test_a_log_without_bits_or_named_as_the_checkpoint_fails_with_one_line(mixed, tmp_path):

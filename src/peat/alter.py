@@ -733,10 +733,11 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
         raise PeatError(f"{src}: no numeric datasets to alter")
     reader = Storage(src, "r")
     if replay is not None:
-        edits = edits_from_log(replay, entries, reader, src)
+        edits, scale = edits_from_log(replay, entries, reader, src)
         takers = len({e.entry.path for e in edits})
     else:
         edits, takers = draw(select(entries, plan.select, plan.classes, src), reader, plan, src)
+        scale = plan.scale
     reader.close()
     t_select = time.perf_counter()
     with atomic_path(out) as tmp:
@@ -752,7 +753,7 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
         if log is not None:  # before the rename: a log that cannot be written leaves no output without it
             write_log(log, {"tool": "peat alter", "format": 1, "input": str(src), "bit_numbering": BIT_NUMBERING,
                             "plan": asdict(plan) if replay is None else {"replay": str(replay)},
-                            "scale": plan.scale if replay is None else _log_scale(replay)}, done)
+                            "scale": scale}, done)
         t_log = time.perf_counter()
     t_end = time.perf_counter()
     n = int(sum(len(e.positions) for e in edits))
@@ -782,12 +783,9 @@ def write_log(path, header: dict, done: list[dict]) -> None:
         f.write(("]" if first else "\n  ]") + tail)
 
 
-def _log_scale(log) -> float | None:
-    return json.loads(Path(log).read_text()).get("scale")
-
-
-def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[Edit]:
-    """Edits that repeat a log exactly: same datasets, positions and bits (or scale factor)."""
+def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> tuple[list[Edit], float | None]:
+    """Edits that repeat a log exactly: same datasets, positions and bits (or scale factor), and
+    that factor (None: bit flips)."""
     rows, scale = _read_log(log)
     by_path = {e.path: e for e in entries}
     groups: dict[str, list[dict]] = {}
@@ -822,7 +820,7 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> list[
             xor = np.array([sum(1 << (entry.layout.width - 1 - b) for b in bs) for bs in bits], np.uint64)
             edits.append(Edit(entry, positions, xor=xor))
         _warn_if_different(storage, entry, positions, group, source, log)
-    return edits
+    return edits, scale
 
 
 def _read_log(log) -> tuple[list[dict], float | None]:
