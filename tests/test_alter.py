@@ -556,7 +556,8 @@ def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(tmp_path / "r.h5"), "--replay", str(log)]) == 0
     assert sha(tmp_path / "r.h5") == sha(out)
     capsys.readouterr()
-    for option in (["--seed", "4"], ["--no-sign-change"], ["--no-nonfinite"]):  # the log decided them
+    for option in (["--seed", "4"], ["--no-sign-change"], ["--no-nonfinite"], ["--burst", "2"], ["--class", "bias"],
+                   ["--mask", "11"], ["--bits", "1-3"], ["--probability", "0.5"]):  # the log decided them
         assert main(["alter", str(mixed), str(tmp_path / "r2.h5"), "--replay", str(log), *option]) == 2
         assert "--replay repeats a log: do not combine it" in capsys.readouterr().err
     assert not (tmp_path / "r2.h5").exists()

@@ -987,11 +987,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cli_alter(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    if args.replay is not None and (args.select or args.classes or args.count is not None or args.fraction is not None
-                                    or args.probability is not None or args.region or args.bits or args.mask
-                                    or args.scale is not None or args.burst != 1 or args.no_sign_change
-                                    or args.no_nonfinite or args.seed is not None):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # Every option but the files and --in-place says what to alter and how, which a replayed log decides.
+    files = {"input", "output", "log", "replay", "in_place"}
+    if args.replay is not None and any(v != parser.get_default(k) for k, v in vars(args).items() if k not in files):
         raise PeatError("--replay repeats a log: do not combine it with selection, corruption or seed options")
     plan = Plan(select=args.select, classes=args.classes, count=args.count, fraction=args.fraction,
                 probability=args.probability, region=args.region, bits=args.bits, burst=args.burst, mask=args.mask,
