@@ -326,6 +326,18 @@ def test_golden_training_curves_carry_their_own_caption(tmp_path):
     assert "Golden training of gpt2 on cpu, the trusted run every other stage compares against." in caption
 
 
+def test_sdc_caption_names_the_columns_of_its_table(tmp_path):
+    """The SDC section's caption said <b>step</b>; the table's column is detection_step."""
+    drill = tmp_path / "results/sdc/gpt2/nan_grad.json"
+    drill.parent.mkdir(parents=True)
+    drill.write_text(json.dumps({"outcome": "completed", "detected": True, "check": "nonfinite", "detection_step": 2,
+                                 "localized": True, "right_rank": True, "false_alarms": 0}))
+    page = build([drill], tmp_path / "out", name="t", models=["gpt2"], vendors=["cpu"]).read_text()
+    caption = page.split('<section id="sdc-section">', 1)[1].split("</p>", 1)[0]
+    named = set(re.findall(r"<b>(\w+)</b>", caption))
+    assert named and named <= set(pd.read_csv(tmp_path / "out/sdc.csv").columns), named
+
+
 def test_a_kernel_with_nothing_to_replay_is_not_a_green_pass(tmp_path):
     """A batch-norm kernel on a model that records no batch-norm layer: the Detector's pass
     (confidence 0, evidence applicable: false) showed as a green pass row."""

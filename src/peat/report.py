@@ -64,7 +64,7 @@ SECTIONS = {
     "sdc": ("Silent data corruption drills", (
         "Each drill injects one fault into distributed data-parallel training and checks that "
         "the SDC checks catch it: <b>detected</b> says whether it was caught, <b>localized</b> "
-        "whether the faulty rank was named correctly, <b>step</b> when. A drill without an "
+        "whether the faulty rank was named correctly, <b>detection_step</b> at which step. A drill without an "
         "injected fault is the false-alarm control and must not be detected.")),
     "benchmarks": ("Benchmarks", (
         "From <code>make bench</code>: each benchmark is a ratio of two things measured in the same "
