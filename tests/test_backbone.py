@@ -80,6 +80,10 @@ BAD_CONFIGS = [
     (lambda c: c["models"].update(gpt2_deep=c["models"]["gpt2"] | {
         "init_from": "gpt2", "size": {"hidden": 32, "layers": 2, "heads": 2}}),
      "models.gpt2_deep.size", "'layers': 2, 'heads': 2, 'intermediate': 128} is not the size of init_from model 'gpt2'"),
+    # The checkpoint's position embeddings were skipped by the load: a fine-tuning from scratch.
+    (lambda c: c["datasets"].update(long=c["datasets"]["pydoc"] | {"seq_len": 48}) or c["models"].update(
+        gpt2_long=c["models"]["gpt2"] | {"init_from": "gpt2", "dataset": "long"}), "datasets.long.seq_len",
+     "48 is not the seq_len of init_from model 'gpt2''s dataset (32), whose gpt2 position embeddings"),
     (lambda c: c["models"]["resnet18"].update(init_from="resnet18_parity"), "models.resnet18.init_from",
      "in a cycle (resnet18 -> resnet18_parity -> resnet18)"),
     (lambda c: c["models"].update(resnet18=c["models"]["resnet18"] | {"init_from": "resnet18_ft"},
@@ -908,10 +912,20 @@ def test_fine_tuning_starts_from_the_pretrained_checkpoint(digits, golden_twice)
     ds = data.load(digits)
     parity = dict(ds.attrs, num_classes=2)
     model = models.build(CONFIG["models"]["resnet18_parity"], parity, seed=0)
-    checkpoint.load(golden_twice[0] / "final.h5", model, skip_mismatched=True)
+    checkpoint.load(golden_twice[0] / "final.h5", model, new_head=True)
     base = h5_datasets(golden_twice[0] / "final.h5")
     assert np.array_equal(model.conv1.weight.detach().numpy(), base["model/conv1.weight"])
     assert model.fc.weight.shape == (2, 512)  # new head keeps its own init
+
+
+def test_fine_tuning_refuses_a_checkpoint_that_differs_beyond_the_head(golden_twice):
+    """Every mismatched entry was skipped: a wider stem (or a gpt2's position embeddings of another
+    seq_len) kept its own init, a fine-tuning that silently started from scratch."""
+    model = models.build(SPEC, {"num_classes": 10}, seed=0)
+    model.conv1 = torch.nn.Conv2d(3, 64, 5, padding=2, bias=False)
+    with pytest.raises(PeatError, match=r"final\.h5: 'conv1\.weight' has shape \(64, 3, 7, 7\), model expects "
+                                        r"\(64, 3, 5, 5\) \(only the head, fc, may differ\)$"):
+        checkpoint.load(golden_twice[0] / "final.h5", model, new_head=True)
 
 
 def test_checkpoint_with_missing_parameters_fails_naming_them(golden_twice, tmp_path):

@@ -64,11 +64,12 @@ def _save_optimizer(f, model, optimizer) -> None:
 
 
 def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         skip_mismatched: bool = False) -> dict:
+         new_head: bool = False) -> dict:
     """Load weights (and optimizer state) into ``model``; return root attributes and history.
 
-    ``skip_mismatched`` keeps the model's own init for entries whose shape differs
-    (a new classification head when fine-tuning on another task).
+    ``new_head`` keeps the model's own init for its head (its last linear layer) where the shapes
+    differ: fine-tuning on a task with other classes. Any other difference is an error, as a
+    skipped embedding or block would make the fine-tuning silently start from scratch.
     """
     with open_h5(path) as f:
         if "model" not in f:
@@ -85,13 +86,15 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         missing = [n for n in own if n not in stored]
         if missing:
             raise PeatError(f"{path}: missing parameters: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        head = _head(model) if new_head else None
         new_state = {}
         for name, tensor in own.items():
             data = torch.from_numpy(np.asarray(stored[name][()]))
             if data.shape != tensor.shape:
-                if skip_mismatched:
+                if head is not None and name.rpartition(".")[0] == head:
                     continue
-                raise PeatError(f"{path}: '{name}' has shape {tuple(data.shape)}, model expects {tuple(tensor.shape)}")
+                raise PeatError(f"{path}: '{name}' has shape {tuple(data.shape)}, model expects {tuple(tensor.shape)}"
+                                + (f" (only the head, {head}, may differ)" if head is not None else ""))
             new_state[name] = data.to(tensor.dtype)
         model.load_state_dict(new_state, strict=False)
         if optimizer is not None:
@@ -99,6 +102,10 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
         attrs["history"] = json.loads(f["history"][()]) if "history" in f else []
     return attrs
+
+
+def _head(model: nn.Module) -> str:
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
 
 
 def _load_optimizer(group, model) -> dict:

@@ -147,6 +147,12 @@ def _cross_check(config: dict) -> None:
             if own != theirs:
                 raise PeatError(f"config key 'models.{name}.size': {own} is not the size of init_from model "
                                 f"{base!r} ({theirs}), whose checkpoint it starts from")
+            # One learned position embedding per position: the checkpoint's would not load.
+            lengths = [datasets.get(models[m]["dataset"], {}).get("seq_len") for m in (name, base)]
+            if model["arch"] in ("gpt2", "bert") and None not in lengths and lengths[0] != lengths[1]:
+                raise PeatError(f"config key 'datasets.{model['dataset']}.seq_len': {lengths[0]} is not the seq_len "
+                                f"of init_from model {base!r}'s dataset ({lengths[1]}), whose {model['arch']} "
+                                "position embeddings it starts from")
         _check_schedule(name, model)
         _check_batch(name, model, datasets[model["dataset"]])
         # A glob matching no layer failed the golden training job, which records these layers.

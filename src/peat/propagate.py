@@ -98,7 +98,7 @@ class Propagator:
         torch.manual_seed(self.seed)
         model = build(self.spec, self.dataset.attrs, self.seed)
         if self.init is not None:
-            checkpoint.load(self.init, model, skip_mismatched=True)
+            checkpoint.load(self.init, model, new_head=True)
         before = [p for s, p in self.saved if s <= step]
         if before:
             checkpoint.load(before[-1], model)

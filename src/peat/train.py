@@ -247,7 +247,7 @@ def train_model(name: str, spec: dict, data_path: str | Path, out_dir: str | Pat
     data = load(data_path)
     model = build(spec, data.attrs, seed)
     if init is not None:
-        checkpoint.load(init, model, skip_mismatched=True)
+        checkpoint.load(init, model, new_head=True)
     if prepare_model is not None:
         prepare_model(model)
     meta = {"model": name, "arch": spec["arch"], "dataset": spec["dataset"], "vendor": vendor,
