@@ -169,15 +169,18 @@ def test_candidate_training_leaves_no_empty_checkpoints_folder(digits, tmp_path)
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
-def test_a_kernel_writing_into_its_input_fails_its_run_naming_it(digits, tmp_path):
+@pytest.mark.parametrize("computation, source, written", [
+    ("forward", "def forward(x, weight, bias):\n    x.mul_(2.0)\n    return F.linear(x, weight, bias)\n", "x"),
+    ("weight_grad", "def weight_grad(grad_out, x):\n    grad_out.mul_(1.0)\n    return grad_out.t() @ x\n", "grad_out"),
+])
+def test_a_kernel_writing_into_its_input_fails_its_run_naming_it(digits, tmp_path, computation, source, written):
     """In training the input is another layer's output: a kernel scaling it in place trained on
     with the residual stream and the saved tensors changed, status ok (playback's copies hid it)."""
-    record = train_crashing_kernel(digits, tmp_path, "import torch.nn.functional as F\n\n"
-                                   "def forward(x, weight, bias):\n    x.mul_(2.0)\n"
-                                   "    return F.linear(x, weight, bias)\n")
+    record = train_crashing_kernel(digits, tmp_path, "import torch.nn.functional as F\n\n" + source)
     assert record["status"] == "crash"
-    assert record["message"] == ("WroteInput: kernel 'raises' forward at layer 'fc' wrote into its input x in place, "
-                                 "which training reads again: leave the inputs as they are and return a new tensor")
+    assert record["message"] == (f"WroteInput: kernel 'raises' {computation} at layer 'fc' wrote into its input "
+                                 f"{written} in place, which training reads again: leave the inputs as they are and "
+                                 "return a new tensor")
 
 
 def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
@@ -296,15 +299,18 @@ def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path
     sources = {"typo.py": 'OP = "linear"\n\ndef fwd(x, weight, bias):\n    return F.linear(x, weight, bias)\n',
                "ok.py": 'OP = "linear"\n\ndef input_grad(grad_out, weight):\n    return grad_out @ weight\n',
                "dynamic.py": 'globals()["line" + "ar"] = object()\n',
-               "unparsable.py": "def forward(:\n"}
+               # Its jobs failed, the first after golden training.
+               "unparsable.py": "def forward(x, weight, bias)\n    return x\n", "nul.py": "def forward\0"}
+    errors = {"typo.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
+              "unparsable.py": "SyntaxError: expected ':' (line 1)",
+              "nul.py": "SyntaxError: source code string cannot contain null bytes"}
     for name, text in sources.items():
         (tmp_path / name).write_text(text)
         config["kernels"]["my_gemm"]["impl"] = str(tmp_path / name)
-        if name == "typo.py":
+        if name in errors:
             with pytest.raises(PeatError) as err:
                 candidate.check(config)
-            assert str(err.value) == (f"config key 'kernels.my_gemm.impl': {tmp_path / name} defines none of "
-                                      "forward, input_grad, weight_grad for op 'linear'")
+            assert str(err.value) == f"config key 'kernels.my_gemm.impl': {tmp_path / name}{' ' if name == 'typo.py' else ': '}{errors[name]}"
         else:
             candidate.check(config)
 

@@ -138,10 +138,12 @@ def test_rerun_gives_bit_identical_playback_tables_and_verdicts(faults_run, tmp_
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("faults")
-def test_kernel_with_syntax_error_fails_its_job_and_nothing_downstream_runs(faults_run):
-    # Last in this file: it adds a kernel to the shared run's config.
+def test_kernel_that_fails_to_import_fails_its_job_and_nothing_downstream_runs(faults_run):
+    # Last in this file: it adds a kernel to the shared run's config. (A syntax error stops the
+    # dry run: the config check parses every kernel source.)
     config = write_config(faults_run, {"good": GOOD, **{k: v[0] for k, v in FAULTY.items()},
-                                       "broken": "def forward(x, weight, bias)\n    return x\n"})
+                                       "broken": "import peat_no_such_module\n\ndef forward(x, weight, bias):\n"
+                                                 "    return x\n"})
     report = faults_run / "reports/faults/verdicts.csv"
     report_before = report.read_bytes()
     proc = snakemake(faults_run, "--keep-going", configfile=config, check=False)
@@ -149,7 +151,7 @@ def test_kernel_with_syntax_error_fails_its_job_and_nothing_downstream_runs(faul
     log = (faults_run / "logs/playback/gpt2/cpu/broken.log").read_text()
     # The job's log ends with the one line naming the file and the problem (above it: the traceback).
     assert log.strip().splitlines()[-1] == ("peat.io.PeatError: kernels_under_test/broken.py: import failed: "
-                                            "SyntaxError: expected ':' (broken.py, line 1)")
+                                            "ModuleNotFoundError: No module named 'peat_no_such_module'")
     assert "Error in rule playback" in proc.stdout + proc.stderr and "broken.log" in proc.stdout + proc.stderr
     for downstream in (PLAYBACK.format("broken"), DETECT.format("broken"), "results/analyze/gpt2/cpu/broken"):
         assert not (faults_run / downstream).exists(), downstream

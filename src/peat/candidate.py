@@ -72,11 +72,15 @@ def check(config: dict) -> None:
             sources = kernels.source_files(spec.get("impl", "golden"))
         except PeatError as err:
             raise PeatError(f"config key 'kernels.{name}.impl': {err}") from None
-        declared = _declared_op(sources[0], spec["op"]) if sources else None
+        tree = _parsed(sources[0], f"kernels.{name}.impl") if sources and sources[0].endswith(".py") else None
+        if tree is not None:
+            declared = _declared_op(tree, spec["op"])
+        else:
+            declared = _declared_cpp_op(sources[0], spec["op"]) if sources else None
         if declared not in (None, spec["op"]):  # load() refused it in the job, after golden training
             raise PeatError(f"config key 'kernels.{name}.op': {spec['op']}, but {spec['impl']} is a {declared} "
                             f"kernel (OP = {declared!r})")
-        if sources and sources[0].endswith(".py") and not _may_define(sources[0], spec["op"]):
+        if tree is not None and not _may_define(tree, spec["op"]):
             raise PeatError(f"config key 'kernels.{name}.impl': {spec['impl']} defines none of "
                             f"{', '.join(kernels.COMPUTATIONS)} for op {spec['op']!r}")
         for model in models_for(config, name):
@@ -96,23 +100,31 @@ def check(config: dict) -> None:
                             f"(it applies to {', '.join(applies) or 'no model'})")
 
 
-def _declared_op(path: str, op: str) -> str | None:
-    """The ``OP`` a kernel source sets to a literal, read without running it (a C++ source would
-    compile for a minute); None where only running it could tell, or where ``load`` does not read
-    OP: a namespace per op (a class or object bound to the op's name)."""
-    text = Path(path).read_text(errors="replace")
-    if path.endswith(kernels.CPP_SUFFIXES):
-        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)  # commented-out code is not compiled
-        if f'def_submodule("{op}"' in text:
-            return None
-        found = re.findall(r'\.attr\(\s*"OP"\s*\)\s*=\s*"(\w+)"', text)
-        return found[-1] if found else None
+def _parsed(path: str, key: str) -> ast.Module:
+    """A Python kernel source's syntax tree, read without running it; code that does not parse
+    failed every job of its kernel, the first only after golden training."""
     try:
-        body = ast.parse(text).body
-    except (SyntaxError, ValueError):
-        return None  # load() says what is wrong with it, in the job
+        return ast.parse(Path(path).read_text(errors="replace"), filename=path)
+    except (SyntaxError, ValueError) as err:  # ValueError: a null byte, before Python 3.12
+        where = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
+        raise PeatError(f"config key '{key}': {path}: {type(err).__name__}: {getattr(err, 'msg', err)}{where}") from None
+
+
+def _declared_cpp_op(path: str, op: str) -> str | None:
+    """The ``OP`` a C++ kernel source sets, read without compiling it (a minute); None where it sets
+    none, or where ``load`` does not read OP (a submodule per op)."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", Path(path).read_text(errors="replace"), flags=re.S)  # not compiled
+    if f'def_submodule("{op}"' in text:
+        return None
+    found = re.findall(r'\.attr\(\s*"OP"\s*\)\s*=\s*"(\w+)"', text)
+    return found[-1] if found else None
+
+
+def _declared_op(tree: ast.Module, op: str) -> str | None:
+    """The ``OP`` a Python kernel source sets to a literal; None where only running it could tell,
+    or where ``load`` does not read OP: a namespace per op (a class or object bound to the op's name)."""
     declared = None
-    for node in body:
+    for node in tree.body:
         bound = _bound_names(node)
         if "*" in bound or (op in bound and not isinstance(node, ast.FunctionDef)):
             return None
@@ -128,15 +140,10 @@ def _declared_op(path: str, op: str) -> str | None:
 _DYNAMIC = {"*", "__getattr__", "globals", "setattr", "vars", "exec", "__dict__"}
 
 
-def _may_define(path: str, op: str) -> bool:
-    """Whether a Python kernel source may define one of the computations, read without running it:
-    False only where none of their names, the op's namespace or a way to bind names dynamically
-    appears in it, as with a misspelt ``def fwd``, which load() refused in the job, after golden
-    training. Code it cannot parse: True (the job says why)."""
-    try:
-        tree = ast.parse(Path(path).read_text(errors="replace"))
-    except (SyntaxError, ValueError):
-        return True
+def _may_define(tree: ast.Module, op: str) -> bool:
+    """Whether a Python kernel source may define one of the computations: False only where none
+    of their names, the op's namespace or a way to bind names dynamically appears in it, as with a
+    misspelt ``def fwd``, which load() refused in the job, after golden training."""
     names = {*kernels.COMPUTATIONS, op, *_DYNAMIC}
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

@@ -840,47 +840,45 @@ def _golden_forward(op: str, hp: dict, state: dict, x, weight, bias) -> tuple[to
 
 
 def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
-    kernel = plan.kernel
     # x contiguous as playback's recorded one (a no-op in the shipped models); the weight is the
     # parameter itself: a transposed layer's is a non-contiguous view, and playback lays it out so too.
-    args, kwargs = arguments(kernel.op, "forward", {"A": x.contiguous(), "W": weight, "B": bias, **state}, plan.attrs)
-    out = _checked_result(kernel, "forward", _untouched(plan, "forward", kernel.forward, args, kwargs),
-                          output_shape(kernel.op, x, weight, plan.attrs), x.dtype)
+    out = _checked_result(plan.kernel, "forward", _untouched(plan, "forward", {"A": x.contiguous(), "W": weight,
+                                                                                "B": bias, **state}),
+                          output_shape(plan.kernel.op, x, weight, plan.attrs), x.dtype)
     # The model's code after the layer may view it (GPT-2's Conv1D does), as PyTorch's own ops give
     # contiguous outputs: a correct result in another layout (a column-major GEMM's) is laid out so.
     return out.contiguous()
 
 
 def _kernel_grad(plan: _Plan, state: dict, computation: str, grad_out, x, weight) -> torch.Tensor:
-    kernel = plan.kernel
     sample = {"A": x.contiguous(), "W": weight, "dO": grad_out.contiguous(), **state}
-    args, kwargs = arguments(kernel.op, computation, sample, plan.attrs)
     like = x if computation == "input_grad" else weight
-    return _checked_result(kernel, computation, _untouched(plan, computation, kernel.computation(computation), args, kwargs),
-                           like.shape, like.dtype)
+    return _checked_result(plan.kernel, computation, _untouched(plan, computation, sample), like.shape, like.dtype)
 
 
 class WroteInput(PeatError):
-    """A kernel wrote into one of its positional inputs in place (outcome ``crash``)."""
+    """A kernel wrote into one of its inputs in place (outcome ``crash``)."""
 
 
-def _untouched(plan: _Plan, computation: str, func: Callable, args: list, kwargs: dict):
-    """``func(*args, **kwargs)``, refused when it wrote into a positional input: in training that
-    input is another layer's output or a parameter, which the rest of the forward, autograd's saved
-    tensors and the optimizer then read changed, and the run trained on with no error (playback's
-    fresh copies hide it). Only the version counter is read, so writes through ``.data`` or from C++
-    pass unseen; the running statistics a batch norm updates by contract are keyword arguments."""
-    versions = [a._version if torch.is_tensor(a) else None for a in args]
-    value = func(*args, **kwargs)
-    for i, (arg, version) in enumerate(zip(args, versions)):
-        if version is not None and arg._version != version:
-            names = {"forward": "x weight bias", "weight_grad": "grad_out x",
-                     "input_grad": "grad_out weight" if plan.kernel.op in ("linear", "conv2d") else "grad_out x weight"}
+_INPUT_NAMES = {"A": "x", "W": "weight", "B": "bias", "dO": "grad_out"}  # as the kernel functions name them
+
+
+def _untouched(plan: _Plan, computation: str, sample: dict):
+    """The kernel's ``computation`` on ``sample``, refused when it wrote into an input: in training
+    that input is another layer's output or a parameter, which the rest of the forward, autograd's
+    saved tensors and the optimizer then read changed, and the run trained on with no error
+    (playback's fresh copies hide it). Only the version counter is read, so writes through ``.data``
+    or from C++ pass unseen; the running statistics a batch norm updates by contract are not inputs."""
+    args, kwargs = arguments(plan.kernel.op, computation, sample, plan.attrs)
+    inputs = {name: sample[key] for key, name in _INPUT_NAMES.items() if torch.is_tensor(sample.get(key))}
+    versions = {name: t._version for name, t in inputs.items()}
+    value = plan.kernel.computation(computation)(*args, **kwargs)
+    for name, t in inputs.items():
+        if t._version != versions[name]:
             raise WroteInput(f"kernel {plan.kernel.name!r} {computation} at layer {plan.layer!r} wrote into its input "
-                             f"{names[computation].split()[i]} in place, which training reads again: leave the "
-                             "inputs as they are and return a new tensor")
+                             f"{name} in place, which training reads again: leave the inputs as they are and return "
+                             "a new tensor")
     return value
-
 
 
 class ShapeMismatch(PeatError):
