@@ -18,22 +18,31 @@ ORDER = ("profiler_overhead", "context_storage", "kernel_interface_overhead", "p
          "playback_efficiency", "sdc_checks", "checkpoint_alteration", "incremental_rerun", "end_to_end")
 
 
+# Merged runs may differ in these (--only, --merge of runs on other machines): each entry keeps
+# those of the run that measured it, and the header says "per entry" where they differ.
+PER_ENTRY = ("quick", "cpu", "cores", "torch")
+
+
 def write(out: Path, header: dict, entries: list[dict], merge: bool = False) -> None:
     out = Path(out)
     path = out / "results.json"
+    entries = [_stamped(e, header) for e in entries]
     if merge and path.exists():
         fresh = {e["name"] for e in entries}
-        entries = [e for e in json.loads(path.read_text())["benchmarks"] if e["name"] not in fresh] + entries
-    for entry in entries:
-        entry.setdefault("quick", header["quick"])
-    flags = {e["quick"] for e in entries}
-    # Merged runs may differ: each entry says whether it was a --quick one.
-    header = header | {"quick": flags.pop() if len(flags) == 1 else "per entry"}
+        old = json.loads(path.read_text())
+        entries = [_stamped(e, old["machine"]) for e in old["benchmarks"] if e["name"] not in fresh] + entries
+    for key in PER_ENTRY:
+        values = {json.dumps(e.get(key)) for e in entries}
+        header = header | {key: json.loads(values.pop()) if len(values) == 1 else "per entry"}
     entries.sort(key=lambda e: ORDER.index(e["name"]))
     for entry in entries:
         if entry.get("samples"):
             figure(out / f"{entry['name']}.png", entry)
     write_json(path, {"machine": header, "benchmarks": entries})
+
+
+def _stamped(entry: dict, header: dict) -> dict:
+    return {k: header.get(k) for k in PER_ENTRY} | entry
 
 
 def figure(path: Path, entry: dict) -> None:

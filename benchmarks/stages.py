@@ -154,8 +154,9 @@ def sdc_checks(settings) -> Result:
         benches.append(json.loads((out / "bench.json").read_text()))
     return Result("sdc_checks",
                   f"median guarded DDP step (non-finite gradient check + weight fingerprint) / median plain DDP step, "
-                  f"{model}, world size {cfg['world_size']} ({cfg.get('backend')}), {benches[0]['steps']} steps "
-                  "interleaved per launch; one sample per torchrun launch (wall time; details.cpu_ratios: the same "
+                  f"{model}, world size {cfg['world_size']} ({cfg.get('backend')}), {benches[0]['steps']} steps per launch, "
+                  "both timed in the same non-audit steps (every other), alternating which goes first; one sample "
+                  "per torchrun launch (wall time; details.cpu_ratios: the same "
                   "in rank 0's CPU time, less sensitive to other load)",
                   Goal("<=", 1.02, "<= 1.02"), samples=[b["ratio"] for b in benches],
                   details={"cpu_ratios": [b["cpu_ratio"] for b in benches], "launches": benches})
@@ -206,7 +207,7 @@ def checkpoint_alteration(settings) -> Result:
     rows = alteration_sweep(settings)
     goal = [r["seconds_beyond_copy"] for r in rows if r["mb"] == 40 and r["flips"] == 10**5]
     return Result("checkpoint_alteration",
-                  "seconds beyond the file copy (select + draw + flip + log) to flip 100,000 random bits in a 40 MB "
-                  "peat checkpoint, via peat.alter.alter; details.sweep: flips/s and MB/s for 10^3..10^6 flips on "
+                  "seconds beyond the file copy (select + draw + flip + rename; no injection log, which peat alter "
+                  "--log adds) to flip 100,000 random bits in a 40 MB peat checkpoint, via peat.alter.alter; details.sweep: flips/s and MB/s for 10^3..10^6 flips on "
                   "4..200 MB", Goal("<=", 1.0, "100,000 flips on 40 MB in under 1 s beyond the copy"),
                   unit="seconds", samples=goal, details={"sweep": rows})

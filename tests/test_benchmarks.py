@@ -58,6 +58,8 @@ def test_smoke_alteration_sweep_covers_the_grid(smoke):
     # The goal's cell is the 40 MB / 100,000 flips one.
     goal_cells = [r["seconds_beyond_copy"] for r in sweep if r["mb"] == 40 and r["flips"] == 100000]
     assert entry["samples"] == goal_cells
+    # What the goal's seconds hold: no injection log is written, and the entry says so.
+    assert all(r["log_s"] < 0.01 for r in sweep) and "no injection log" in entry["measured_as"]
 
 
 def test_only_merges_into_existing_results(smoke, tmp_path):
@@ -104,3 +106,52 @@ def test_result_json_median_and_goal_direction():
     assert high.as_json()["met"] is False
     failed = harness.Result("z", "a / b", harness.Goal("<=", 2.0, "<= 2"), samples=[1.0], error="broke")
     assert failed.as_json()["met"] is False and failed.as_json()["error"] == "broke"
+
+
+def test_sdc_bench_times_both_sides_in_the_same_steps_alternating(monkeypatch):
+    from peat import sdc_drill
+
+    calls, timed = [], []
+
+    class Stub:
+        def __init__(self, *args, **kwargs):
+            self.ddp = self
+
+        def finish(self):
+            pass
+
+        def costs(self):
+            return {"nonfinite": 0.0, "fingerprint": 0.0, "audit": 0.0}
+
+    def fake_timed(fn, device):
+        first = len(calls)
+        fn()
+        timed.append(calls[first])
+        return 1.0, 1.0
+
+    monkeypatch.setattr(sdc_drill, "Trainer", Stub)
+    monkeypatch.setattr(sdc_drill.sdc, "Guard", Stub)
+    monkeypatch.setattr(sdc_drill, "_timed", fake_timed)
+    monkeypatch.setattr(sdc_drill, "_plain_step", lambda trainer, step: calls.append(("plain", step)))
+    monkeypatch.setattr(sdc_drill, "_drill_step", lambda trainer, guard, fault, step: calls.append(("guarded", step)))
+    sdc_drill.benchmark({"batch_size": 4}, None, {"bench_steps": 8, "batch_size": None}, 0, None)
+    # Every step trains both twins; the timed ones are the non-audit steps, both sides in each.
+    assert sorted(calls) == sorted((side, s) for side in ("plain", "guarded") for s in range(8))
+    assert sorted(s for side, s in timed if side == "plain") == sorted(s for side, s in timed if side == "guarded")
+    assert {s for _, s in timed} == {1, 3, 5, 7}
+    firsts = [timed[i][0] for i in range(0, len(timed), 2)]
+    assert firsts == ["plain", "guarded", "plain", "guarded"]
+
+
+def test_merged_entries_keep_the_machine_that_measured_them(tmp_path):
+    import figures
+
+    def header(cpu):
+        return {"cpu": cpu, "cores": 2, "torch": "2.x", "quick": False}
+
+    figures.write(tmp_path, header("Intel Xeon"), [{"name": "profiler_overhead"}, {"name": "sdc_checks"}])
+    figures.write(tmp_path, header("AMD EPYC"), [{"name": "sdc_checks"}], merge=True)
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert {e["name"]: e["cpu"] for e in merged["benchmarks"]} == {"profiler_overhead": "Intel Xeon",
+                                                                   "sdc_checks": "AMD EPYC"}
+    assert merged["machine"]["cpu"] == "per entry" and merged["machine"]["cores"] == 2
