@@ -23,6 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -255,10 +256,19 @@ done
     (["", "--set-resources", "golden_train:slurm_partition=gpu_x"],
      "peat: rule golden_train (slurm_partition): SLURM partition 'gpu_x' does not exist on this cluster; "
      "sinfo lists: cpu"),
+    # It pended forever (squeue's reason PartitionConfig), and Snakemake waited without a word.
+    # --cores caps a job's threads (the tests' snakemake() passes 2); a login node's default is higher.
+    (["", "--cores", "64", "--set-threads", f"golden_train={os.cpu_count() + 1}"],
+     f"peat: rule golden_train asks for {os.cpu_count() + 1} CPUs per task, but the largest node of partition "
+     f"'cpu' has {os.cpu_count()}: it would pend forever; lower it, e.g. --set-threads golden_train={os.cpu_count()}"),
+    (["", "--set-resources", "golden_train:mem_mb=4000"],
+     "peat: rule golden_train asks for 4000 MB (mem_mb), but the largest node of partition 'cpu' has 2000 MB; "
+     "lower it, e.g. --set-resources golden_train:mem_mb=2000 or --default-resources mem_mb=2000"),
 ])
 @pytest.mark.xdist_group("workflow")  # one worker owns the cluster (and /etc/slurm/slurm.conf)
-def test_unknown_partition_fails_before_submitting(cluster, tmp_path, args, message):
-    """A config key or a profile/command-line resource naming a missing partition."""
+def test_request_the_cluster_cannot_meet_fails_before_submitting(cluster, tmp_path, args, message):
+    """A config key or a profile/command-line resource naming a missing partition, or asking for
+    more CPUs or memory than any node of its partition has."""
     before = set(cluster.squeue())
     extra = tmp_path / "extra.yaml"
     extra.write_text(args[0] or "{}\n")
@@ -288,6 +298,21 @@ def test_vendor_resources():
     assert slurm.resources({"vendors": ["cpu"]}, "cpu") == {"slurm_partition": "", "gres": ""}
     assert slurm.config_origins(GPU_CONFIG) == {"short": "slurm.cpu_partition", "a100": "slurm.vendors.nvidia.partition",
                                                 "mi250": "slurm.vendors.amd.partition"}
+
+
+def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
+    def job(rule, threads, partition="", mem_mb=1000):
+        return SimpleNamespace(rule=SimpleNamespace(name=rule), threads=threads,
+                               resources={"slurm_partition": partition, "mem_mb": mem_mb})
+
+    largest = {"": (4, 8000), "short": (4, 8000), "gpu": (64, 512000)}  # short is the default
+    slurm.check_sizes([job("a", 4), job("b", 64, "gpu", 512000), job("c", 99, "missing")], largest)
+    with pytest.raises(PeatError, match=r"^rule sdc_drill asks for 8 CPUs per task, but the largest node of "
+                                        r"partition 'short' has 4: it would pend forever"):
+        slurm.check_sizes([job("sdc_drill", 8, "short")], largest)
+    with pytest.raises(PeatError, match=r"^rule g asks for 9000 MB \(mem_mb\), but the largest node of the default "
+                                        r"partition has 8000 MB"):
+        slurm.check_sizes([job("g", 1, mem_mb=9000)], largest)
 
 
 def test_gpu_vendor_without_gpu_request_is_one_line():

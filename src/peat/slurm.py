@@ -1,4 +1,5 @@
-"""Where jobs go on a SLURM cluster: vendor -> partition and GPU request, checked before submitting.
+"""Where jobs go on a SLURM cluster: vendor -> partition and GPU request, checked before submitting
+(partitions, and each job's CPUs and memory against the largest node of its partition).
 
 The mapping lives in the config's ``slurm:`` section so that one profile
 (``workflow/profiles/slurm``) serves every cluster; the rule files turn it into the
@@ -50,15 +51,22 @@ def config_origins(config: dict) -> dict[str, str]:
     return origins
 
 
-def cluster_partitions() -> list[str]:
-    """Partition names that ``sinfo`` lists (the default one is marked with '*')."""
+def cluster_nodes() -> dict[str, tuple[int, int]]:
+    """Partition -> CPUs and memory (MB) of its largest node, as ``sinfo`` lists them; the default
+    partition (marked with '*') is also under "", which is how a job without a partition asks."""
     if shutil.which("sinfo") is None:
         raise PeatError("executor 'slurm': 'sinfo' is not on PATH (run this on a SLURM login node)")
-    proc = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True)
+    proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c %m"], capture_output=True, text=True)
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise PeatError(f"executor 'slurm': sinfo failed: {reason}")
-    return sorted({line.strip().rstrip("*") for line in proc.stdout.split() if line.strip()})
+    largest: dict[str, tuple[int, int]] = {}
+    for line in proc.stdout.splitlines():
+        partition, cpus, mem = line.split()
+        for name in {partition.rstrip("*"), *([""] if partition.endswith("*") else [])}:
+            have = largest.get(name, (0, 0))
+            largest[name] = (max(have[0], int(cpus.rstrip("+"))), max(have[1], int(mem.rstrip("+"))))
+    return largest
 
 
 def check_partitions(requested: dict[str, str], origins: dict[str, str], available: list[str]) -> None:
@@ -76,11 +84,34 @@ def check_partitions(requested: dict[str, str], origins: dict[str, str], availab
             )
 
 
+def check_sizes(jobs, largest: dict[str, tuple[int, int]]) -> None:
+    """Fail on the first job that asks for more CPUs or memory than any node of its partition has:
+    sbatch refuses such memory, but such CPUs pend forever (squeue's reason PartitionConfig)."""
+    for job in jobs:
+        partition = job.resources.get("slurm_partition") or ""
+        if partition not in largest:  # no such partition (check_partitions), or no default one
+            continue
+        cpus, mem_mb = largest[partition]
+        where = f"partition {partition!r}" if partition else "the default partition"
+        rule = job.rule.name
+        if job.threads > cpus:
+            raise PeatError(f"rule {rule} asks for {job.threads} CPUs per task, but the largest node of {where} has "
+                            f"{cpus}: it would pend forever; lower it, e.g. --set-threads {rule}={cpus}")
+        if (job.resources.get("mem_mb") or 0) > mem_mb:
+            raise PeatError(f"rule {rule} asks for {job.resources['mem_mb']} MB (mem_mb), but the largest node of "
+                            f"{where} has {mem_mb} MB; lower it, e.g. --set-resources {rule}:mem_mb={mem_mb} "
+                            f"or --default-resources mem_mb={mem_mb}")
+
+
 def preflight(config: dict, jobs) -> None:
-    """Run before the first sbatch: config sanity, then every job's partition against sinfo."""
+    """Run before the first sbatch: config sanity, then every job's partition, CPUs and memory
+    against sinfo."""
     check_config(config)
+    jobs = list(jobs)
     requested = {}
     for job in jobs:
         partition = job.resources.get("slurm_partition") or ""
         requested.setdefault(partition, job.rule.name)
-    check_partitions(requested, config_origins(config), cluster_partitions())
+    largest = cluster_nodes()
+    check_partitions(requested, config_origins(config), sorted(name for name in largest if name))
+    check_sizes(jobs, largest)

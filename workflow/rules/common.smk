@@ -256,7 +256,7 @@ CPU_RESOURCES = {
 
 
 onstart:
-    # Before the first sbatch: a partition the cluster lacks fails here, with one line.
+    # Before the first sbatch: a partition the cluster lacks, or a request no node meets, fails here.
     if workflow.executor_plugin.name == "slurm":
         try:
             peat.slurm.preflight(config, workflow.dag.needrun_jobs())
