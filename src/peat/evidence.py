@@ -14,7 +14,7 @@ from . import tensor_stats
 from .detect import Rules, shape_class
 from .scores import QUIET, Golden, abs_error, as_matrix, masked, per_tile
 
-PRECISIONS = ("fp16", "bf16", "tf32")
+PRECISIONS = ("fp16", "bf16", "tf32")  # golden rounded so: the reduced-precision envelope
 EPS32 = 2.0 ** -23
 
 

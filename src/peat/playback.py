@@ -34,7 +34,6 @@ from . import detect, errors, evidence, kernels, provenance, scores
 from .io import PeatError, atomic_path, open_h5, write_json
 from .profiler import read_layer, recorded_steps
 
-REFERENCES = ("fp16", "bf16", "tf32")
 ROW_BINS = 256  # the per-row error profile is summed into at most this many bins
 
 
@@ -204,7 +203,7 @@ def references(timer: Timer, computation: str, sample: dict, attrs: dict) -> dic
     gold = kernels.golden(attrs["op"], attrs)
     out = {"golden": _call(timer, gold, computation, sample, attrs),
            "fp64": _call(timer, gold, computation, sample, attrs, torch.float64)}
-    for p in REFERENCES:
+    for p in evidence.PRECISIONS:
         out[p] = _call(timer, errors.faulty(gold, p, computation), computation, sample, attrs)
     return out
 
@@ -304,7 +303,7 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
     follow = plan.propagate is not None and computation == "forward"
     for sample in samples:
         ref = references(timer, computation, sample, attrs)
-        candidates = {f"ref:{p}": ref[p] for p in (*REFERENCES, "fp64")}
+        candidates = {f"ref:{p}": ref[p] for p in (*evidence.PRECISIONS, "fp64")}
         # Downstream, each case injects what it injects here: copies taken before the kernel's call
         # (from whose result the variants that inject into results start, see _injected).
         twins = {case: errors.replica(kernel, computation) for case, kernel in variants.items()} if follow else {}
@@ -323,7 +322,7 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                              "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
             gold = scores.Golden.of(ref["golden"])
-            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in REFERENCES}, plan.rules, gold)
+            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS}, plan.rules, gold)
             noise = scores.summary(scores.abs_error(ref["fp64"], ref["golden"], gold))
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
                     "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,

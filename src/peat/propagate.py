@@ -34,13 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, errors, kernels, scores
-from .evidence import envelopes
+from .evidence import PRECISIONS, envelopes
 from .io import open_h5
 from .models import build, loss_and_metrics
 from .profiler import match_layers, read_layer, recorded_steps
 from .train import Run, _subset, epoch_batches
 
-REFERENCES = ("fp16", "bf16", "tf32")
 KEEP_MODELS = 4  # steps whose rebuilt networks (a float32 and float64 pair each) are kept: steps recur across layers
 GEMM_MAP = 16  # float64 convolutions with output maps this small run as one GEMM (see _float64)
 
@@ -211,7 +210,7 @@ class Propagator:
                 return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a), prefix=prefix)
 
             golden_kernel = kernels.golden(attrs["op"])
-            rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in REFERENCES}
+            rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in PRECISIONS}
             runs, failed = {f"ref:{p}": r for p, r in rounded.items()}, {}
             for case, kernel in variants.items():
                 try:
@@ -234,7 +233,7 @@ class Propagator:
 
         g, r = gold[point].cpu(), ref64[point].cpu()
         gold_point = scores.Golden.of(g)
-        env = envelopes(g, r, {p: rounded[p][point].cpu() for p in REFERENCES}, rules, gold_point)
+        env = envelopes(g, r, {p: rounded[p][point].cpu() for p in PRECISIONS}, rules, gold_point)
         noise = scores.summary(scores.abs_error(r, g, gold_point))
         fop, tensor = _observing_point(point, nxt)
         return [{**base, "fop": fop, "tensor": tensor, "case": case,
