@@ -290,6 +290,13 @@ def test_config_cross_checks():
     bad["kernels"]["im2col"]["impl"] = "kernels/missing.py"
     with pytest.raises(PeatError, match="missing.py"):
         candidate.check(bad)
+    # Every call would raise (a norm has no reduction to split): each of its jobs a crash, after golden training.
+    bad = copy.deepcopy(config)
+    bad["kernels"]["welford_ln"]["error"] = "tile:4:splitk"
+    with pytest.raises(PeatError, match=r"kernels\.welford_ln\.error.*'tile:4:splitk'.*not the layer_norm forward"):
+        candidate.check(bad)
+    bad["kernels"]["welford_ln"] |= {"op": "linear", "impl": "golden", "computation": "input_grad"}
+    candidate.check(bad)
 
 
 def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path):

@@ -223,6 +223,20 @@ def test_tile_splitk_misses_one_partial_sum():
         errors.parse("tile:4:splitk").apply(golden, gen())
 
 
+def test_tile_splitk_on_a_grouped_conv_misses_one_partial_sum_of_each_group():
+    # Depthwise and grouped convs (EfficientNet, MobileNet) reduce over each group's own channels.
+    x, w = torch.randn(2, 8, 5, 5, generator=gen(8)), torch.randn(6, 4, 3, 3, generator=gen(9))
+    hp = dict(stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=2)
+    out = errors.faulty(kernels.golden("conv2d"), "tile:2:splitk").forward(x, w, None, **hp)
+    missing = errors.matrix(torch.nn.functional.conv2d(x, w, None, **hp) - out)
+    _, _, r0, c0 = tile_of(missing.abs() > 1e-6, 2)
+    tile = (slice(r0, r0 + 2), slice(c0, c0 + 2))
+    partials = [errors.matrix(torch.nn.functional.conv2d(x.unflatten(1, (2, 4))[:, :, k:k + 2].flatten(1, 2),
+                                                         w[:, k:k + 2], None, **hp)) for k in (0, 2)]
+    assert any(torch.allclose(missing[tile], p[tile], atol=1e-5) for p in partials)
+    assert not (missing.abs() > 1e-6)[~_tile_mask(*missing.shape, *tile)].any()
+
+
 def _tile_mask(rows, cols, r, c):
     m = torch.zeros(rows, cols, dtype=torch.bool)
     m[r, c] = True

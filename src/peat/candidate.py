@@ -66,8 +66,11 @@ def rfi_cases(rfi: dict) -> list[str]:
 def check(config: dict) -> None:
     """Cross-check the kernels, errors and rfi sections (the schema checks their shapes)."""
     for name, spec in config.get("kernels", {}).items():
-        if spec.get("error"):
-            _parse(spec["error"], f"kernels.{name}.error")
+        where = (spec["op"], spec.get("computation", "forward"))
+        if spec.get("error") and _parse(spec["error"], f"kernels.{name}.error").mode == "splitk" \
+                and where not in errors.SPLITK:  # every call would raise: each of its jobs a crash
+            raise PeatError(f"config key 'kernels.{name}.error': {spec['error']!r}: split-K applies to "
+                            f"{errors.SPLITK_WHERE}, not the {' '.join(where)}")
         try:
             sources = kernels.source_files(spec.get("impl", "golden"))
         except PeatError as err:
@@ -202,10 +205,10 @@ def _check_recorded(config: dict, name: str, model: str) -> None:
                             f"{model!r} records (models.{model}.record.layers: {', '.join(recorded)})")
 
 
-def _parse(spec: str, key: str) -> None:
+def _parse(spec: str, key: str) -> errors.ErrorModel:
     # The schema's pattern cannot tell that a burst does not fit its bits (bit_flip:signx2).
     try:
-        errors.parse(spec)
+        return errors.parse(spec)
     except PeatError as err:
         raise PeatError(f"config key '{key}': {err}") from None
 

@@ -45,6 +45,11 @@ TRUTH = {"fp16": "reduced_precision", "bf16": "reduced_precision", "tf32": "redu
          "lane": "periodic_lane", "tile": "block_structured", "nan": "non_finite", "inf": "non_finite"}
 
 
+# Where tile:T:splitk finds a reduction to split; a faulty kernel's split-K elsewhere is refused by the config check.
+SPLITK = {("linear", c) for c in COMPUTATIONS} | {("conv2d", "forward")}
+SPLITK_WHERE = "the linear op's three computations and the conv2d forward"
+
+
 class NotApplicable(PeatError):
     """An error model that cannot act on this computation (a split-K tile on a norm layer):
     a limit of the injection, not a failure of the kernel it is injected into."""
@@ -260,6 +265,8 @@ def _splitk_partial(model: ErrorModel, t, generator, operands) -> torch.Tensor:
     if operands is None:
         raise PeatError(f"error spec {model.spec!r}: needs the kernel's operands; use peat.errors.faulty")
     op, computation, args, kwargs = operands
+    if (op, computation) not in SPLITK:
+        raise NotApplicable(f"error spec {model.spec!r}: split-K applies to {SPLITK_WHERE}, not the {op} {computation}")
     size = model.count
     if op == "linear":
         a, b = args[0], args[1]
@@ -273,14 +280,15 @@ def _splitk_partial(model: ErrorModel, t, generator, operands) -> torch.Tensor:
             a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
             k = a2.shape[0]
             func = lambda s: a2[s].t() @ b2[s]  # noqa: E731
-    elif op == "conv2d" and computation == "forward" and kwargs.get("groups", 1) == 1:
-        x, w = args[0], args[1]
-        k = x.shape[1]
-        hp = {n: kwargs[n] for n in ("stride", "padding", "dilation")}
-        func = lambda s: torch.nn.functional.conv2d(x[:, s], w[:, s], None, **hp)  # noqa: E731
     else:
-        raise NotApplicable(f"error spec {model.spec!r}: split-K applies to linear and ungrouped conv2d forward, "
-                            f"not {op} {computation}")
+        x, w, groups = args[0], args[1], kwargs.get("groups", 1)
+        # Each group reduces over its own in/groups channels: the chunk is the same slice of every group's
+        # (a depthwise conv's K of 1 is one chunk, so the race loses the whole sum).
+        k = w.shape[1]
+        hp = {n: kwargs[n] for n in ("stride", "padding", "dilation")}
+        grouped = x.unflatten(1, (groups, k))
+        func = lambda s: torch.nn.functional.conv2d(grouped[:, :, s].flatten(1, 2), w[:, s], None,  # noqa: E731
+                                                    groups=groups, **hp)
     chunk = int(torch.randint(math.ceil(k / size), (1,), generator=generator))
     return func(slice(chunk * size, (chunk + 1) * size)).to(t.dtype)
 
