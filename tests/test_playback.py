@@ -489,6 +489,23 @@ def test_the_network_after_the_injected_layer_runs_channels_last_and_nothing_bef
         assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Conv2d))
 
 
+
+def test_the_rebuild_draws_training_dropout_masks_at_an_epochs_first_step(digits, tmp_path):
+    """MobileNet's classifier drops its input (as EfficientNet's, which also drops blocks): the rebuilt
+    forward draws what training drew there, so at step 0 and after a checkpoint L's input is exact."""
+    from peat.propagate import Propagator
+    from peat.train import train_model
+
+    spec = {"arch": "mobilenet_v2", "dataset": "digits", "epochs": 2, "batch_size": 16, "max_train_samples": 32,
+            "optimizer": {"name": "sgd", "lr": 0.05}, "checkpoint_epochs": [1],
+            "record": {"layers": ["classifier.1"], "every": 1}}
+    train_model("mobilenet", spec, digits, tmp_path, seed=0, threads=1, config_hash="h", progress=False)
+    prop = Propagator(context=tmp_path / "context.h5", spec=spec, data=digits, checkpoints=tmp_path / "checkpoints",
+                      samples=None)
+    table, _ = replay(tmp_path / "context.h5", "linear", errors=[], computations=("forward",), propagate=prop)
+    recon = table[table["fop"] == "loss"].groupby("step")["recon_error"].max()
+    assert recon[0] == 0 and recon[2] == 0 and recon[1] > 0
+
 def test_downstream_variants_injecting_into_results_reuse_the_kernels_output_there(golden_run, tmp_path):
     from peat.propagate import Propagator
 

@@ -38,7 +38,7 @@ from .evidence import PRECISIONS, envelopes
 from .io import open_h5
 from .models import build, loss_and_metrics
 from .profiler import match_layers, read_layer, recorded_steps
-from .train import Run, _subset, epoch_batches
+from .train import Run, _subset, epoch_batches, epoch_seed
 
 KEEP_MODELS = 4  # steps whose rebuilt networks (a float32 and float64 pair each) are kept: steps recur across layers
 GEMM_MAP = 16  # float64 convolutions with output maps this small run as one GEMM (see _float64)
@@ -128,7 +128,8 @@ class Propagator:
             self.chosen[layer] = set(keep)
         return step in self.chosen[layer]
 
-    def observe(self, model, layer: str, nxt: str | None, x, y, replace=None, prefix=None) -> dict[str, torch.Tensor]:
+    def observe(self, model, layer: str, nxt: str | None, x, y, replace=None, prefix=None, *,
+                seed: int) -> dict[str, torch.Tensor]:
         """Forward one batch; return L's input, the next recorded layer's output and the loss.
 
         ``replace(input)`` computes L's output instead of the module (a candidate kernel).
@@ -139,12 +140,12 @@ class Propagator:
         if prefix is not None and prefix.recorded and prefix.valid:
             try:
                 with prefix.replaying():
-                    return self.observe(model, layer, nxt, x, y, replace)
+                    return self.observe(model, layer, nxt, x, y, replace, seed=seed)
             except PrefixMismatch:
                 prefix.valid = False
         if prefix is not None and not prefix.recorded:
             with prefix.recording():
-                return self.observe(model, layer, nxt, x, y, replace)
+                return self.observe(model, layer, nxt, x, y, replace, seed=seed)
         seen, modules = {}, dict(model.named_modules())
 
         def at_layer(module, inputs):
@@ -157,7 +158,7 @@ class Propagator:
         if nxt is not None:
             hooks.append(modules[nxt].register_forward_hook(at_next))
         try:
-            torch.manual_seed(self.seed)  # the same dropout masks in every run
+            torch.manual_seed(seed)  # the same dropout masks in every run
             with torch.no_grad(), _computed_by(modules[layer], replace):
                 loss, _ = loss_and_metrics(model, self.dataset.kind, x, y)
         finally:
@@ -180,15 +181,17 @@ class Propagator:
         with timed("rebuild"):
             model, model64 = self.models_at(step)
         x, y = self.batch(step, int(sample["epoch"]))
+        # Training's draws at an epoch's first step (dropout, stochastic depth): exact there, like the weights.
+        seed = epoch_seed(self.seed, int(sample["epoch"]))
         if self.readers is None:
             self.readers = next_readers(model, self.order, self.dataset.kind, x, y, self.seed)
             self.before = started_before(model, self.order, self.dataset.kind, x, y, self.seed)
         nxt = self.readers[layer]
         prefix = Prefix(model, layer)
         with _channels_last(model, layer, self.before[layer]) if x.device.type == "cpu" else nullcontext():
-            gold = self.observe(model, layer, nxt, x, y, prefix=prefix)
+            gold = self.observe(model, layer, nxt, x, y, prefix=prefix, seed=seed)
             ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
-                                 prefix=prefix.on(model64, torch.float64))
+                                 prefix=prefix.on(model64, torch.float64), seed=seed)
             recorded = sample["A"].cpu()
             recon = float((gold["A"].cpu() - recorded).abs().max() / recorded.abs().max().clamp_min(1e-30))
 
@@ -207,7 +210,8 @@ class Propagator:
 
             def through(kernel):
                 live = dict(sample)
-                return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a), prefix=prefix)
+                return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a), prefix=prefix,
+                                    seed=seed)
 
             golden_kernel = kernels.golden(attrs["op"])
             rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in PRECISIONS}
