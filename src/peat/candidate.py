@@ -76,10 +76,7 @@ def check(config: dict) -> None:
         except PeatError as err:
             raise PeatError(f"config key 'kernels.{name}.impl': {err}") from None
         tree = _parsed(sources[0], f"kernels.{name}.impl") if sources and sources[0].endswith(".py") else None
-        if tree is not None:
-            declared = _declared_op(tree, spec["op"])
-        else:
-            declared = _declared_cpp_op(sources[0], spec["op"]) if sources else None
+        declared = _declared_op(sources[0], spec["op"], tree) if sources else None
         if declared not in (None, spec["op"]):  # load() refused it in the job, after golden training
             raise PeatError(f"config key 'kernels.{name}.op': {spec['op']}, but {spec['impl']} is a {declared} "
                             f"kernel (OP = {declared!r})")
@@ -113,19 +110,17 @@ def _parsed(path: str, key: str) -> ast.Module:
         raise PeatError(f"config key '{key}': {path}: {type(err).__name__}: {getattr(err, 'msg', err)}{where}") from None
 
 
-def _declared_cpp_op(path: str, op: str) -> str | None:
-    """The ``OP`` a C++ kernel source sets, read without compiling it (a minute); None where it sets
-    none, or where ``load`` does not read OP (a submodule per op)."""
-    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", Path(path).read_text(errors="replace"), flags=re.S)  # not compiled
-    if f'def_submodule("{op}"' in text:
-        return None
-    found = re.findall(r'\.attr\(\s*"OP"\s*\)\s*=\s*"(\w+)"', text)
-    return found[-1] if found else None
-
-
-def _declared_op(tree: ast.Module, op: str) -> str | None:
-    """The ``OP`` a Python kernel source sets to a literal; None where only running it could tell,
-    or where ``load`` does not read OP: a namespace per op (a class or object bound to the op's name)."""
+def _declared_op(path: str, op: str, tree: ast.Module | None) -> str | None:
+    """The ``OP`` a kernel source sets to a literal, read without running it (``tree``: a Python
+    source's, from ``_parsed``; None: a C++ source, which would compile for a minute); None where only
+    running it could tell, or where ``load`` does not read OP: a namespace per op (a class or object
+    bound to the op's name, a C++ submodule)."""
+    if tree is None:
+        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", Path(path).read_text(errors="replace"), flags=re.S)  # not compiled
+        if f'def_submodule("{op}"' in text:
+            return None
+        found = re.findall(r'\.attr\(\s*"OP"\s*\)\s*=\s*"(\w+)"', text)
+        return found[-1] if found else None
     declared = None
     for node in tree.body:
         bound = _bound_names(node)
