@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -22,8 +21,9 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 REPORT = Path("reports/test")
 
 
-def _browser():
-    """Headless Debian chromium driven through Debian's chromedriver (nothing downloaded)."""
+def _browser(profile: Path):
+    """Headless Debian chromium driven through Debian's chromedriver (nothing downloaded); its
+    profile in ``profile`` (a test's tmp_path: a mkdtemp folder was left in /tmp by every run)."""
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (Debian packages chromium, chromium-driver; .ci/system-packages)")
@@ -34,7 +34,7 @@ def _browser():
     opts.binary_location = CHROMIUM
     for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={tempfile.mkdtemp(prefix='peat-chromium-')}", "--window-size=1280,2400"):
+                f"--user-data-dir={profile}", "--window-size=1280,2400"):
         opts.add_argument(arg)
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
 
@@ -66,7 +66,7 @@ def _expected_images(workdir: Path) -> list[str]:
 @pytest.mark.xdist_group("workflow")
 def test_index_html_in_headless_chromium(workflow_run, tmp_path):
     page = workflow_run / REPORT / "index.html"
-    driver = _browser()
+    driver = _browser(tmp_path / "chromium-profile")
     try:
         driver.get(page.as_uri())
         images = driver.execute_script(
