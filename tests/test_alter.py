@@ -473,6 +473,11 @@ def test_stored_types_numpy_cannot_hold_exactly_are_left_alone(tmp_path):
     assert {r["dataset"] for r in rows} == {"/next"}
     with h5py.File(tmp_path / "o.h5") as f:
         assert (f["f24"][()] == np.arange(10)).all() and (f["next"][()] == -np.arange(10)).all()
+    # h5diff compares what h5py can read and names what it cannot.
+    d = A.diff(src, tmp_path / "o.h5")
+    assert {r["dataset"]: r["differing"] for r in d["datasets"]} == {"/f24": 0, "/next": 10, "/u12": 0}
+    assert list(d["not_compared"]) == ["/i24"]
+    assert A.format_table(d).endswith("; not compared: /i24 (data type '<i3' not understood)")
 
 
 @pytest.mark.parametrize("other", [np.zeros((10, 10), np.float16), np.zeros(100, np.float32)])
@@ -649,7 +654,29 @@ def test_h5diff_summary_counts_only_differing_datasets_with_all(mixed, tmp_path,
     run_alter(mixed, tmp_path / "o.h5", count=3, select=["model/conv1.weight"])
     for flag in ([], ["--all"]):
         assert main(["h5diff", str(mixed), str(tmp_path / "o.h5"), *flag]) == 0
-        assert capsys.readouterr().out.splitlines()[-1] == "1 dataset(s) differ, 13 identical"
+        assert capsys.readouterr().out.splitlines()[-1] == "1 dataset(s) differ, 14 identical"  # /history too
+
+
+def test_h5diff_compares_the_datasets_peat_never_alters(tmp_path, capsys):
+    """Bools, strings and compounds were skipped: files differing only there were "0 dataset(s) differ"."""
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    for path, v in ((a, 0), (b, 1)):
+        with h5py.File(path, "w") as f:
+            f["flags"] = np.array([True, bool(v)])
+            f["fixed"] = np.array([b"abc", b"xy"[v:v + 1]], "S3")
+            f["text"] = np.array(["hello", "ab"[v]], dtype=h5py.string_dtype())
+            f["title"] = "ab"[v]  # a scalar variable-length string
+            f["pairs"] = np.array([(np.nan, v)], [("a", "f4"), ("b", "i4")])
+            f["empty"] = np.zeros(0, np.float32)
+            f["w"] = np.ones(4, np.float32)
+    assert main(["h5diff", str(a), str(b), "--json", str(tmp_path / "d.json")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = {r["dataset"]: r for r in json.loads((tmp_path / "d.json").read_text())["datasets"]}
+    assert {k: r["differing"] for k, r in rows.items()} == {"/empty": 0, "/fixed": 1, "/flags": 1, "/pairs": 1,
+                                                             "/text": 1, "/title": 1, "/w": 0}
+    assert rows["/flags"]["dtype"] == "bool" and rows["/text"]["dtype"] == "string" and rows["/text"]["max_rel"] == "n/a"
+    assert table[-1] == "5 dataset(s) differ, 2 identical"
+    assert table[1].split()[:3] == ["/fixed", "string", "1"]
 
 
 def test_h5diff_positions_without_json_are_printed_as_the_log_writes_them(mixed, tmp_path, capsys):

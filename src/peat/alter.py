@@ -34,6 +34,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from numpy.lib.recfunctions import repack_fields
 
 from .io import PeatError, atomic_path, json_text, open_h5, write_json
 
@@ -281,10 +282,17 @@ def unalterable(path: str | os.PathLike) -> dict[str, str]:
     return found
 
 
+def _kind(dt: np.dtype) -> str | None:
+    """What a user calls a non-numeric dtype (None: a number)."""
+    if dt.kind == "O" and not h5py.check_string_dtype(dt):
+        return "reference" if h5py.check_ref_dtype(dt) else "vlen"
+    return {"b": "bool", "V": "compound", "O": "string", "S": "string", "U": "string", "c": "complex"}.get(dt.kind)
+
+
 def _why_unalterable(ds: h5py.Dataset) -> str | None:
     if layout_of(ds) is None:
         try:
-            kind = {"b": "bool", "V": "compound", "O": "string", "S": "string", "U": "string", "c": "complex"}.get(ds.dtype.kind)
+            kind = _kind(ds.dtype)
         except TypeError:
             kind = None
         return f"{kind} values" if kind else "a stored type peat cannot edit bit for bit"
@@ -867,11 +875,23 @@ def _warn_if_different(storage, entry, positions, group, source, log) -> None:
 
 
 def diff(a, b, *, positions: bool = False) -> dict:
-    """Per dataset of two HDF5 files: differing elements, relative differences, distance, bits."""
+    """Per dataset of two HDF5 files: differing elements, relative differences, distance, bits.
+
+    Datasets ``scan`` leaves out (bools, strings, compounds, empty ones) are compared element by
+    element; those that cannot be read or compared are named in ``not_compared``, never skipped.
+    """
     ea, eb = {e.path: e for e in scan(a)}, {e.path: e for e in scan(b)}
+    na, nb = set(ea) | set(unalterable(a)), set(eb) | set(unalterable(b))
     sa, sb = Storage(a), Storage(b)
-    rows, listing = [], []
-    for name in sorted(set(ea) & set(eb)):
+    rows, listing, not_compared = [], [], {}
+    for name in sorted(na & nb):
+        if name not in ea or name not in eb:
+            row = _diff_other(a, b, name)
+            if "not_compared" in row:
+                not_compared[name] = row["not_compared"]
+            else:
+                rows.append(row)
+            continue
         x, y = ea[name], eb[name]
         if x.shape != y.shape or x.dtype != y.dtype or x.layout != y.layout:
             rows.append({"dataset": name, "status": f"differs in shape/dtype: {x.shape} {x.dtype} vs {y.shape} {y.dtype}"})
@@ -884,7 +904,7 @@ def diff(a, b, *, positions: bool = False) -> dict:
     sa.close()
     sb.close()
     out = {"a": str(a), "b": str(b), "bit_numbering": BIT_NUMBERING, "datasets": rows,
-           "only_in_a": sorted(set(ea) - set(eb)), "only_in_b": sorted(set(eb) - set(ea))}
+           "only_in_a": sorted(na - nb), "only_in_b": sorted(nb - na), "not_compared": not_compared}
     if positions:
         out["positions"] = listing
     return out
@@ -916,6 +936,38 @@ def _diff_row(entry: Entry, ra: np.ndarray, rb: np.ndarray, where: np.ndarray) -
     }
 
 
+def _diff_other(a, b, name: str) -> dict:
+    """A row for a dataset ``scan`` leaves out in A or B: differing elements, numeric columns n/a."""
+    with open_h5(a) as fa, open_h5(b) as fb:
+        da, db = fa[name], fb[name]
+        try:
+            if da.shape != db.shape or da.dtype != db.dtype:
+                return {"dataset": name, "status": f"differs in shape/dtype: {da.shape} {da.dtype} vs {db.shape} {db.dtype}"}
+            # h5py reads a null dataspace as h5py.Empty and a scalar string as bytes: arrays of the stored dtype.
+            va, vb = (np.zeros(0, d.dtype) if d.shape is None else np.asarray(d[()], d.dtype).reshape(-1) for d in (da, db))
+            where = np.flatnonzero(_unequal(va, vb))
+        except (OSError, RuntimeError, TypeError, ValueError) as err:
+            return {"not_compared": _h5_reason(err) or type(err).__name__}
+        kind = _kind(da.dtype) or da.dtype.name
+        nonfinite = int((~np.isfinite(vb[where])).sum()) if da.dtype.kind in "fc" else 0
+    return {"dataset": name, "dtype": kind, "class": location_class(name, da.attrs), "elements": len(va),
+            "differing": int(len(where)), "nonfinite_new": nonfinite, "max_rel": "n/a", "mean_rel": "n/a",
+            "euclidean": "n/a", "bits": {}}
+
+
+def _unequal(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per element, whether two readings differ: bit for bit (as numeric datasets are compared, so
+    identical NaNs are equal) where numpy holds the bytes, by value for variable-length ones."""
+    if x.dtype.hasobject:
+        return np.array([not np.array_equal(p, q) for p, q in zip(x, y)], bool)
+    if x.dtype.names:  # the padding between fields holds whatever the reading buffer held
+        x, y = repack_fields(x), repack_fields(y)
+    if not len(x):
+        return np.zeros(0, bool)
+    return (np.ascontiguousarray(x).view(np.uint8).reshape(len(x), -1)
+            != np.ascontiguousarray(y).view(np.uint8).reshape(len(y), -1)).any(1)
+
+
 def _num(x):
     x = float(x)
     return x if math.isfinite(x) else str(x)
@@ -935,7 +987,9 @@ def format_table(result: dict, all_rows: bool = False) -> str:
     same = sum(1 for r in result["datasets"] if r.get("differing") == 0)
     lines.append(f"{len(result['datasets']) - same} dataset(s) differ, {same} identical"
                  + (f"; only in A: {', '.join(result['only_in_a'])}" if result["only_in_a"] else "")
-                 + (f"; only in B: {', '.join(result['only_in_b'])}" if result["only_in_b"] else ""))
+                 + (f"; only in B: {', '.join(result['only_in_b'])}" if result["only_in_b"] else "")
+                 + (f"; not compared: {', '.join(f'{k} ({v})' for k, v in result['not_compared'].items())}"
+                    if result["not_compared"] else ""))
     return "\n".join(lines)
 
 
