@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, TEST_CONFIG, snakemake
+from peat import alter_study
 from peat.io import PeatError
 from peat.report import TABLES, build, training_curves
 
@@ -382,3 +383,20 @@ def test_a_run_that_stopped_shows_how_far_it_trained_beside_its_outcome(tmp_path
     rows = pd.read_csv(tmp_path / "out/candidate.csv")
     assert list(rows.columns[:5]) == ["model", "vendor", "kernel", "status", "steps_trained"]
     assert rows.loc[0, "steps_trained"] == 2
+
+
+def test_a_diverged_alteration_run_is_not_shown_as_a_cell_not_measured(tmp_path):
+    """The study writes a diverged run's NaN loss as "nan" and a cell not measured blank: the page showed both blank."""
+    study = tmp_path / "results/alter/m/cpu/sensitivity.csv"
+    study.parent.mkdir(parents=True)
+    grid = dict(model="m", vendor="cpu", epoch=1, cls="weight", region="exponent", flips=1)
+    alter_study._write_table(study, pd.DataFrame([
+        dict(grid, seed=0, status="ok", final_accuracy=0.1, final_loss=float("nan"), diverged=True),
+        dict(grid, seed=1, status="not_applicable", reason="no eligible value", diverged=False)],
+        columns=list(alter_study.COLUMNS)))
+    page = build([study], tmp_path / "out", name="t", models=["m"], vendors=["cpu"]).read_text()
+    rows = re.findall(r"<tr>(.*?)</tr>", page[page.index('id="alter_sensitivity"'):], re.S)
+    cells = [re.findall(r"<td>(.*?)</td>", row) for row in rows]
+    final_loss = alter_study.COLUMNS.index("final_loss")  # the page keeps the study's columns
+    assert [c[final_loss] for c in cells] == ["nan", ""]
+    assert pd.read_csv(tmp_path / "out/alter_sensitivity.csv", keep_default_na=False)["final_loss"].tolist() == ["nan", ""]

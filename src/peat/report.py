@@ -60,7 +60,8 @@ SECTIONS = {
         "Sensitivity of training to bit flips in a checkpoint: each cell is one kind of flip "
         "(bit position or field) in one group of tensors, colored by how far the resumed run "
         "ends from the unaltered one. Light cells are absorbed by training; dark cells are "
-        "flips the model does not recover from (usually exponent bits).")),
+        "flips the model does not recover from (usually exponent bits). In the tables, <b>nan</b> is a "
+        "NaN loss (a run that diverged); a blank cell was not measured.")),
     "sdc": ("Silent data corruption drills", (
         "Each drill injects one fault into distributed data-parallel training and checks that "
         "the SDC checks catch it: <b>detected</b> says whether it was caught, <b>localized</b> "
@@ -202,7 +203,7 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
     elif key == "golden" and path.name == "metrics.csv" and len(parts) == 5:
         _append(section, "golden.csv", _golden_row(path, *parts[2:4]))
     elif key == "alter" and path.suffix == ".csv" and len(parts) == 5 and f"alter_{path.name}" in TABLES:
-        _extend(section, f"alter_{path.name}", pd.read_csv(path), model=parts[2], vendor=parts[3])
+        _extend(section, f"alter_{path.name}", _study_table(path), model=parts[2], vendor=parts[3])
     elif stage == "candidate" and path.name == "outcome.json" and len(parts) == 6:
         _append(section, "candidate.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel"), parts[2:5]))))
     elif stage == "rfi" and path.name == "outcome.json" and len(parts) == 7:
@@ -228,6 +229,16 @@ def _extend(section: Section, csv_name: str, frame: pd.DataFrame, **keys) -> Non
             frame.insert(i, col, value)
     table = section.tables.get(csv_name)
     section.tables[csv_name] = frame if table is None else pd.concat([table, frame], ignore_index=True)
+
+
+def _study_table(path: Path) -> pd.DataFrame:
+    """An alteration study's CSV with its measured NaNs (a diverged run's loss, written "nan") kept as
+    "nan": read as NaN they showed blank, as a cell not measured does (see alter_study.MEASURED)."""
+    table = pd.read_csv(path)
+    measured = pd.read_csv(path, dtype=str, keep_default_na=False).eq("nan")
+    for col in measured.columns[measured.any()]:
+        table[col] = table[col].astype(object).where(~measured[col], "nan")
+    return table
 
 
 def _load_json(path: Path):
