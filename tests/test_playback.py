@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from matplotlib.text import Text
 from torch import nn
 
 from conftest import REPO
@@ -310,6 +311,27 @@ def test_analyzer_on_a_kernel_that_fails_after_its_probe(context, tmp_path):
     analyze.analyze(table, context, tmp_path / "analyze")
     for name in analyze.FIGURES:
         assert (tmp_path / "analyze" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_analyzer_figures_name_a_computation_in_which_the_kernel_crashed(context, tmp_path, monkeypatch):
+    """A kernel crashing at its weight-gradient probe leaves no weight_grad row: that panel was just missing."""
+    kernel = tmp_path / "wg.py"
+    kernel.write_text("def weight_grad(grad_out, x):\n    raise RuntimeError('boom')\n")
+    table, record = replay(context, kernel=kernels.load(str(kernel), "linear"), errors=[], layers=["4"], max_samples=1)
+    assert "weight_grad" not in set(table["computation"])
+    playback.write(table, record, tmp_path / "t.parquet", tmp_path / "t.json")
+    drawn, save = {}, analyze._save
+
+    def spy(fig, path, dpi, failed=()):
+        save(fig, path, dpi, failed)
+        drawn[path.stem] = " ".join(t.get_text() for t in fig.findobj(Text))
+    monkeypatch.setattr(analyze, "_save", spy)
+    analyze.run_job(tmp_path / "t.parquet", context, tmp_path / "analyze", record=tmp_path / "t.json")
+    assert set(drawn) == set(analyze.FIGURES)
+    assert all("weight_grad (layer 4) crash:" in text and "boom" in text for text in drawn.values()), drawn
+    # With no scored row at all, the figures said the context had no layer of the kernel's op.
+    analyze.figures(table.iloc[:0], tmp_path / "none", outcomes=record["outcomes"])
+    assert all("no recorded layer" not in text and "weight_grad (layer 4) crash:" in text for text in drawn.values())
 
 
 def test_analyzer_on_a_kernel_whose_every_result_is_nan(context, tmp_path):

@@ -16,6 +16,7 @@ Reads one playback table (``peat.playback``) and the context's per-step summarie
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -136,44 +137,65 @@ def propagation(table: pd.DataFrame) -> list[dict]:
             for (case, layer), row in med.iterrows()]
 
 
+def failures(table: pd.DataFrame, outcomes: list[dict] = ()) -> list[str]:
+    """One line per computation in which the kernel failed, with its first failure: at its probe (an
+    outcome of the playback record; the computation then has no row at all) or at a later call (a
+    row with an error). The figures say so, or that computation's panel or line would just be missing."""
+    failed = [(o["computation"], o["layer"], f"{o['status']}: {o['message']}") for o in outcomes if o["status"] != "ok"]
+    if "error" in table:
+        rows = table[table["error"].notna() & (table["case"] == "kernel")]
+        failed += [(r.computation, r.layer, f"{r.status}: {r.error}") for r in rows.itertuples()]
+    first = {}
+    for computation, layer, text in failed:
+        first.setdefault(computation, f"{computation} (layer {layer}) {text}")
+    return list(first.values())
+
+
 # -- figures -----------------------------------------------------------------------------------
-def _save(fig, path: Path, dpi: int) -> None:
+def _save(fig, path: Path, dpi: int, failed: list[str] = ()) -> None:
+    if failed:  # under everything drawn, tick labels included (the figure's bottom edge cuts through them)
+        box = fig.get_tightbbox()  # in inches
+        fig.text(box.x0 / fig.get_figwidth(), box.y0 / fig.get_figheight(),
+                 "\n".join(["kernel failures, not plotted:", *failed]), ha="left", va="top", fontsize=7,
+                 color="firebrick", wrap=True)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
     plt.close(fig)
 
 
-def _empty(path: Path, text: str, dpi: int) -> None:
+def _empty(path: Path, text: str, dpi: int, failed: list[str] = ()) -> None:
     fig, ax = plt.subplots(figsize=(5, 1.2))
     ax.axis("off")
     ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True)
-    _save(fig, path, dpi)
+    _save(fig, path, dpi, failed)
 
 
 def _log(values: pd.Series, floor: float = 1e-30) -> pd.Series:
     return np.log10(values.astype(float).clip(lower=floor))
 
 
-def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
+def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] = ()) -> None:
+    failed = failures(table, outcomes)
     own = _ok(table)
     own = own[own["fop"] == "output"] if len(own) else own
     if own.empty:
+        text = "no scored rows" if failed else "no playback rows: the context has no recorded layer of this kernel's op"
         for name in FIGURES:
-            _empty(out / f"{name}.png", "no playback rows: the context has no recorded layer of this kernel's op", dpi)
+            _empty(out / f"{name}.png", text, dpi, failed)
         return
     own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], 1e-3))
     grid = sns.relplot(own, x="step", y="log10_err_top10", hue="case", col="layer", row="computation",
                        kind="line", marker="o", height=2.2, aspect=1.3, facet_kws={"sharey": False},
                        errorbar=None)
     grid.set_axis_labels("training step", "log10 top-10% |error|")
-    _save(grid.figure, out / "score_vs_iteration.png", dpi)
+    _save(grid.figure, out / "score_vs_iteration.png", dpi, failed)
 
     grid = sns.catplot(own, x="log10_rel_top10", y="case", hue="layer", col="computation", kind="box",
                        height=3.2, aspect=0.9, sharex=False, fliersize=2)
     grid.set_axis_labels("log10 top-10% err / fp32 noise", "")
-    _save(grid.figure, out / "distributions.png", dpi)
+    _save(grid.figure, out / "distributions.png", dpi, failed)
 
-    _heatmap(own[own["case"] == "kernel"], out / "heatmap.png", dpi)
+    _heatmap(own[own["case"] == "kernel"], out / "heatmap.png", dpi, failed)
 
     bits = pd.DataFrame({r: np.sum(np.stack(list(rows)), axis=0) for r, rows in own.groupby("case")["bits"]}).T
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.3 * len(bits)))
@@ -181,25 +203,25 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80) -> None:
                 cbar_kws={"label": "log10(1 + elements whose bit differs)"})
     ax.set_xlabel("bit (0 = mantissa LSB, 23-30 exponent, 31 = sign)")
     ax.set_ylabel("")
-    _save(fig, out / "bits.png", dpi)
-    _spatial_maps(own, out / "spatial.png", dpi)
+    _save(fig, out / "bits.png", dpi, failed)
+    _spatial_maps(own, out / "spatial.png", dpi, failed)
 
 
-def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int) -> None:
+def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> None:
     if kernel.empty:  # every call of the kernel after its isolated probe failed (rows with an error)
-        _empty(path, "no scored rows of the kernel itself: it failed after its first call", dpi)
+        _empty(path, "no scored rows of the kernel itself: it failed after its first call", dpi, failed)
         return
     heat = kernel.pivot_table(index=["layer", "computation"], columns="step", values="log10_rel_top10")
     if heat.empty:  # the pivot drops NaN scores: those of results without a finite element (an all-NaN output)
-        _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi)
+        _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi, failed)
         return
     fig, ax = plt.subplots(figsize=(1.2 + 0.5 * max(1, heat.shape[1]), 0.9 + 0.35 * max(1, heat.shape[0])))
     sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": "log10 top-10% error / fp32 noise"})
     ax.set_title("kernel under test: layer x iteration")
-    _save(fig, path, dpi)
+    _save(fig, path, dpi, failed)
 
 
-def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int) -> None:
+def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> None:
     """One error map per case: the first replayed step of the first layer by name, forward pass
     (else input_grad, else weight_grad)."""
     first = own.sort_values(["computation", "layer", "step"]).groupby("case", sort=True).head(1)
@@ -219,10 +241,11 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int) -> None:
         ax.set_xlabel("columns (channels)", fontsize=7)
         ax.set_ylabel("rows", fontsize=7)
     fig.subplots_adjust(hspace=0.6)
-    _save(fig, path, dpi)
+    _save(fig, path, dpi, failed)
 
 
-def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int = 80) -> dict:
+def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int = 80, outcomes: list[dict] = ()) -> dict:
+    """``outcomes``: the playback record's, whose failed probes left no row to plot."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     layers = per_layer(table) if len(table) else pd.DataFrame(columns=KEYS)
@@ -233,10 +256,12 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
                    "propagation": propagation(table)}
     write_csv(out / "layers.csv", layers)
     write_json(out / "summary.json", summary)
-    figures(table, out, dpi)
+    figures(table, out, dpi, outcomes)
     return summary
 
 
-def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: int = 80) -> dict:
-    """One workflow job: tables and figures of one kernel's playback table."""
-    return analyze(pd.read_parquet(table_path), context, out, dpi)
+def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: int = 80,
+            record: str | Path | None = None) -> dict:
+    """One workflow job: tables and figures of one kernel's playback table (and its record's outcomes)."""
+    outcomes = json.loads(Path(record).read_text()).get("outcomes", []) if record is not None else []
+    return analyze(pd.read_parquet(table_path), context, out, dpi, outcomes)

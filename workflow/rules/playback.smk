@@ -50,6 +50,7 @@ rule detect:
 rule analyze:
     input:
         table=playback_path("{model}", "{vendor}", "{kernel}", "parquet"),
+        record=playback_path("{model}", "{vendor}", "{kernel}", "json"),
         context=reference_context,
     output:
         **{
