@@ -13,8 +13,9 @@ import textwrap
 import h5py
 import numpy as np
 import torch
+import yaml
 
-from conftest import BIN, REPO
+from conftest import BIN, REPO, TEST_CONFIG, snakemake
 
 README = (REPO / "README.md").read_text()
 
@@ -117,3 +118,25 @@ def test_sdc_example_runs_under_torchrun_without_alarms(tmp_path):
     events = tmp_path / "sdc_events.jsonl"
     assert not events.exists() or events.read_text() == ""  # a clean run raises no alarm
     assert not (tmp_path / "sdc_stop.pt").exists()
+
+
+def test_own_kernel_recipe_of_the_quick_start_plans_its_verdict(tmp_path):
+    """The Quick start's config line and command, as printed, plan a new kernel file's playback
+    and verdict."""
+    recipe = README[README.index("**Your own kernel, to a verdict.**"):]
+    recipe = recipe[:recipe.index("\n\n")]
+    line = re.search(r"`(\w+): (\{op: .*?\})` in `config/test.yaml`", recipe)
+    command = re.search(r"`snakemake --cores all (results/detect/\S+\.json) --configfile config/test\.yaml`", recipe)
+    assert line and command, recipe
+    name, entry = line.group(1), yaml.safe_load(line.group(2))
+    kernel = tmp_path / entry["impl"]
+    kernel.parent.mkdir(parents=True)
+    kernel.write_text(f"OP = {entry['op']!r}\n\n\ndef forward(x, weight, bias, **kw):\n    return x\n")
+    config = yaml.safe_load(TEST_CONFIG.read_text())
+    config["kernels"][name] = entry
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(config))
+
+    proc = snakemake(tmp_path, "-n", command.group(1), configfile=tmp_path / "test.yaml")
+    model = command.group(1).split("/")[2]
+    assert f"results/playback/{model}/cpu/{name}.parquet" in proc.stdout
+    assert f"wildcards: model={model}, vendor=cpu, kernel={name}" in proc.stdout
