@@ -886,6 +886,27 @@ def test_compiled_scores_equal_numpys_bit_for_bit(monkeypatch):
                 assert type(value) is type(got[key]) and same, key
 
 
+
+def test_local_envelope_is_the_per_element_worst_of_its_tile():
+    """envelopes works out the local envelope on tiles (one value each, spread over them at the
+    end): it is KRP times the worst fp16/bf16/tf32 error of each element's tile, floored at
+    tau32, as worked out element by element, also with partial tiles, NaN and inf."""
+    from peat import evidence, scores
+
+    rules = detect.Rules()
+    for _, golden in _score_cases()[::6]:
+        ref = golden.double() + 1e-9
+        rounded = {p: golden * (1 + 10.0 ** -k) for k, p in enumerate(evidence.PRECISIONS, start=2)}
+        rounded["bf16"].view(-1)[[1, 3]] = torch.tensor([math.nan, math.inf])
+        env = evidence.envelopes(golden, ref, rounded, rules)
+        refm = scores.as_matrix(ref)
+        worst = np.max([np.nan_to_num(np.abs(scores.as_matrix(t) - refm), nan=0.0, posinf=0.0)
+                        for t in rounded.values()], axis=0)
+        tiles = scores.per_tile(worst, rules.tile, np.maximum)
+        want = np.maximum(rules.krp * evidence.per_element(tiles, rules.tile, worst.shape), env["tau32"])
+        assert env.local.shape == want.shape and np.array_equal(env.local, want)
+
+
 def test_allclose_in_numpy_equals_torch_at_the_tolerance_edge():
     """evidence.allclose against a finite golden's cached bound is torch.allclose, also one
     float32 step either side of the tolerance."""

@@ -54,10 +54,13 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
     if diffs and gold.matrix.size:
-        # NaN and inf count as 0; a difference without them is used as it is, not copied.
-        worst = functools.reduce(np.maximum, [d if math.isfinite(tops[p]) else np.nan_to_num(d, nan=0.0, posinf=0.0)
+        # NaN and inf count as 0; a difference without them is used as it is, not copied. Each is
+        # reduced to its tiles first: the envelope is a tile's worst times KRP, so the worst over
+        # precisions, the scaling and the floor need one value per tile, not per element.
+        worst = functools.reduce(np.maximum, [per_tile(d if math.isfinite(tops[p]) else
+                                                       np.nan_to_num(d, nan=0.0, posinf=0.0), rules.tile, np.maximum)
                                               for p, d in diffs.items()])
-        env.local = np.maximum(rules.krp * tile_max(worst, rules.tile), tau32)
+        env.local = per_element(np.maximum(rules.krp * worst, tau32), rules.tile, gold.matrix.shape)
         env.footprints = {p: _beyond(abs_error(m, golden, gold), tau32 / rules.band, tau32 * rules.band)[:4]
                           for p, m in views.items()}
     return env
@@ -68,11 +71,11 @@ def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(d, out=d)
 
 
-def tile_max(m: np.ndarray, tile: int) -> np.ndarray:
-    """Each element of a matrix (>= 0) replaced by the largest value of its aligned ``tile`` x
-    ``tile`` tile."""
-    rows, cols = m.shape
-    return np.repeat(np.repeat(per_tile(m, tile, np.maximum), tile, 0)[:rows], tile, 1)[:, :cols]
+def per_element(tiles: np.ndarray, tile: int, shape: tuple) -> np.ndarray:
+    """One value per aligned ``tile`` x ``tile`` tile spread over every element of a matrix of
+    ``shape`` (the last tiles may be partial)."""
+    rows, cols = shape
+    return np.repeat(np.repeat(tiles, tile, 0)[:rows], tile, 1)[:, :cols]
 
 
 def rounding_footprint(over32: np.ndarray, n: int, env: dict, cover: float) -> str:
