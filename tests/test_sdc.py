@@ -587,6 +587,33 @@ def test_guard_calls_out_of_order_are_one_line(one_rank):
         guard.ddp(torch.ones(3, 4)).sum().backward()
 
 
+def test_a_step_without_its_checks_is_one_line(one_rank):
+    # Forgetting check_gradients trained a rank's NaN into every replica (then equal: no fingerprint
+    # alarm) and never ran the audit; forgetting check_weights never compared the weights. Both passed
+    # without a word.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model))
+    guard.begin_step(0)
+    guard.ddp(torch.ones(3, 4)).sum().backward()
+    with pytest.raises(PeatError, match=r"^sdc.Guard: begin_step\(1\) after step 0 had gradients but no "
+                                        r"check_gradients\(\): call it after each step's backward, before "
+                                        r"optimizer.step\(\)$"):
+        guard.begin_step(1)
+    assert guard.check_gradients()
+    for call, name in [(lambda: guard.begin_step(1), r"begin_step\(1\)"), (guard.finish, r"finish\(\)")]:
+        with pytest.raises(PeatError, match=rf"^sdc.Guard: {name} after step 0 had no check_weights\(\): call it "
+                                            r"after each step's optimizer.step\(\)$"):
+            call()
+    guard.check_weights()
+    guard.begin_step(1)
+    model.zero_grad(set_to_none=True)
+    (guard.ddp(torch.ones(3, 4)).sum() * float("nan")).backward()
+    assert not guard.check_gradients()  # a skipped step changed no weight: its check_weights may be left out
+    guard.finish()
+
+
 def test_audit_step_without_a_replay_is_one_line(one_rank):
     # The audit was skipped without a word: a user who set audit_every believed it ran.
     with pytest.raises(PeatError, match=r"^sdc.Guard: step 0 is an audit step \(audit_every=2\) but check_gradients\(\) "
@@ -609,6 +636,7 @@ def test_audit_after_freezing_a_layer_once_the_guard_was_built(one_rank):
         model.zero_grad(set_to_none=True)
         guard.ddp(x).sum().backward()
         assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
+        guard.check_weights()
     assert guard.alarms == []
 
 

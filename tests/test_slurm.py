@@ -221,6 +221,7 @@ for step in range(3):
     nan = step == 1 and dist.get_rank() == 1
     (guard.ddp(torch.ones(3, 4)).sum() * (float("nan") if nan else 1.0)).backward()
     guard.check_gradients()
+    guard.check_weights()
 """
 
 

@@ -217,7 +217,7 @@ class Guard:
         self.step = -1
         # Gradient hook calls since begin_step (None: no step begun), and whether check_gradients ran:
         # a call out of order (no begin_step, check before backward) is one line, not a false alarm.
-        self._fired, self._checked = None, False
+        self._fired, self._checked, self._weights_due = None, False, False
         self._weights = None  # (step, pending gather) of the last weight checksums
         # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
         # bucket for the all-reduce: DDP keeps its fused C++ path (no Python comm hook, and the
@@ -227,7 +227,8 @@ class Guard:
     # - per step -
 
     def begin_step(self, step: int) -> None:
-        self.step, self._fired, self._checked = step, 0, False
+        self._require_checks(f"begin_step({step})")
+        self.step, self._fired, self._checked, self._weights_due = step, 0, False, False
         self._reported: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # This rank's non-finite flag: a bool on CPU, a device tensor elsewhere (no host sync in backward).
         self._bad = False if self.device.type == "cpu" else torch.zeros((), dtype=torch.bool, device=self.device)
@@ -285,7 +286,18 @@ class Guard:
                                         "audit fingerprints")
             cut = 2 * len(self.params)
             self._audit(replay, [g[:cut] for g in gathered], [g[cut:] for g in gathered])
+        self._weights_due = healthy  # a skipped step changed no weight: its check_weights() may be left out
         return healthy
+
+    def _require_checks(self, call: str) -> None:
+        # A step without its checks passed without a word: a NaN trained into every replica (which
+        # then agree), a bit flip never compared, the audit never run.
+        if self._fired and not self._checked:
+            raise PeatError(f"sdc.Guard: {call} after step {self.step} had gradients but no check_gradients(): "
+                            "call it after each step's backward, before optimizer.step()")
+        if self._weights_due:
+            raise PeatError(f"sdc.Guard: {call} after step {self.step} had no check_weights(): call it after each "
+                            "step's optimizer.step()")
 
     def _reduced_marked(self) -> bool:
         """Whether the first element of any all-reduced gradient is non-finite (NaN marks a rank's
@@ -317,6 +329,7 @@ class Guard:
         update) or in ``finish()``, so the exchange never stalls the loop.
         """
         self._resolve_weights()
+        self._weights_due = False
         if self.step % self.fingerprint_every:
             return
         t0 = time.perf_counter()
@@ -327,6 +340,7 @@ class Guard:
 
     def finish(self) -> None:
         """After the last step: settle the last weight comparison."""
+        self._require_checks("finish()")
         self._resolve_weights()
 
     def _resolve_weights(self) -> None:
