@@ -907,6 +907,27 @@ def test_local_envelope_is_the_per_element_worst_of_its_tile():
         assert env.local.shape == want.shape and np.array_equal(env.local, want)
 
 
+def test_envelopes_share_the_noise_and_the_rounded_references_errors():
+    """envelopes measures |golden - reference| once for tau32 and the candidates' noise
+    summary (``noise``), and takes the rounded references' errors from their scores: the same
+    envelopes, footprints and noise as worked out on their own, also for a golden or a
+    reference with NaN and inf."""
+    from peat import evidence, scores
+
+    for _, golden in _score_cases()[::3]:
+        gold = scores.Golden.of(golden)
+        ref = golden.double() + 1e-9
+        ref.view(-1)[-1] = math.nan
+        rounded = {p: golden * (1 + 10.0 ** -k) for k, p in enumerate(evidence.PRECISIONS, start=2)}
+        errors = {p: scores.difference(t, gold).err for p, t in rounded.items()}
+        shared, own = evidence.envelopes(golden, ref, rounded, gold=gold, errors=errors), evidence.envelopes(golden, ref, rounded)
+        assert shared == own and shared["noise32_max"] == evidence._finite_max(
+            evidence._distance(gold.matrix, scores.as_matrix(ref)))
+        np.testing.assert_equal(shared.noise, scores.summary(scores.abs_error(ref, golden)))
+        for p, (may, must, *sizes) in own.footprints.items():
+            got = shared.footprints[p]
+            assert np.array_equal(got[0], may) and np.array_equal(got[1], must) and list(got[2:]) == sizes
+
 def test_allclose_in_numpy_equals_torch_at_the_tolerance_edge():
     """evidence.allclose against a finite golden's cached bound is torch.allclose, also one
     float32 step either side of the tolerance."""

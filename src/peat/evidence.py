@@ -12,7 +12,7 @@ from scipy import ndimage
 
 from . import tensor_stats
 from .detect import Rules, shape_class
-from .scores import QUIET, Golden, abs_error, as_matrix, masked, per_tile
+from .scores import QUIET, Golden, abs_error, as_matrix, masked, per_tile, summary
 
 PRECISIONS = ("fp16", "bf16", "tf32")  # golden rounded so: the reduced-precision envelope
 EPS32 = 2.0 ** -23
@@ -23,15 +23,19 @@ class Envelopes(dict):
     attributes that are not written, needed only while the candidates of that output are scored:
     ``local``, the per-element reduced-precision envelope, and ``footprints``, for each of
     fp16/bf16/tf32 the elements where rounding to it moves the result beyond ``tau32 / BAND``
-    (may) and beyond ``tau32 * BAND`` (must). Both are in the matrix view."""
+    (may) and beyond ``tau32 * BAND`` (must). Both are in the matrix view. And ``noise``, the
+    ``peat.scores.summary`` of |golden - reference| that every candidate's ``rel_*`` scores
+    divide by (the envelope measures that same difference)."""
 
     local: np.ndarray | None = None
+    noise: dict | None = None
     footprints: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}  # may, must and their sizes
 
 
 @QUIET
 def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
-              rules: Rules = Rules(), gold: Golden | None = None) -> Envelopes:
+              rules: Rules = Rules(), gold: Golden | None = None,
+              errors: dict[str, np.ndarray] | None = None) -> Envelopes:
     """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs.
 
     ``taurp`` is the worst over the tensor; ``local`` holds, for every element, KRP times the
@@ -39,12 +43,18 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     ``tau32``): rounding errors scale with the magnitudes around them (outlier channels, a
     gradient block much larger than its neighbours). ``footprints`` are the S sets the
     references themselves have: where, on these inputs, a correct reduced-precision result
-    leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be passed in when known.
+    leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) and ``errors`` (per precision,
+    ``abs_error`` of the rounded tensor against golden) may be passed in when known: playback
+    scores the rounded references as candidates too.
     """
     gold = Golden.of(golden) if gold is None else gold
+    errors = {} if errors is None else errors
     ref = as_matrix(reference)
     absmax = max(abs(gold.lo), abs(gold.hi)) if math.isfinite(gold.lo) else 0.0
-    noise32 = _finite_max(_distance(gold.matrix, ref))
+    noise = abs_error(ref, golden, gold)
+    noise32 = float(noise.max(initial=0.0))
+    if not math.isfinite(noise32):  # abs_error's NaN as inf and inf as the largest float: counted from scratch
+        noise32 = _finite_max(_distance(gold.matrix, ref))
     views = {p: as_matrix(t) for p, t in rounded.items()}  # an NCHW tensor's is a copy: made once
     diffs = {p: _distance(m, ref) for p, m in views.items()}
     tops = {p: float(d.max(initial=0.0)) for p, d in diffs.items()}  # NaN or inf where a difference is
@@ -53,6 +63,7 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
+    env.noise = summary(noise)
     if diffs and gold.matrix.size:
         # NaN and inf count as 0; a difference without them is used as it is, not copied. Each is
         # reduced to its tiles first: the envelope is a tile's worst times KRP, so the worst over
@@ -61,7 +72,8 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
                                                        np.nan_to_num(d, nan=0.0, posinf=0.0), rules.tile, np.maximum)
                                               for p, d in diffs.items()])
         env.local = per_element(np.maximum(rules.krp * worst, tau32), rules.tile, gold.matrix.shape)
-        env.footprints = {p: _beyond(abs_error(m, golden, gold), tau32 / rules.band, tau32 * rules.band)[:4]
+        env.footprints = {p: _beyond(errors[p] if p in errors else abs_error(m, golden, gold), tau32 / rules.band,
+                                     tau32 * rules.band)[:4]
                           for p, m in views.items()}
     return env
 

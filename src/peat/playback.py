@@ -147,12 +147,14 @@ def case_seed(seed: int, *parts) -> int:
 
 # -- one computation on one sample ------------------------------------------------------------
 def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Tensor, env: dict,
-              rules: detect.Rules, noise: dict | None = None, gold: scores.Golden | None = None) -> dict:
+              rules: detect.Rules, noise: dict | None = None, gold: scores.Golden | None = None,
+              diff: scores.Diff | None = None) -> dict:
     """Scores, detector evidence and baselines of one candidate tensor. ``noise`` (the summary of
     |golden - reference|) and ``gold`` (``scores.Golden.of(golden)``) are shared by every
-    candidate of the same golden tensor."""
+    candidate of the same golden tensor; ``diff`` (``scores.difference(candidate, gold)``) may
+    be passed in when already found."""
     gold = scores.Golden.of(golden) if gold is None else gold
-    diff = scores.difference(candidate, gold)
+    diff = scores.difference(candidate, gold) if diff is None else diff
     row = scores.tensor_scores(candidate, golden, reference, noise=noise, diff=diff, gold=gold)
     row["row_mass"] = _bins(row["row_mass"], ROW_BINS)
     row |= env | evidence.evidence(candidate, golden, env, rules, diff=diff.err, nonfinite=row["nonfinite"], gold=gold,
@@ -322,8 +324,10 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                              "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
             gold = scores.Golden.of(ref["golden"])
-            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS}, plan.rules, gold)
-            noise = scores.summary(scores.abs_error(ref["fp64"], ref["golden"], gold))
+            # The rounded references are candidates as well: their errors serve the envelopes too.
+            diffs = {f"ref:{p}": scores.difference(ref[p], gold) for p in evidence.PRECISIONS}
+            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS}, plan.rules, gold,
+                                     {p: diffs[f"ref:{p}"].err for p in evidence.PRECISIONS})
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
                     "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
                     "golden_vs_recorded": _recorded_difference(ref["golden"], sample.get(target))}
@@ -333,8 +337,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                     rows.append({**base, "case": case, "status": "shape_mismatch",
                                  "error": f"returned {tuple(cand.shape)}, expected {tuple(ref['golden'].shape)}"})
                     continue
-                rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules, noise,
-                                                              gold)})
+                rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules,
+                                                              env.noise, gold, diffs.get(case))})
         if follow:
             ran = {case: twin for case, twin in twins.items() if case in candidates}  # failed: row above
             with timer("propagate"):

@@ -238,10 +238,9 @@ class Propagator:
         g, r = gold[point].cpu(), ref64[point].cpu()
         gold_point = scores.Golden.of(g)
         env = envelopes(g, r, {p: rounded[p][point].cpu() for p in PRECISIONS}, rules, gold_point)
-        noise = scores.summary(scores.abs_error(r, g, gold_point))
         fop, tensor = _observing_point(point, nxt)
         return [{**base, "fop": fop, "tensor": tensor, "case": case,
-                 **score_row(seen[point].cpu().float(), g, r, env, rules, noise, gold_point)}
+                 **score_row(seen[point].cpu().float(), g, r, env, rules, env.noise, gold_point)}
                 for case, seen in runs.items()]
 
 
