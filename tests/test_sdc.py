@@ -561,6 +561,20 @@ def test_guard_refuses_a_plain_module_and_bad_intervals(one_rank):
     assert guard.audit_every == 2
 
 
+def test_guards_that_differ_between_ranks_are_one_line(one_rank, monkeypatch):
+    # audit_every differing on one rank: gloo aborted both ranks on a collective size mismatch
+    # (SIGABRT, "Invalid mt19937 state"); nccl may hang.
+    from torch.nn.parallel import DistributedDataParallel
+
+    def gather_with_a_peer(out, mine, group=None):  # rank 1 built its guard with audit_every=3
+        out[:] = [mine, (mine[0], {**mine[1], "audit_every": 3})]
+
+    monkeypatch.setattr(sdc.dist, "all_gather_object", gather_with_a_peer)
+    with pytest.raises(PeatError, match=r"^sdc.Guard: audit_every differs between ranks \(rank 0: 2, rank 1: 3\): "
+                                        r"build the guard alike on every rank$"):
+        sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), audit_every=2)
+
+
 def test_guard_calls_out_of_order_are_one_line(one_rank):
     # No begin_step: an AttributeError from inside backward. check_gradients before backward: every audit
     # compared no report with the replay, an unlocalized alarm naming every rank at every step.

@@ -209,9 +209,17 @@ class Guard:
             raise PeatError("sdc.Guard: the model has no trainable parameters")
         self.device = self.params[0].device  # nccl gathers need device tensors
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        hosts: list = [None] * self.world
-        dist.all_gather_object(hosts, node_name(), group=group)
-        self.hosts = hosts
+        # Ranks whose guards differ run different collectives at the same step: gloo aborted the
+        # process with a size mismatch (or a garbage random state), nccl may hang.
+        alike = {"policy": policy, "audit_every": int(audit_every), "fingerprint_every": int(fingerprint_every),
+                 "audit_tolerance": float(audit_tolerance), "trainable parameters": len(self.params)}
+        ranks: list = [None] * self.world
+        dist.all_gather_object(ranks, (node_name(), alike), group=group)
+        self.hosts = [host for host, _ in ranks]
+        for key, value in alike.items():
+            if any(other[key] != value for _, other in ranks):
+                values = ", ".join(f"rank {r}: {other[key]!r}" for r, (_, other) in enumerate(ranks))
+                raise PeatError(f"sdc.Guard: {key} differs between ranks ({values}): build the guard alike on every rank")
         self.alarms: list[Event] = []
         self.timers: dict[str, list[float]] = {c: [] for c in CHECKS}
         self.step = -1
