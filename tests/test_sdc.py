@@ -628,6 +628,28 @@ def test_a_step_without_its_checks_is_one_line(one_rank):
     guard.finish()
 
 
+def test_accumulation_without_no_sync_is_one_line(one_rank):
+    # Each micro-batch's backward was all-reduced: every audit failed on every rank (an unlocalized alarm
+    # at each audit step) and a rank's NaN reached every rank's local check.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+    loss = lambda module, half: module(torch.arange(12.0).view(3, 4)[half]).sum()  # noqa: E731
+    guard.begin_step(0)
+    with guard.ddp.no_sync():
+        loss(guard.ddp, slice(0, 2)).backward()
+    loss(guard.ddp, slice(2, 3)).backward()
+    assert guard.check_gradients(replay=lambda r: loss(guard.module, slice(0, 2)) + loss(guard.module, slice(2, 3)))
+    guard.check_weights()
+    assert guard.alarms == []
+    guard.begin_step(1)
+    loss(guard.ddp, slice(0, 2)).backward()
+    with pytest.raises(PeatError, match=r"^sdc.Guard: a second DDP forward with gradient sync in step 1: accumulate "
+                                        r"micro-batches under ddp.no_sync\(\), all but the last$"):
+        guard.ddp(torch.ones(1, 4))
+
+
 def test_audit_step_without_a_replay_is_one_line(one_rank):
     # The audit was skipped without a word: a user who set audit_every believed it ran.
     with pytest.raises(PeatError, match=r"^sdc.Guard: step 0 is an audit step \(audit_every=2\) but check_gradients\(\) "

@@ -231,12 +231,14 @@ class Guard:
         # bucket for the all-reduce: DDP keeps its fused C++ path (no Python comm hook, and the
         # comm hook stays free for the user).
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
+        self._hooks.append(ddp.register_forward_pre_hook(self._on_forward))
 
     # - per step -
 
     def begin_step(self, step: int) -> None:
         self._require_checks(f"begin_step({step})")
         self.step, self._fired, self._checked, self._weights_due = step, 0, False, False
+        self._synced_forward = False
         self._reported: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # This rank's non-finite flag: a bool on CPU, a device tensor elsewhere (no host sync in backward).
         self._bad = False if self.device.type == "cpu" else torch.zeros((), dtype=torch.bool, device=self.device)
@@ -247,6 +249,17 @@ class Guard:
         self._rng = _rng_state(self.device) if self._auditing else None
         # ... and the buffers it started from (spectral norm's power iteration updates and uses them).
         self._buffers = _buffers(self.module) if self._auditing else None
+
+    def _on_forward(self, module, args) -> None:
+        # DDP all-reduces in the backward of each forward made with gradient sync: a second one in a step
+        # adds its local gradients to already reduced ones, so every audit failed on every rank and a NaN
+        # reached every rank's local check (an unlocalized alarm, the faulty rank unnamed).
+        if self._fired is None or self._checked or not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
+            return
+        if self._synced_forward:
+            raise PeatError(f"sdc.Guard: a second DDP forward with gradient sync in step {self.step}: accumulate "
+                            "micro-batches under ddp.no_sync(), all but the last")
+        self._synced_forward = True
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """This rank's own gradient of ``param``, before it is shared: fingerprint it for the audit,
