@@ -26,8 +26,8 @@ the first that holds wins (the priority order of ``CLASSES``):
 non_finite         candidate NaN/Inf where golden is finite.
 block_structured   >= COVER of S lies in at most MAX_TILES connected tiles (both sides >= 2,
                    >= 4 elements, bounding box filled >= FILL; in a vector a run of >= 4)
-                   covering <= BLOCK_AREA of the tensor; or G covers the tensor without any
-                   other structure (one tile: the whole output).
+                   covering <= BLOCK_AREA of the tensor; or G is too large to be sparse and
+                   in no block or lane (one tile: the whole output).
 periodic_lane      >= COVER of S lies in columns (or rows) filled >= FILL, and those columns
                    are one lane or a whole progression of stride >= 2 (>= COVER of its lanes).
 bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
