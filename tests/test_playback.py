@@ -290,6 +290,18 @@ def test_analyzer_tables_and_figures(context, tmp_path):
     assert set(lane["median_rel_top10"]) == {"forward", "input_grad", "weight_grad"}
 
 
+def test_repeated_blocks_keep_positions_inside_a_block_apart():
+    """MobileNetV2's conv.0.0 (1x1 expansion) and conv.1.0 (3x3 depthwise) in blocks 2 and 3: two
+    roles of two blocks each (every index was starred: one role mixing both kinds of convolution)."""
+    names = ["features.2.conv.0.0", "features.2.conv.1.0", "features.3.conv.0.0", "features.3.conv.1.0"]
+    layers = pd.DataFrame({"case": "kernel", "fop": "output", "computation": "forward", "layer": names,
+                           "err_top10_mean": [1.0, 100.0, 1.0, 100.0]})
+    blocks = {r["role"]: r for r in analyze.repeated_blocks(layers)}
+    assert set(blocks) == {"features.*.conv.0.0", "features.*.conv.1.0"}
+    assert all(len(r["blocks"]) == 2 and r["cv"] == 0 for r in blocks.values())
+    assert analyze.block_role("features.2.1.block.3.0") == "features.*.*.block.3.0"  # EfficientNet
+
+
 def test_forward_over_backward_does_not_depend_on_which_backward_median_is_nan():
     """A computation whose every score is NaN (all-NaN results) has a NaN median: the ratio is then
     over the other backward one, whichever of the two it is (Python's max() kept a leading NaN)."""

@@ -93,9 +93,15 @@ def spearman(table: pd.DataFrame, context_summaries: pd.DataFrame) -> list[dict]
     return out
 
 
+# The first run of index components is the block's place (ResNet's layer2.1., GPT-2's h.3.,
+# MobileNetV2's features.4., EfficientNet's features.2.0.); an index after a named part inside the
+# block is a position in it (MobileNetV2's conv.0 expands, conv.1 is depthwise), so it is kept.
+_BLOCK_INDICES = re.compile(r"^((?:[^.]*\.)*?)((?:(?:layer)?\d+\.)+)")
+
+
 def block_role(layer: str) -> str:
     """A layer's role in a repeated block: its name with block indices replaced by '*'."""
-    return re.sub(r"(?<=\.)\d+(?=\.)|(?<=^)\d+(?=\.)|(?<=layer)\d+", "*", layer)
+    return _BLOCK_INDICES.sub(lambda m: m[1] + re.sub(r"\d+", "*", m[2]), layer, count=1)
 
 
 def repeated_blocks(layers: pd.DataFrame) -> list[dict]:
