@@ -302,6 +302,23 @@ def test_repeated_blocks_keep_positions_inside_a_block_apart():
     assert analyze.block_role("features.2.1.block.3.0") == "features.*.*.block.3.0"  # EfficientNet
 
 
+def test_analyzer_counts_the_iterations_its_means_leave_out(context):
+    """A result without a finite error (all NaN) has NaN err_* scores, which the mean skips: the
+    layer said 3 iterations for a mean over 2."""
+    table, _ = replay(context, "linear", errors=[], layers=["4"], computations=("forward",))
+    nan_step = (table["case"] == "kernel") & (table["step"] == 1)
+    table.loc[nan_step, ["err_max", "err_mean", "err_top10", "err_var", "rel_top10"]] = np.nan
+    row = analyze.per_layer(table).set_index("case").loc["kernel"]
+    assert (row["iterations"], row["unscored"]) == (3, 1)
+
+
+def test_spearman_ranks_an_infinite_error_highest_instead_of_leaving_it_out():
+    table = pd.DataFrame({"case": "kernel", "computation": "forward", "fop": "output", "layer": "4",
+                          "step": [0, 1, 2, 3], "err_top10": [1.0, 2.0, 3.0, np.inf]})
+    (row,) = analyze.spearman(table, pd.DataFrame({"layer": "4", "step": [0, 1, 2, 3], "W_var": [1.0, 2.0, 3.0, 4.0]}))
+    assert row["points"] == 4 and row["rho"] == pytest.approx(1.0)
+
+
 def test_forward_over_backward_does_not_depend_on_which_backward_median_is_nan():
     """A computation whose every score is NaN (all-NaN results) has a NaN median: the ratio is then
     over the other backward one, whichever of the two it is (Python's max() kept a leading NaN)."""

@@ -42,11 +42,14 @@ def _ok(table: pd.DataFrame) -> pd.DataFrame:
 
 def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     """Mean and sample std (ddof 1: NaN for one iteration) over iterations of each score in
-    ``SCORES``, per case x computation x layer x observing point."""
+    ``SCORES``, per case x computation x layer x observing point. ``unscored``: iterations whose
+    result had no finite error (its ``err_*`` scores NaN: an all-NaN output), which the means
+    leave out, so they are counted apart from ``iterations``."""
     grouped = _ok(table).groupby(KEYS, sort=True)[list(SCORES)]
     out = grouped.agg(["mean", "std"])
     out.columns = [f"{score}_{stat}" for score, stat in out.columns]
     out["iterations"] = grouped.size()
+    out["unscored"] = out["iterations"] - grouped.count()["err_top10"]
     return out.reset_index()
 
 
@@ -84,7 +87,7 @@ def spearman(table: pd.DataFrame, context_summaries: pd.DataFrame) -> list[dict]
     out = []
     for (case, comp), rows in own.groupby(["case", "computation"], sort=True):
         for column in [c for c in ("W_mean", "W_var", "act_mean", "act_var") if c in rows]:
-            pair = rows[["err_top10", column]].replace([np.inf, -np.inf], np.nan).dropna()
+            pair = rows[["err_top10", column]].dropna()  # an infinite error ranks highest: kept
             if len(pair) < 3 or pair[column].nunique() < 2 or pair["err_top10"].nunique() < 2:
                 continue
             rho, p = stats.spearmanr(pair["err_top10"], pair[column])
