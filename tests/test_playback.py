@@ -329,6 +329,16 @@ def test_forward_over_backward_does_not_depend_on_which_backward_median_is_nan()
         assert row["forward_over_backward"] == 2.0
 
 
+def test_score_vs_iteration_panel_titles_do_not_overlap(context, tmp_path, monkeypatch):
+    table, _ = replay(context, "linear", errors=[], max_samples=1)
+    titles = []
+    monkeypatch.setattr(analyze, "_save", lambda fig, path, *a, **k: titles.append(
+        [ax.title.get_window_extent(fig.canvas.get_renderer()) for ax in fig.axes if ax.get_title()]))
+    analyze.figures(table, tmp_path)
+    boxes = titles[0]  # score_vs_iteration: a row of two layers per computation
+    assert len(boxes) == 6 and not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
 def test_analyzer_on_a_kernel_that_fails_after_its_probe(context, tmp_path):
     """The probe passes in its child process; every later call fails: only the references score."""
     kernel = tmp_path / "parent_fails.py"

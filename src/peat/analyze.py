@@ -197,6 +197,7 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
                        kind="line", marker="o", height=2.2, aspect=1.3, facet_kws={"sharey": False},
                        errorbar=None)
     grid.set_axis_labels("training step", "log10 top-10% |error|")
+    grid.set_titles("{row_name} | {col_name}")  # seaborn's "computation = ... | layer = ..." overran the next panel's
     _save(grid.figure, out / "score_vs_iteration.png", dpi, failed)
 
     grid = sns.catplot(own, x="log10_rel_top10", y="case", hue="layer", col="computation", kind="box",
