@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -120,6 +121,21 @@ def test_monitored_scores_a_kernel_that_writes_into_its_inputs_on_the_inputs_it_
     assert rows[0]["changed"] == 0 and rows[0]["max"] == 0
 
 
+def test_monitored_counts_no_error_where_the_kernel_reproduces_golden_nan_or_inf():
+    """Once a faulty forward's NaN reached the weights, every later call of every computation had
+    NaN inputs: a kernel matching golden bit for bit there (its golden input_grad) showed every
+    element non-finite and changed in calls.csv (inf - inf and NaN - NaN are NaN)."""
+    rows = []
+    kernel = candidate.monitored(kernels.golden("linear"), "fc", rows.append, {"step": 0, "epoch": 0})
+    weight = torch.randn(6, 5)
+    weight[0, 0], weight[1, 1] = float("nan"), float("inf")
+    kernel.input_grad(torch.randn(4, 6), weight)
+    assert rows[0]["nonfinite"] == 0 and rows[0]["changed"] == 0 and rows[0]["max"] == 0
+    candidate.monitored(errors.faulty(kernels.golden("linear"), "nan:1"), "fc", rows.append,
+                        {"step": 0, "epoch": 0}).forward(torch.randn(4, 5), torch.randn(6, 5), None)
+    assert rows[1]["nonfinite"] == 1 and rows[1]["changed"] == 1  # a NaN of its own still counts
+
+
 def test_partial_rows_read_back_complete_rows_only_and_exactly(tmp_path):
     """Rows are appended one write each (the whole file was rewritten after every row); a kill in
     the middle of a write tears only the last line, which reading drops."""
@@ -143,6 +159,18 @@ def test_compare_lines_up_curves():
     assert frame["loss_diff"].round(6).tolist() == [0.0, 0.25, -0.1]
     crashed = candidate.compare(golden, None)
     assert len(crashed) == 3 and crashed["loss_candidate"].isna().all()
+
+
+def test_a_loss_gone_nan_has_no_max_loss_difference():
+    """A kernel whose NaN first reached the loss at step 1 (a weight gradient's) had
+    max_abs_loss_diff 0.0, as if it trained as golden: the maximum skipped the NaN steps."""
+    golden = pd.DataFrame({"step": [0, 1, 2], "epoch": 1, "split": ["train", "train", "val"],
+                           "loss": [2.0, 1.5, 1.6], "accuracy": 0.1, "perplexity": float("nan")})
+    diverged = golden.assign(loss=[2.0, float("nan"), float("nan")])
+    summary = candidate._summary(candidate.compare(golden, diverged), diverged)
+    assert summary["nonfinite_loss"] and math.isnan(summary["max_abs_loss_diff"])
+    crashed = diverged.iloc[:1]  # the steps a crashed run never reached do not count
+    assert candidate._summary(candidate.compare(golden, crashed), crashed)["max_abs_loss_diff"] == 0.0
 
 
 def train_crashing_kernel(digits, tmp_path,
@@ -247,9 +275,10 @@ def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path
                                                                    "train_timeout": 20},
                                        digits, golden, tmp_path / "out", seed=0, schedule=schedule)
     assert record["status"] == status and record["steps_trained"] == 2 and record["nonfinite_loss"] is False
+    assert record["layers"] == ["fc"]  # were [], as if nothing had been routed
     frame = pd.read_csv(tmp_path / "out" / "compare.csv")
     assert frame["loss_candidate"].notna().tolist() == [True, True, False, False, False]
-    for partial in (candidate.PARTIAL_CURVE, candidate.PARTIAL_CALLS):  # compare.csv and calls.csv hold them now
+    for partial in candidate.PARTIALS:  # compare.csv, calls.csv and outcome.json hold them now
         assert not (tmp_path / "out" / partial).exists()
     if schedule is not None:  # RFI lost the calls it had recorded: calls.csv was empty
         calls = pd.read_csv(tmp_path / "out" / "calls.csv")

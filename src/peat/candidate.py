@@ -16,6 +16,7 @@ import ast
 import csv
 import io
 import fnmatch
+import math
 import re
 import shutil
 from pathlib import Path
@@ -261,12 +262,12 @@ class PartialRows:
 
 
 def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir, train_kw, schedule=None):
-    """Child process body: route, train, return (routed layers, metrics, per-call errors); the
-    curve and the calls so far are in ``PARTIAL_CURVE`` and ``PARTIAL_CALLS`` meanwhile."""
+    """Child process body: route, train, return (metrics, per-call errors); the routed layers are in
+    ``PARTIAL_LAYERS``, the curve and the calls so far in ``PARTIAL_CURVE`` and ``PARTIAL_CALLS``."""
     from .train import train_model
 
     kernel = build(kernel_name, kspec)
-    routed, calls, state = [], [], {"step": 0, "epoch": 0}
+    calls, state = [], {"step": 0, "epoch": 0}
     scheduled = schedule_predicate(schedule, state, _total_steps(spec, data_path)) if schedule else None
     curve, calls_so_far = PartialRows(Path(out_dir) / PARTIAL_CURVE), PartialRows(Path(out_dir) / PARTIAL_CALLS)
 
@@ -283,7 +284,8 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
             routed_kernel = kernel if schedule is None else \
                 monitored(kernel, layer, record_call, state, hyper_params(modules[layer]))
             kernels.route(model, routed_kernel, [layer], active=active)
-        routed.extend(chosen)
+        # On disk before training: a run that crashes or times out still names what it routed.
+        (Path(out_dir) / PARTIAL_LAYERS).write_text("".join(f"{layer}\n" for layer in chosen))
 
     def before_step(step, epoch):
         state.update(step=step, epoch=epoch)
@@ -292,7 +294,7 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
         metrics = train_model(name, spec, data_path, out_dir, prepare_model=prepare, before_step=before_step,
                               progress=False, on_row=curve.add, **train_kw)
     # Plain containers: the parent reads them back with torch.load(weights_only=True).
-    return {"layers": routed, "metrics": metrics.to_dict("list"), "calls": pd.DataFrame(calls).to_dict("list")}
+    return {"metrics": metrics.to_dict("list"), "calls": pd.DataFrame(calls).to_dict("list")}
 
 
 def _preload(spec: dict) -> None:
@@ -352,7 +354,11 @@ def monitored(kernel: kernels.Kernel, layer: str, on_row: Callable[[dict], None]
 
 def error_scores(out: torch.Tensor, ref: torch.Tensor) -> dict:
     """PEAT's scores of one call's error: max, mean, mean of the top 10%, variance; plus non-finite count."""
-    diff = (out.detach().double() - ref.detach().double()).abs().flatten()
+    out, ref = out.detach().double().flatten(), ref.detach().double().flatten()
+    diff = (out - ref).abs()
+    # Golden's own NaN or inf reproduced is no error (inf - inf is NaN), as in playback's
+    # scores.abs_error: after a diverged step every later call has non-finite inputs.
+    diff[(out == ref) | (out.isnan() & ref.isnan())] = 0
     finite = diff[torch.isfinite(diff)]
     top = torch.topk(finite, max(1, finite.numel() // 10)).values if finite.numel() else finite
     stat = (lambda f: float(f(finite))) if finite.numel() else (lambda f: float("nan"))
@@ -376,12 +382,15 @@ def compare(golden: pd.DataFrame, candidate: pd.DataFrame | None) -> pd.DataFram
 def _summary(frame: pd.DataFrame, metrics: pd.DataFrame | None) -> dict:
     val = frame[frame["split"] == "val"]
     last = val.iloc[-1] if len(val) else None
-    out = {"max_abs_loss_diff": float(frame["loss_diff"].abs().max())}
+    out = {}
     if last is not None:
         out |= {f"final_val_{c}_{w}": float(last[f"{c}_{w}"]) for c in ("loss", "accuracy") for w in ("golden", "candidate")}
     # Judged on the candidate's own rows: after a crash, the steps it never reached are NaN in the merge.
     losses = metrics["loss"].to_numpy(float) if metrics is not None else np.zeros(0)
     out["nonfinite_loss"] = bool(not np.isfinite(losses).all() and not frame["loss_golden"].isna().any())
+    # A loss gone NaN has no maximum difference (null): skipping its steps gave that of the
+    # steps before, 0.0 where the NaN came from a weight gradient, as if it trained as golden.
+    out["max_abs_loss_diff"] = math.nan if out["nonfinite_loss"] else float(frame["loss_diff"].abs().max())
     out["steps_trained"] = int((metrics["split"] == "train").sum()) if metrics is not None else 0
     return out
 
@@ -410,7 +419,8 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     _preload(spec)
     outcome = kernels.run_isolated(_routed_training, model, spec, kernel_name, kspec, layers, data_path, out_dir,
                                    train_kw, schedule, timeout=kspec.get("train_timeout", 3600))
-    routed = outcome.value["layers"] if outcome.ok else []
+    listed = out_dir / PARTIAL_LAYERS
+    routed = listed.read_text().splitlines() if listed.exists() else []  # none: it failed before routing
     # A run that did not finish keeps its curve and calls up to where it stopped.
     metrics, calls = ((pd.DataFrame(outcome.value["metrics"]), pd.DataFrame(outcome.value["calls"])) if outcome.ok
                       else (PartialRows.read(out_dir / PARTIAL_CURVE), PartialRows.read(out_dir / PARTIAL_CALLS)))
@@ -419,7 +429,7 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     if schedule is not None:
         write_csv(out_dir / "calls.csv", calls if calls is not None and not calls.empty
                   else pd.DataFrame(columns=CALL_COLUMNS))
-    for partial in (PARTIAL_CURVE, PARTIAL_CALLS):  # compare.csv and calls.csv hold them now
+    for partial in PARTIALS:  # compare.csv, calls.csv and outcome.json hold them now
         (out_dir / partial).unlink(missing_ok=True)
     # train.fit makes the folder golden training declares as an output; with no epoch checkpoint
     # written (above) it would be left here empty.
@@ -431,5 +441,6 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     return record
 
 
-PARTIAL_CURVE, PARTIAL_CALLS = ".curve.csv", ".calls.csv"  # in the run's folder while it trains
+PARTIAL_CURVE, PARTIAL_CALLS, PARTIAL_LAYERS = ".curve.csv", ".calls.csv", ".layers"  # in the run's folder while it trains
+PARTIALS = (PARTIAL_CURVE, PARTIAL_CALLS, PARTIAL_LAYERS)
 CALL_COLUMNS = ["step", "epoch", "layer", "computation", "call", "max", "mean", "top10", "var", "nonfinite", "changed"]
