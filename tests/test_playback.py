@@ -151,6 +151,79 @@ def test_reduced_precision_is_accepted_unless_configured(context):
     assert detect.verdict(table, detect.Rules(accept_reduced_precision=False))["verdict"] == "fail"
 
 
+# A batch norm forward as F.batch_norm's, but for its update of the running statistics.
+BN_FORWARD = ("import torch\ndef forward(x, weight, bias, *, running_mean, running_var, training, momentum, eps):\n"
+              "    out = torch.nn.functional.batch_norm(x, running_mean.clone(), running_var.clone(), weight, bias, "
+              "training, momentum, eps)\n")
+
+
+@pytest.mark.parametrize("update, fails", [
+    ("", None),  # golden's own
+    ("    pass\n", {"running_mean", "running_var"}),  # never updated
+    ("    running_mean.lerp_(x.mean((0, 2, 3)), momentum)\n"  # the biased variance
+     "    running_var.lerp_(x.var((0, 2, 3), unbiased=False), momentum)\n", {"running_var"}),
+])
+def test_a_training_batch_norm_forward_is_scored_on_the_running_statistics_it_updates(context, tmp_path, update,
+                                                                                      fails):
+    """Playback compared the forward's output only: a kernel updating the running statistics
+    wrongly or not at all passed as none, and training then evaluated with them."""
+    if update:
+        (tmp_path / "bn.py").write_text(BN_FORWARD + update + "    return out\n")
+    kernel = kernels.load(str(tmp_path / "bn.py"), "batch_norm") if update else kernels.golden("batch_norm")
+    table, _ = replay(context, kernel=kernel, errors=["rv:2", "bf16"])
+    forward = table[table["computation"] == "forward"]
+    assert forward.groupby(["step", "case"])["tensor"].agg(set).eq({"O", "running_mean", "running_var"}).all()
+    assert set(table.loc[table["computation"] != "forward", "tensor"]) == {"dA", "dW"}
+    stats = forward[forward["tensor"] != "O"]
+    assert stats["golden_vs_recorded"].isna().all() and (forward.loc[forward["tensor"] == "O", "golden_vs_recorded"] == 0).all()
+    got = detect.verdict(table)
+    failing = {r["tensor"] for r in got["layers"] if not detect.passes(r["error_model"])}
+    if fails is None:
+        assert got["verdict"] == "pass" and got["error_model"] == "none" and not failing
+        # rv:2 injects into the output alone: the statistics are the kernel's; bf16 rounds the batch only.
+        own = stats[stats["case"] == "kernel"].drop(columns="case").reset_index(drop=True)
+        rv = stats[stats["case"] == "rv:2"].drop(columns="case").reset_index(drop=True)
+        pd.testing.assert_frame_equal(own.drop(columns="map"), rv.drop(columns="map"))
+        assert set(stats.loc[stats["case"] == "bf16", "error_model"]) <= {"none", "reduced_precision"}
+    else:
+        assert got["verdict"] == "fail" and failing == fails
+    welford = replay(context, kernel=kernels.load("peat.alt_kernels.welford_norm", "batch_norm"), errors=[])[0]
+    assert detect.verdict(welford)["error_model"] == "none"
+
+
+def test_batch_norms_that_update_no_running_statistics_get_no_rows_for_them(tmp_path):
+    """In eval mode, or without running statistics (normalising with the batch's), a batch norm's
+    forward updates nothing: its output alone is scored."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.Linear(8, 8),
+                          nn.BatchNorm1d(8), nn.Linear(8, 3))
+    path = tmp_path / "context.h5"
+    prof = Profiler(path, ["1", "3"], every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
+    prof.attach(model)
+    for step in range(2):
+        for norm in model[1], model[3]:  # frozen at step 1 (the Profiler records a training model only)
+            norm.train(step == 0)
+        prof.begin_step(step, 1)
+        model.zero_grad()
+        model(torch.randn(16, 4)).sum().backward()
+        prof.end_step()
+    prof.close()
+    table, _ = replay(path, "batch_norm", errors=[], computations=("forward",))
+    updated = table.groupby(["layer", "step"])["tensor"].agg(set).to_dict()
+    assert updated == {("1", 0): {"O"}, ("1", 1): {"O"}, ("3", 0): {"O", "running_mean", "running_var"},
+                       ("3", 1): {"O"}}
+
+
+def test_analyzer_keeps_a_batch_norms_running_statistics_out_of_its_summaries(context, tmp_path):
+    """They are rows of the forward's output as well: lane:4's range over layers started at 0 (its
+    running statistics, the kernel's own) instead of its output's error."""
+    table, _ = replay(context, "batch_norm", errors=["lane:4"], computations=("forward",))
+    summary = analyze.analyze(table, context, tmp_path)
+    output = analyze.analyze(table[table["tensor"] == "O"], context, tmp_path / "output")
+    assert json.dumps(summary, sort_keys=True) == json.dumps(output, sort_keys=True)
+    assert set(pd.read_csv(tmp_path / "layers.csv")["tensor"]) == {"O", "running_mean", "running_var"}
+
+
 def test_bad_contexts_fail_with_one_line(context):
     with pytest.raises(PeatError, match=r"context config_hash is 'h1' but this workflow expects 'h2'") as err:
         replay(context, expect={"config_hash": "h2"})
@@ -596,8 +669,8 @@ def test_downstream_twins_of_variants_on_a_faulty_kernels_operands_repeat_their_
     kernel = errors.faulty(kernels.golden("linear"), "lane:4", seed=7)
     seen, real = {}, kernels.call  # (case, step) -> L's output, at the output and downstream
 
-    def spying(kernel, computation, sample, attrs, dtype=torch.float32):
-        out = real(kernel, computation, sample, attrs, dtype)
+    def spying(kernel, computation, sample, attrs, dtype=torch.float32, updated=None):
+        out = real(kernel, computation, sample, attrs, dtype, updated)
         if "lane" in kernel.name:
             seen.setdefault((kernel.name, int(sample["step"])), []).append(out.clone())
         return out

@@ -34,6 +34,8 @@ from .io import atomic_path, open_h5, write_csv, write_json  # noqa: E402
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
 KEYS = ["case", "computation", "layer", "fop", "tensor"]
 FIGURES = ("score_vs_iteration", "distributions", "heatmap", "bits", "spatial")
+# A training batch norm forward's updated running statistics: rows of its output too (peat.playback).
+RUNNING = ("running_mean", "running_var")
 
 
 def _ok(table: pd.DataFrame) -> pd.DataFrame:
@@ -261,13 +263,20 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
     layers = per_layer(table) if len(table) else pd.DataFrame(columns=KEYS)
     summary = {}
     if len(table):
-        summary = {"ranges": ranges(layers), "spearman": spearman(table, summaries(context)),
-                   "repeated_blocks": repeated_blocks(layers), "forward_backward": forward_backward(layers),
-                   "propagation": propagation(table)}
+        own, own_layers = _results(table), _results(layers)
+        summary = {"ranges": ranges(own_layers), "spearman": spearman(own, summaries(context)),
+                   "repeated_blocks": repeated_blocks(own_layers), "forward_backward": forward_backward(own_layers),
+                   "propagation": propagation(own)}
     write_csv(out / "layers.csv", layers)
     write_json(out / "summary.json", summary)
-    figures(table, out, dpi, outcomes)
+    figures(_results(table), out, dpi, outcomes)
     return summary
+
+
+def _results(frame: pd.DataFrame) -> pd.DataFrame:
+    """Each computation's own result: the running statistics, in layers.csv, would otherwise be
+    pooled with a batch norm's output in the summaries' medians and ranges and the figures' lines."""
+    return frame[~frame["tensor"].isin(RUNNING)] if "tensor" in frame else frame
 
 
 def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: int = 80,

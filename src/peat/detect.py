@@ -134,7 +134,7 @@ def worst(classes) -> str:
 
 # -- baselines -------------------------------------------------------------------------------------
 def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
-    """PEAT's published rules of thumb on one kernel's FIP=FOP rows (per layer and computation).
+    """PEAT's published rules of thumb on one kernel's FIP=FOP rows (per layer, computation and tensor).
 
     Conv/linear: a correct kernel's top-10 % error (relative to fp64 noise, log10) varies by
     less than 1 decade across iterations; RV/RZ-like bugs swing more. BN/LN: zero-like bugs
@@ -142,7 +142,8 @@ def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
     10 at every iteration. Any non-finite value also fails.
     """
     failed = []
-    for (layer, comp, op), rows in table.groupby(["layer", "computation", "op"], sort=True):
+    # Per result tensor: a batch norm forward's running statistics are judged apart from its output.
+    for (layer, comp, op, tensor), rows in table.groupby(["layer", "computation", "op", "tensor"], sort=True):
         top = np.log10(np.maximum(rows["rel_top10"].to_numpy(float), 1.0))
         var = np.log10(np.maximum(rows["rel_var"].to_numpy(float), 1.0))
         finite = top[np.isfinite(top)]
@@ -150,7 +151,7 @@ def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
         bad = (rows["nonfinite"] > 0).any() or not np.isfinite(top).all()
         bad = bad or (swing > 1.0 if op in ("linear", "conv2d") else bool(np.nanmin(var) > 10.0))
         if bad:
-            failed.append({"layer": layer, "pass": comp, "log10_top10_swing": swing,
+            failed.append({"layer": layer, "pass": comp, "tensor": tensor, "log10_top10_swing": swing,
                            "log10_var_floor": float(np.nanmin(var)) if len(var) else 0.0})
     return {"verdict": "fail" if failed else "pass", "failed": failed}
 
@@ -178,8 +179,8 @@ def verdict(table: pd.DataFrame, rules: Rules = Rules(), outcome: dict | None = 
 
 def _layers(own: pd.DataFrame) -> list[dict]:
     out = []
-    for (layer, comp), rows in own.groupby(["layer", "computation"], sort=False):
-        out.append({"layer": layer, "pass": comp, "error_model": worst(rows["error_model"]),
+    for (layer, comp, tensor), rows in own.groupby(["layer", "computation", "tensor"], sort=False):
+        out.append({"layer": layer, "pass": comp, "tensor": tensor, "error_model": worst(rows["error_model"]),
                     "score": float(rows["rel_top10"].median()), "steps": int(rows["step"].nunique()),
                     "classes": rows["error_model"].value_counts().to_dict()})
     return out
@@ -196,7 +197,7 @@ def _evidence(own: pd.DataFrame, table: pd.DataFrame, rules: Rules) -> dict:
         "max_err_over_fp32_envelope": float(own["err_over_tau32"].max()),
         "max_err_over_reduced_precision_envelope": float(own["err_over_taurp"].max()),
         "median_rel_top10": float(own["rel_top10"].median()),
-        "worst_cases": worst_rows[["layer", "computation", "step", "err_over_tau32", "err_over_taurp",
+        "worst_cases": worst_rows[["layer", "computation", "tensor", "step", "err_over_tau32", "err_over_taurp",
                                    "error_model"]].to_dict("records"),
         "baselines": {
             "allclose": {"verdict": "pass" if own["allclose"].all() else "fail",
@@ -205,7 +206,8 @@ def _evidence(own: pd.DataFrame, table: pd.DataFrame, rules: Rules) -> dict:
         },
     }
     if first is not None:
-        ev["first_bug"] = {"layer": first["layer"], "computation": first["computation"], "step": int(first["step"]),
+        ev["first_bug"] = {"layer": first["layer"], "computation": first["computation"], "tensor": first["tensor"],
+                           "step": int(first["step"]),
                            "error_model": first["error_model"], "wrong_elements": int(first["s_n"])}
     faults = table[(table["case"] != "kernel") & (table["fop"] == "output") & ~table["case"].str.startswith("ref:")]
     if len(faults):

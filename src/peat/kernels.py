@@ -384,16 +384,29 @@ def _cast(value, dtype, transposed: bool = False):
     return value.t() if transposed else value
 
 
-def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torch.float32) -> torch.Tensor:
+def call(kernel: Kernel, computation: str, sample: dict, attrs: dict, dtype=torch.float32,
+         updated: dict | None = None) -> torch.Tensor:
     """Run one computation of ``kernel`` on one recorded sample (from ``profiler.read_layer``).
 
     Floating inputs are cast to ``dtype``: golden with float64 gives the rounding reference.
+    ``updated``, when given, receives the running statistics the call updated in place (``updates``).
     """
     func = kernel.computation(computation)
     if not applies(computation, sample):
         raise PeatError(f"{kernel.name}: sample at step {sample.get('step')} has no input gradient (first layer)")
     args, kwargs = operands(kernel.op, computation, sample, attrs, dtype)
-    return func(*args, **kwargs)
+    out = func(*args, **kwargs)
+    if updated is not None:
+        updated.update({name: kwargs[name] for name in updates(kernel.op, computation, sample)})
+    return out
+
+
+def updates(op: str, computation: str, sample: dict) -> tuple[str, ...]:
+    """The running statistics ``computation`` updates in place on this sample: a batch norm's in a
+    training-mode forward (as ``F.batch_norm`` does, see the signatures above), none elsewhere."""
+    if op != "batch_norm" or computation != "forward" or not sample.get("training", True):  # as _norm_hp reads it
+        return ()
+    return tuple(name for name in ("running_mean", "running_var") if sample.get(name) is not None)
 
 
 def as_trained(sample: dict, attrs: dict) -> dict:

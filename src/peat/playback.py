@@ -182,12 +182,15 @@ def _bins(values: np.ndarray, limit: int) -> np.ndarray:
     return np.add.reduceat(values, scores.bin_edges(len(values), limit)[:-1])
 
 
-def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32) -> torch.Tensor:
+def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """The call's results by tensor name: the computation's own (``kernels.TARGET``) and the running
+    statistics it updated in place (``kernels.updates``), which the rest of training reads too."""
+    updated = {}
     with timer("kernel"):
-        out = kernels.call(kernel, computation, sample, attrs, dtype)
+        out = kernels.call(kernel, computation, sample, attrs, dtype, updated=updated)
         if out.is_cuda:
             torch.cuda.synchronize()
-    return out.cpu()
+    return {kernels.TARGET[computation]: out.cpu(), **{name: t.cpu() for name, t in updated.items()}}
 
 
 def _injected(timer: Timer, kernel, computation, result: torch.Tensor, sample, attrs) -> torch.Tensor:
@@ -200,8 +203,8 @@ def _injected(timer: Timer, kernel, computation, result: torch.Tensor, sample, a
     return out.cpu()
 
 
-def references(timer: Timer, computation: str, sample: dict, attrs: dict) -> dict[str, torch.Tensor]:
-    """Golden fp32, fp64, and the golden op on operands rounded to fp16/bf16/tf32."""
+def references(timer: Timer, computation: str, sample: dict, attrs: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Golden fp32, fp64, and the golden op on operands rounded to fp16/bf16/tf32 (each ``_call``'s results)."""
     gold = kernels.golden(attrs["op"], attrs)
     out = {"golden": _call(timer, gold, computation, sample, attrs),
            "fp64": _call(timer, gold, computation, sample, attrs, torch.float64)}
@@ -310,10 +313,12 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
         # (from whose result the variants that inject into results start, see _injected).
         twins = {case: errors.replica(kernel, computation) for case, kernel in variants.items()} if follow else {}
         for case, kernel in variants.items():
-            reusable = "kernel" in candidates and candidates["kernel"].shape == ref["golden"].shape
+            reusable = "kernel" in candidates and candidates["kernel"][target].shape == ref["golden"][target].shape
             try:
                 if reusable and errors.reuses(kernel, computation, variants["kernel"]):
-                    candidates[case] = _injected(timer, kernel, computation, candidates["kernel"], sample, attrs)
+                    # Injected into the result alone: the statistics it updated are the kernel case's.
+                    candidates[case] = candidates["kernel"] | {
+                        target: _injected(timer, kernel, computation, candidates["kernel"][target], sample, attrs)}
                 else:
                     if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
                         twins[case] = errors.replica(kernel, computation)
@@ -323,27 +328,39 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
                 rows.append({**plan.meta, "layer": layer, "step": int(sample["step"]), "computation": computation,
                              "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
-            gold = scores.Golden.of(ref["golden"])
-            # The rounded references are candidates as well: their errors serve the envelopes too.
-            diffs = {f"ref:{p}": scores.difference(ref[p], gold) for p in evidence.PRECISIONS}
-            env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS}, plan.rules, gold,
-                                     {p: diffs[f"ref:{p}"].err for p in evidence.PRECISIONS})
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
                     "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
-                    "golden_vs_recorded": _recorded_difference(ref["golden"], sample.get(target))}
-            for case, cand in candidates.items():
-                cand = cand.float() if cand.dtype == torch.float64 else cand
-                if cand.shape != ref["golden"].shape:
-                    rows.append({**base, "case": case, "status": "shape_mismatch",
-                                 "error": f"returned {tuple(cand.shape)}, expected {tuple(ref['golden'].shape)}"})
-                    continue
-                rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules,
-                                                              env.noise, gold, diffs.get(case))})
+                    "golden_vs_recorded": _recorded_difference(ref["golden"][target], sample.get(target))}
+            for tensor in ref["golden"]:
+                # The context holds the running statistics before the step's update only.
+                row = base if tensor == target else base | {"tensor": tensor, "golden_vs_recorded": float("nan")}
+                rows += _scored(plan, row, {name: out[tensor] for name, out in ref.items()},
+                                {case: out[tensor] for case, out in candidates.items()})
         if follow:
             ran = {case: twin for case, twin in twins.items() if case in candidates}  # failed: row above
             with timer("propagate"):
                 rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer,
                                             replayed=[int(s["step"]) for s in samples])
+    return rows
+
+
+def _scored(plan: Plan, base: dict, ref: dict[str, torch.Tensor], candidates: dict[str, torch.Tensor]) -> list:
+    """One row per case of one result tensor, scored against golden with the envelopes its references
+    (``ref``: golden, fp64 and the rounded ones) measure on this sample."""
+    rows = []
+    gold = scores.Golden.of(ref["golden"])
+    # The rounded references are candidates as well: their errors serve the envelopes too.
+    diffs = {f"ref:{p}": scores.difference(ref[p], gold) for p in evidence.PRECISIONS}
+    env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS}, plan.rules, gold,
+                             {p: diffs[f"ref:{p}"].err for p in evidence.PRECISIONS})
+    for case, cand in candidates.items():
+        cand = cand.float() if cand.dtype == torch.float64 else cand
+        if cand.shape != ref["golden"].shape:
+            rows.append({**base, "case": case, "status": "shape_mismatch",
+                         "error": f"returned {tuple(cand.shape)}, expected {tuple(ref['golden'].shape)}"})
+            continue
+        rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules,
+                                                      env.noise, gold, diffs.get(case))})
     return rows
 
 
