@@ -264,6 +264,7 @@ def test_crashing_and_hanging_kernels_fail_with_their_outcome(context, tmp_path)
     got = detect.run_job(tmp_path / "later.parquet", tmp_path / "later.json", tmp_path / "v.json")
     assert got["verdict"] == "fail" and got["error_model"] == "crash"
     assert "step two" in got["evidence"]["outcome"]["message"]
+    assert detect.judge(table, record) == got  # a library user's verdict, without the files
 
 
 def test_a_kernels_own_timeout_overrides_playbacks(context, tmp_path):

@@ -32,7 +32,8 @@ def run(cmd, cwd, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, **kwargs)
 
 
-def test_profiler_example_records_the_matching_layers(tmp_path, monkeypatch):
+def profiled(tmp_path, monkeypatch) -> dict:
+    """The names the Profiler example leaves behind, after running it in ``tmp_path`` on a small model."""
     from torch import nn
 
     class Block(nn.Module):
@@ -52,13 +53,29 @@ def test_profiler_example_records_the_matching_layers(tmp_path, monkeypatch):
              "criterion": nn.CrossEntropyLoss(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     monkeypatch.chdir(tmp_path)
     exec(example("python", "Profiler("), names)
+    return names
 
+
+def test_profiler_example_records_the_matching_layers(tmp_path, monkeypatch):
+    names = profiled(tmp_path, monkeypatch)
     samples = names["samples"]
     assert [int(s["step"]) for s in samples] == [0, 20]  # every=20 over 30 steps
     assert names["attrs"]["op"] == "linear"
     assert samples[0]["A"].shape == (4, 8) and samples[0]["dO"].shape == (4, 16)
     with h5py.File(tmp_path / "context.h5") as f:
         assert list(f.attrs["layers"]) == ["encoder.0.fc1", "encoder.1.fc1"]
+
+
+def test_library_example_gives_the_profiled_context_its_verdicts(tmp_path, monkeypatch, capsys):
+    profiled(tmp_path, monkeypatch)
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the cores are shared with the other test workers
+    try:
+        exec(example("python", "detect.judge("), {})
+    finally:
+        torch.set_num_threads(threads)
+    assert capsys.readouterr().out.splitlines() == ["blocked_gemm pass none", "blocked_gemm+lane:4 fail periodic_lane"]
 
 
 def test_alter_example_replays_byte_identically(tmp_path):

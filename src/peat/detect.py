@@ -158,7 +158,8 @@ def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
 
 # -- kernel verdict ------------------------------------------------------------------------------
 def verdict(table: pd.DataFrame, rules: Rules = Rules(), outcome: dict | None = None) -> dict:
-    """The Detector's JSON for one kernel from its playback rows (case == "kernel", fop == "output")."""
+    """The Detector's JSON for one kernel from its playback rows (case == "kernel", fop == "output");
+    ``judge`` also reads the failures playback recorded beside them."""
     if outcome is not None and outcome.get("status", "ok") != "ok":
         return {"verdict": "fail", "error_model": outcome["status"],  # crash | oom | timeout | shape_mismatch
                 "confidence": 1.0, "evidence": {"outcome": outcome}, "layers": []}
@@ -233,11 +234,10 @@ def _not_applicable(record: dict) -> str:
     return f"no recorded layer of the kernel's op in {record.get('context')}"
 
 
-def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
-    """One workflow job: the verdict JSON of one kernel from its playback table and record."""
-    rules = rules_from(section)
-    record = json.loads(Path(record_path).read_text())
-    table = pd.read_parquet(table_path)
+def judge(table: pd.DataFrame, record: dict, rules: Rules = Rules()) -> dict:
+    """The verdict of one kernel from what ``peat.playback.replay`` returns (its table and record):
+    unlike ``verdict`` on the table alone, a crash after the probe (a row with an ``error``) fails
+    it, and nothing replayed passes as not applicable."""
     outcome = record.get("outcome", {"status": "ok"})
     if "error" in table and table["error"].notna().any():
         # A pseudo-error model that cannot act on this op (tile:T:splitk on a norm) says
@@ -256,7 +256,12 @@ def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, se
     result["evidence"]["outcomes"] = record.get("outcomes", [])
     result["evidence"]["timings"] = record.get("timings", {})
     result["provenance"] = record.get("provenance", {})
-    result = json_safe(result)
+    return json_safe(result)
+
+
+def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
+    """One workflow job: the verdict JSON of one kernel from its playback table and record."""
+    result = judge(pd.read_parquet(table_path), json.loads(Path(record_path).read_text()), rules_from(section))
     write_json(out, result)
     print(f"detect: {result['verdict']} ({result['error_model']}, confidence {result['confidence']:.3f})")
     return result
