@@ -174,9 +174,10 @@ def test_a_loss_gone_nan_has_no_max_loss_difference():
 
 
 def train_crashing_kernel(digits, tmp_path,
-                          source: str = "def forward(x, weight, bias):\n    raise RuntimeError('boom')\n") -> dict:
+                          source: str = "def forward(x, weight, bias):\n    raise RuntimeError('boom')\n",
+                          **kw) -> dict:
     """Candidate training of ResNet-18's fc, one step, through a kernel that raises on its first call
-    (or through ``source``); outcome.json is in tmp_path/out."""
+    (or through ``source``); outcome.json is in tmp_path/out. ``kw`` goes to train_candidate."""
     golden = tmp_path / "golden"
     golden.mkdir()
     pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
@@ -185,7 +186,16 @@ def train_crashing_kernel(digits, tmp_path,
     path.write_text(source)
     spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
     return candidate.train_candidate("resnet18", spec, "raises", {"op": "linear", "impl": str(path), "layers": ["fc"]},
-                                     digits, golden, tmp_path / "out", seed=0)
+                                     digits, golden, tmp_path / "out", seed=0, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_a_missing_gpu_fails_the_job_not_the_kernel(digits, tmp_path):
+    """On a node without the vendor's GPU the training child's device error was the kernel's
+    outcome: status crash, a kernel failed on nvidia in the report, and the job succeeded."""
+    with pytest.raises(PeatError, match=r"^vendor 'nvidia': no CUDA GPU visible"):
+        train_crashing_kernel(digits, tmp_path, vendor="nvidia")
+    assert not (tmp_path / "out").exists()
 
 
 def test_candidate_training_leaves_no_empty_checkpoints_folder(digits, tmp_path):

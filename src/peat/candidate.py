@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 
 from . import errors, kernels, provenance
+from .device import for_vendor
 from .io import PeatError, write_csv, write_json
 from .models import layer_ops
 from .profiler import hyper_params, match_names
@@ -401,6 +402,8 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     """Candidate training (``schedule`` None) or one RFI case; writes outcome.json and compare.csv
     (and, for an RFI case, calls.csv)."""
     out_dir, golden_dir = Path(out_dir), Path(golden_dir)
+    # Here, not in the training child, where a missing GPU would become the kernel's crash.
+    for_vendor(vendor)
     # A kernel that does not load fails the job with one line and writes nothing, as in playback
     # (the training child below would record it as a crash, and downstream jobs would run on it).
     kernels.check_loads(kspec.get("impl", "golden"), kspec["op"], timeout=kspec.get("train_timeout", 3600))
