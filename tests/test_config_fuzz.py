@@ -104,3 +104,13 @@ def test_a_section_of_the_wrong_type_is_not_dumped_into_the_line():
         validate(cfg, SCHEMA)
     assert str(err.value).startswith("config key 'models': [{'arch': 'resnet18'")
     assert str(err.value).endswith(" ...] is not of type 'object'") and len(str(err.value)) < 120
+
+
+def test_a_gpu_only_study_is_told_that_reference_vendor_defaults_to_cpu():
+    """vendors: [nvidia] alone was refused as "'cpu' is not in 'vendors'", a value the config never wrote."""
+    cfg = copy.deepcopy(VALID)
+    cfg["vendors"] = ["nvidia"]
+    del cfg["reference_vendor"]
+    with pytest.raises(PeatError, match=r"^config key 'reference_vendor': 'cpu' \(the default\) is not in 'vendors' "
+                                        r"\(nvidia\): set it to one of them, whose golden context every vendor replays$"):
+        validate(cfg, SCHEMA)

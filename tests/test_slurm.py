@@ -29,6 +29,7 @@ import h5py
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from conftest import BIN, REPO, snakemake
 from peat import slurm
@@ -341,6 +342,21 @@ def test_rules_get_vendor_partition_and_gres(tmp_path):
     # A local rule (plots run where snakemake runs, not queued): no partition of its own.
     assert "slurm_partition" not in seen[("golden_curves", "model=gpt2, vendor=amd")]
     assert seen[("prepare_dataset", "dataset=pydoc")]["slurm_partition"] == "short"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_a_local_run_without_the_vendors_gpu_stops_before_any_job(tmp_path):
+    """Only the GPU vendor's first job failed, after the jobs queued before it had run (data
+    preparation, or a whole CPU golden training), with the error in its log, not on the console."""
+    extra = tmp_path / "gpu.yaml"
+    extra.write_text("vendors: [cpu, nvidia]\n")
+    proc = snakemake(tmp_path, "results/golden/gpt2/cpu/final.h5", "results/golden/gpt2/nvidia/final.h5",
+                     *_configs(extra), configfile=None, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert any(line.startswith("peat: config key 'vendors': vendor 'nvidia': no CUDA GPU visible")
+               for line in out.splitlines()), out[-2000:]
+    assert not (tmp_path / "results").exists()
 
 
 def test_workstation_profile_dry_run(tmp_path):

@@ -54,11 +54,13 @@ def validate(config: dict, schema_path: str | Path) -> dict:
     Raises PeatError with one line naming the offending key and what is allowed.
     """
     schema = yaml.safe_load(Path(schema_path).read_text())
+    # Validation writes the default in: a message about it must say the config never wrote it.
+    defaulted = isinstance(config, dict) and "reference_vendor" not in config
     validator_cls = _with_defaults(jsonschema.Draft202012Validator)
     errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: (len(e.absolute_path), e.path))
     if errors:
         raise PeatError(_message(jsonschema.exceptions.best_match(errors)))
-    _cross_check(config)
+    _cross_check(config, defaulted)
     return config
 
 
@@ -112,7 +114,7 @@ def _with_defaults(cls):
     return jsonschema.validators.extend(cls, {"properties": set_defaults}, type_checker=integers)
 
 
-def _cross_check(config: dict) -> None:
+def _cross_check(config: dict, reference_defaulted: bool = False) -> None:
     datasets, models = config["datasets"], config["models"]
     for name, spec in datasets.items():
         if spec["source"] in ("cifar10", "text"):
@@ -160,7 +162,10 @@ def _cross_check(config: dict) -> None:
     _check_init_cycles(models)
     ref = config.get("reference_vendor", "cpu")
     if ref not in config["vendors"]:
-        raise PeatError(f"config key 'reference_vendor': {ref!r} is not in 'vendors' ({', '.join(config['vendors'])})")
+        default = " (the default)" if reference_defaulted else ""
+        raise PeatError(f"config key 'reference_vendor': {ref!r}{default} is not in 'vendors' "
+                        f"({', '.join(config['vendors'])}): set it to one of them, whose golden context every "
+                        "vendor replays")
 
 
 def _check_kind(name: str, model: dict, dataset: dict) -> None:

@@ -6,6 +6,7 @@ import sys
 
 import peat.alter
 import peat.alter_study
+import peat.device
 import peat.report
 import peat.slurm
 from peat.candidate import check as check_kernels, models_for, rfi_cases
@@ -262,6 +263,19 @@ onstart:
             peat.slurm.preflight(config, workflow.dag.needrun_jobs())
         except PeatError as err:
             sys.exit(f"peat: {err}")
+    # Jobs run here: without this, a GPU vendor's jobs failed only after the jobs before them had run.
+    elif workflow.executor_plugin.name == "local":
+        try:
+            for vendor in sorted(
+                {
+                    job.wildcards.vendor
+                    for job in workflow.dag.needrun_jobs()
+                    if job.resources.get("gpu_jobs")
+                }
+            ):
+                peat.device.for_vendor(vendor)
+        except PeatError as err:
+            sys.exit(f"peat: config key 'vendors': {err}")
 
 
 # --- Targets of each stage; `all` and the report take their union. Intermediate outputs that
