@@ -36,7 +36,10 @@ def atomic_path(path: str | os.PathLike):
         made.clear()  # they hold the file now
     except OSError as err:
         if err.errno is not None and err.filename is None:  # a failed write (disk full) names no file
-            raise OSError(err.errno, err.strerror, str(path)) from err
+            # h5py's reason is two lines of write-call details naming the temporary file, with the
+            # cause ('No space left on device') deep inside: the errno's own words say it plainly.
+            reason = os.strerror(err.errno) if "errno =" in str(err.strerror) else err.strerror
+            raise OSError(err.errno, reason, str(path)) from err
         raise
     finally:
         tmp.unlink(missing_ok=True)
@@ -49,6 +52,31 @@ def write_json(path: str | os.PathLike, obj) -> None:
     """``json_text(obj)``, written atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(json_text(obj))
+
+
+def read_json(path: str | os.PathLike):
+    """A JSON file's content; an empty or damaged file is a PeatError naming it (json's own error names no file)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PeatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def read_csv(path: str | os.PathLike, required: tuple[str, ...] = (), **kwargs):
+    """``pandas.read_csv``, with the ``required`` columns; an empty or damaged file is a PeatError
+    naming it (pandas' own error, or a KeyError on a missing column, names no file)."""
+    import pandas as pd  # here: most stages that import io never read a CSV
+
+    try:
+        table = pd.read_csv(path, **kwargs)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PeatError(f"{path}: not a readable CSV file ({reason})") from None
+    missing = [col for col in required if col not in table.columns]
+    if missing:
+        raise PeatError(f"{path}: missing columns {', '.join(missing)} (damaged, or not the file expected?)")
+    return table
 
 
 def json_text(obj) -> str:
