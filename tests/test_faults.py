@@ -264,3 +264,36 @@ def test_killed_writer_leaves_no_result_that_looks_complete(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert not target.exists()
     assert [p.name for p in tmp_path.iterdir()][0].startswith(".verdict.json.")  # only the hidden partial
+
+
+def test_a_full_disk_writing_hdf5_is_one_line_naming_the_target_and_leaves_nothing(tmp_path):
+    # A file-size limit fails HDF5's write as a full disk does (same h5py error, errno EFBIG).
+    target = tmp_path / "out" / "checkpoint.h5"
+    script = ("import resource, signal, numpy\nfrom peat.io import atomic_path, open_h5\n"
+              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+              f"with atomic_path({str(target)!r}) as tmp, open_h5(tmp, 'w') as f:\n"
+              "    f['a'] = numpy.ones(100_000)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"OSError: [Errno 27] File too large: '{target}'"
+    assert list(tmp_path.iterdir()) == []  # no partial file, no folder made for it
+
+
+@pytest.mark.parametrize("reader", ["detect", "analyze", "training_curves", "alter_collect"])
+@pytest.mark.parametrize("content", ["", "\x00" * 64], ids=["empty", "zeroed"])
+def test_an_emptied_or_zeroed_input_of_a_job_is_one_line_naming_it(tmp_path, reader, content):
+    # json and pandas name no file: the job's log ended in 'Expecting value: line 1 column 1 (char 0)'.
+    from peat import alter_study, analyze, detect, report
+
+    table, bad, out = tmp_path / "t.parquet", tmp_path / "input", tmp_path / "out"
+    pd.DataFrame({"a": [1.0]}).to_parquet(table)
+    bad.write_text(content)
+    run = {"detect": lambda: detect.run_job(table, bad, out / "v.json"),
+           "analyze": lambda: analyze.run_job(table, tmp_path / "context.h5", out, record=bad),
+           "training_curves": lambda: report.training_curves(bad, out / "x.png", title="x"),
+           "alter_collect": lambda: alter_study.collect([bad], out / "study.csv")}[reader]
+    with pytest.raises(PeatError) as err:
+        run()
+    assert str(err.value).startswith(f"{bad}: ") and "\n" not in str(err.value)
+    assert not out.exists()

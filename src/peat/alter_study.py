@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from .alter import CLASSES, Plan, alter, scan
-from .io import PeatError, write_csv, write_json
+from .io import PeatError, read_csv, write_csv, write_json
 from .provenance import columns, stamp
 
 # Heatmap column order: from the sign bit down to the mantissa.
@@ -58,7 +58,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
     """
     source = Path(checkpoints) / f"epoch{epoch:03d}.h5"
     scan(source)  # a damaged checkpoint fails the job: only a cell's own plan can be not applicable
-    golden = _val_curve(pd.read_csv(golden_metrics))
+    golden = _val_curve(read_csv(golden_metrics))
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -133,7 +133,7 @@ def compare(run: pd.DataFrame, golden: pd.DataFrame, epoch: int, tolerance: floa
 
 
 def collect(parts: list[str | Path], out_csv: str | Path) -> pd.DataFrame:
-    table = pd.concat([pd.read_csv(p, keep_default_na=False, na_values=["", "nan"]) for p in parts], ignore_index=True)
+    table = pd.concat([read_csv(p, COLUMNS, keep_default_na=False, na_values=["", "nan"]) for p in parts], ignore_index=True)
     table["diverged"] = table["diverged"].astype(str).eq("True")
     table = table.sort_values(list(GRID), kind="stable").reset_index(drop=True)
     _write_table(out_csv, table)

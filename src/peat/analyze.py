@@ -16,7 +16,6 @@ Reads one playback table (``peat.playback``) and the context's per-step summarie
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from .io import atomic_path, open_h5, write_csv, write_json  # noqa: E402
+from .io import atomic_path, open_h5, read_json, write_csv, write_json  # noqa: E402
 
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
 KEYS = ["case", "computation", "layer", "fop", "tensor"]
@@ -282,5 +281,5 @@ def _results(frame: pd.DataFrame) -> pd.DataFrame:
 def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: int = 80,
             record: str | Path | None = None) -> dict:
     """One workflow job: tables and figures of one kernel's playback table (and its record's outcomes)."""
-    outcomes = json.loads(Path(record).read_text()).get("outcomes", []) if record is not None else []
+    outcomes = read_json(record).get("outcomes", []) if record is not None else []
     return analyze(pd.read_parquet(table_path), context, out, dpi, outcomes)

@@ -54,14 +54,13 @@ the footprint exact.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from .io import PeatError, json_safe, write_json
+from .io import PeatError, json_safe, read_json, write_json
 
 CLASSES = ("non_finite", "block_structured", "periodic_lane", "bit_flip", "random_zero", "random_value",
            "reduced_precision", "none")
@@ -261,7 +260,7 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules = Rules()) -> dict:
 
 def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
     """One workflow job: the verdict JSON of one kernel from its playback table and record."""
-    result = judge(pd.read_parquet(table_path), json.loads(Path(record_path).read_text()), rules_from(section))
+    result = judge(pd.read_parquet(table_path), read_json(record_path), rules_from(section))
     write_json(out, result)
     print(f"detect: {result['verdict']} ({result['error_model']}, confidence {result['confidence']:.3f})")
     return result

@@ -13,7 +13,6 @@ import base64
 import contextlib
 import html
 import io
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import provenance
-from .io import PeatError, atomic_path, write_csv
+from .io import PeatError, atomic_path, read_csv, read_json, write_csv
 
 # Section key -> (title, caption shown when a figure has no caption file of its own).
 SECTIONS = {
@@ -234,22 +233,15 @@ def _extend(section: Section, csv_name: str, frame: pd.DataFrame, **keys) -> Non
 def _study_table(path: Path) -> pd.DataFrame:
     """An alteration study's CSV with its measured NaNs (a diverged run's loss, written "nan") kept as
     "nan": read as NaN they showed blank, as a cell not measured does (see alter_study.MEASURED)."""
-    table = pd.read_csv(path)
-    measured = pd.read_csv(path, dtype=str, keep_default_na=False).eq("nan")
+    table = read_csv(path)
+    measured = read_csv(path, dtype=str, keep_default_na=False).eq("nan")
     for col in measured.columns[measured.any()]:
         table[col] = table[col].astype(object).where(~measured[col], "nan")
     return table
 
 
-def _load_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise PeatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-
-
 def _verdict_row(path: Path, model: str, vendor: str, injected: str) -> dict:
-    data = _load_json(path)
+    data = read_json(path)
     if "verdict" not in data:
         raise PeatError(f"{path}: missing key 'verdict' (not a detector result?)")
     # Nothing replayed (the model records no layer of the kernel's op): the Detector's pass is no
@@ -262,7 +254,7 @@ def _verdict_row(path: Path, model: str, vendor: str, injected: str) -> dict:
 
 
 def _golden_row(path: Path, model: str, vendor: str) -> dict:
-    metrics = pd.read_csv(path)
+    metrics = read_csv(path)
     val = metrics[metrics["split"] == "val"]
     last = val.iloc[-1] if len(val) else metrics.iloc[-1]
     return {"model": model, "vendor": vendor, "epochs": int(metrics["epoch"].max()),
@@ -272,7 +264,7 @@ def _golden_row(path: Path, model: str, vendor: str) -> dict:
 
 def _flat_row(path: Path, **keys) -> dict:
     """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
-    data = _load_json(path)
+    data = read_json(path)
     scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
     # The outcome, how far a candidate or RFI run trained (a crash keeps its curve to there), then details.
     first = {k: scalars.pop(k) for k in ("status", "detected", "steps_trained") if k in scalars}
@@ -280,7 +272,7 @@ def _flat_row(path: Path, **keys) -> dict:
 
 
 def _benchmark_table(path: Path) -> pd.DataFrame:
-    data = _load_json(path)
+    data = read_json(path)
     items = data.get("benchmarks", data) if isinstance(data, dict) else data
     if isinstance(items, dict):
         items = [{"benchmark": k, **(v if isinstance(v, dict) else {"value": v})} for k, v in items.items()]
@@ -401,7 +393,7 @@ def _render(sections: dict[str, Section], title: str, name: str, models, vendors
 # -- golden training curves (one figure per run, also flagged for Snakemake's report) -----------
 def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str, dpi: int = 80) -> Path:
     """Loss per step (train line, val dots) and the validation metric per epoch."""
-    metrics = pd.read_csv(metrics_csv)
+    metrics = read_csv(metrics_csv)
     if not {"step", "epoch", "split", "loss"} <= set(metrics.columns):
         raise PeatError(f"{metrics_csv}: needs columns step, epoch, split, loss (not a training metrics file?)")
     train, val = metrics[metrics["split"] == "train"], metrics[metrics["split"] == "val"]
@@ -423,7 +415,7 @@ def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str,
 
 def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> bytes:
     """Candidate-kernel training against golden: loss per step, and their difference."""
-    compare = pd.read_csv(compare_csv)
+    compare = read_csv(compare_csv)
     if not {"step", "split", "loss_golden", "loss_candidate"} <= set(compare.columns):
         raise PeatError(f"{compare_csv}: needs columns step, split, loss_golden, loss_candidate")
     train = compare[compare["split"] == "train"]
