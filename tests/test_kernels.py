@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import errno
+import os
 import re
 import time
 from pathlib import Path
@@ -820,6 +822,17 @@ def test_inline_runs_used_under_cuda_record_the_same_outcomes(context, func, sta
     kernel = kernels.Kernel("bad", "linear", func, func, func, custom=kernels.COMPUTATIONS)
     outcome = kernels._run_inline(kernels.call, (kernel, "forward", samples[0], attrs), {}, 1, samples[0]["O"])
     assert outcome.status == status and message in outcome.message
+
+
+def _disk_full():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "run/final.h5")
+
+
+def test_a_full_disk_fails_the_job_instead_of_becoming_the_kernels_crash():
+    """Candidate training writes in the isolated child: a full disk there was recorded as the kernel's crash."""
+    for run in (lambda: kernels.run_isolated(_disk_full), lambda: kernels._run_inline(_disk_full, (), {}, 1, None)):
+        with pytest.raises(PeatError, match=r"^\[Errno 28\] No space left on device: 'run/final\.h5'$"):
+            run()
 
 
 def test_run_isolated_rejects_results_it_cannot_read_back_safely():

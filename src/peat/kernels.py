@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import fnmatch
 import hashlib
 import importlib
@@ -510,8 +511,16 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
+# A full disk (candidate training writes its curve and final weights in the child) is no
+# outcome of the kernel: recorded as its crash, the report failed a correct kernel, and a rerun
+# after freeing space kept that crash. It fails the job instead, as golden training does.
+NOT_THE_KERNEL = "no_space"
+
+
 def _failure(err: BaseException) -> tuple[str, str]:
     """(status, one-line message) for an exception a kernel raised."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NOT_THE_KERNEL, str(err).splitlines()[0]
     oom = isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or any(m in str(err) for m in OOM_MARKERS)
     status = "shape_mismatch" if isinstance(err, ShapeMismatch) else "oom" if oom else "crash"
     text = f"{type(err).__name__}: {err}".strip().splitlines()
@@ -618,6 +627,8 @@ def _receive(conn, proc, timeout: float) -> tuple[object, str]:
 
 def _read_back(payload: tuple, expect, seconds: float) -> Outcome:
     status, body = payload
+    if status == NOT_THE_KERNEL:
+        raise PeatError(body)
     if status != "ok":
         return Outcome(status, body, seconds=seconds)
     try:
@@ -643,7 +654,10 @@ def _run_inline(func, args, kwargs, timeout, expect) -> Outcome:
     except TimeoutError as err:
         return Outcome("timeout", str(err), seconds=time.perf_counter() - start)
     except Exception as err:  # the kernel's failure is its outcome
-        return Outcome(*_failure(err), seconds=time.perf_counter() - start)
+        status, message = _failure(err)
+        if status == NOT_THE_KERNEL:
+            raise PeatError(message) from None
+        return Outcome(status, message, seconds=time.perf_counter() - start)
     finally:
         if main:
             signal.setitimer(signal.ITIMER_REAL, 0)
