@@ -266,18 +266,22 @@ def test_killed_writer_leaves_no_result_that_looks_complete(tmp_path):
     assert [p.name for p in tmp_path.iterdir()][0].startswith(".verdict.json.")  # only the hidden partial
 
 
-def test_a_full_disk_writing_hdf5_is_one_line_naming_the_target_and_leaves_nothing(tmp_path):
-    # A file-size limit fails HDF5's write as a full disk does (same h5py error, errno EFBIG).
-    target = tmp_path / "out" / "checkpoint.h5"
-    script = ("import resource, signal, numpy\nfrom peat.io import atomic_path, open_h5\n"
+@pytest.mark.parametrize("write", ["with open_h5(tmp, 'w') as f:\n        f['a'] = numpy.ones(100_000)",
+                                   "shutil.copyfile(source, tmp)"], ids=["hdf5", "copy"])
+def test_a_full_disk_is_one_line_naming_the_target_and_leaves_nothing(tmp_path, write):
+    # A file-size limit fails a write as a full disk does (same errors, errno EFBIG). h5py's
+    # message was two lines naming the temporary file; a copy's named the temporary file too.
+    source, target = tmp_path / "source.h5", tmp_path / "out" / "checkpoint.h5"
+    source.write_bytes(bytes(200_000))
+    script = ("import resource, shutil, signal, numpy\nfrom peat.io import atomic_path, open_h5\n"
+              f"source = {str(source)!r}\n"
               "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
               "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
-              f"with atomic_path({str(target)!r}) as tmp, open_h5(tmp, 'w') as f:\n"
-              "    f['a'] = numpy.ones(100_000)\n")
+              f"with atomic_path({str(target)!r}) as tmp:\n    {write}\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == f"OSError: [Errno 27] File too large: '{target}'"
-    assert list(tmp_path.iterdir()) == []  # no partial file, no folder made for it
+    assert list(tmp_path.iterdir()) == [source]  # no partial file, no folder made for it
 
 
 @pytest.mark.parametrize("reader", ["detect", "analyze", "training_curves", "alter_collect"])

@@ -35,7 +35,9 @@ def atomic_path(path: str | os.PathLike):
         os.replace(tmp, path)
         made.clear()  # they hold the file now
     except OSError as err:
-        if err.errno is not None and err.filename is None:  # a failed write (disk full) names no file
+        # A failed write (disk full) names no file, a failed copy (shutil) the hidden temporary
+        # one, gone by the time the user reads the message: both name the target instead.
+        if err.errno is not None and (err.filename is None or str(tmp) in (str(err.filename), str(err.filename2))):
             # h5py's reason is two lines of write-call details naming the temporary file, with the
             # cause ('No space left on device') deep inside: the errno's own words say it plainly.
             reason = os.strerror(err.errno) if "errno =" in str(err.strerror) else err.strerror
