@@ -824,13 +824,18 @@ def test_inline_runs_used_under_cuda_record_the_same_outcomes(context, func, sta
     assert outcome.status == status and message in outcome.message
 
 
-def _disk_full():
+def _disk_full(h5py_style):
+    if h5py_style:  # the profiler's growing context.h5, written with h5py: no filename, two lines
+        raise OSError(errno.ENOSPC, "Can't synchronously write data (file write failed: time = Wed Dec  2 07:41:40"
+                      " 2026\n, filename = 'run/final.h5', file descriptor = 5, errno = 28, ...)")
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "run/final.h5")
 
 
-def test_a_full_disk_fails_the_job_instead_of_becoming_the_kernels_crash():
+@pytest.mark.parametrize("h5py_style", [False, True])
+def test_a_full_disk_fails_the_job_instead_of_becoming_the_kernels_crash(h5py_style):
     """Candidate training writes in the isolated child: a full disk there was recorded as the kernel's crash."""
-    for run in (lambda: kernels.run_isolated(_disk_full), lambda: kernels._run_inline(_disk_full, (), {}, 1, None)):
+    for run in (lambda: kernels.run_isolated(_disk_full, h5py_style),
+                lambda: kernels._run_inline(_disk_full, (h5py_style,), {}, 1, None)):
         with pytest.raises(PeatError, match=r"^\[Errno 28\] No space left on device: 'run/final\.h5'$"):
             run()
 

@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import os
+import re
 from pathlib import Path
 
 import h5py
@@ -48,6 +49,14 @@ def atomic_path(path: str | os.PathLike):
         for folder in made:
             with contextlib.suppress(OSError):  # not empty: another writer has put a file there since
                 folder.rmdir()
+
+
+def os_error_line(err: OSError) -> str:
+    """``[Errno 28] No space left on device: '<file>'``: h5py's message for a failed write is two
+    lines of write-call details with the file's name deep inside and no ``filename``."""
+    found = re.search(r"filename = '([^']*)'", str(err.strerror))
+    name = err.filename or (found.group(1) if found else None)
+    return f"[Errno {err.errno}] {os.strerror(err.errno)}" + (f": '{name}'" if name else "")
 
 
 def write_json(path: str | os.PathLike, obj) -> None:

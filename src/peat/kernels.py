@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .io import PeatError
+from .io import PeatError, os_error_line
 from .profiler import layer_input
 
 OPS = ("linear", "conv2d", "batch_norm", "layer_norm")
@@ -520,7 +520,7 @@ NOT_THE_KERNEL = "no_space"
 def _failure(err: BaseException) -> tuple[str, str]:
     """(status, one-line message) for an exception a kernel raised."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return NOT_THE_KERNEL, str(err).splitlines()[0]
+        return NOT_THE_KERNEL, os_error_line(err)
     oom = isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or any(m in str(err) for m in OOM_MARKERS)
     status = "shape_mismatch" if isinstance(err, ShapeMismatch) else "oom" if oom else "crash"
     text = f"{type(err).__name__}: {err}".strip().splitlines()
