@@ -189,6 +189,18 @@ def train_crashing_kernel(digits, tmp_path,
                                      digits, golden, tmp_path / "out", seed=0, **kw)
 
 
+def test_a_damaged_golden_curve_is_one_line_before_training(digits, tmp_path, monkeypatch):
+    """Golden's metrics.csv was read after the whole training, and an emptied one ended the job
+    in pandas' 'No columns to parse from file', naming no file."""
+    (tmp_path / "golden").mkdir()
+    (tmp_path / "golden" / "metrics.csv").write_text("")
+    monkeypatch.setattr(candidate.kernels, "run_isolated", lambda *a, **k: pytest.fail("trained"))
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"]
+    with pytest.raises(PeatError, match=rf"^{re.escape(str(tmp_path / 'golden' / 'metrics.csv'))}: not a readable CSV"):
+        candidate.train_candidate("resnet18", spec, "golden", {"op": "linear", "layers": ["fc"]}, digits,
+                                  tmp_path / "golden", tmp_path / "out")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_a_missing_gpu_fails_the_job_not_the_kernel(digits, tmp_path):
     """On a node without the vendor's GPU the training child's device error was the kernel's

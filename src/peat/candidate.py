@@ -28,7 +28,7 @@ import torch
 
 from . import errors, kernels, provenance
 from .device import for_vendor
-from .io import PeatError, write_csv, write_json
+from .io import PeatError, read_csv, write_csv, write_json
 from .models import layer_ops
 from .profiler import hyper_params, match_names
 
@@ -411,6 +411,8 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     layers = target_layers(kspec, golden_dir / "context.h5")
+    # Read before training: a damaged golden curve is one line naming it, not a traceback after hours.
+    golden = read_csv(golden_dir / "metrics.csv", required=("step", "epoch", "split", *CURVES))
     record = {"model": model, "vendor": vendor, "kernel": kernel_name, "op": kspec["op"],
               "impl": kspec.get("impl", "golden"), "error": kspec.get("error"), "schedule": schedule,
               "layers_requested": layers}
@@ -427,7 +429,7 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     # A run that did not finish keeps its curve and calls up to where it stopped.
     metrics, calls = ((pd.DataFrame(outcome.value["metrics"]), pd.DataFrame(outcome.value["calls"])) if outcome.ok
                       else (PartialRows.read(out_dir / PARTIAL_CURVE), PartialRows.read(out_dir / PARTIAL_CALLS)))
-    frame = compare(pd.read_csv(golden_dir / "metrics.csv"), metrics)
+    frame = compare(golden, metrics)
     write_csv(out_dir / "compare.csv", frame)
     if schedule is not None:
         write_csv(out_dir / "calls.csv", calls if calls is not None and not calls.empty
