@@ -39,9 +39,7 @@ def atomic_path(path: str | os.PathLike):
         # A failed write (disk full) names no file, a failed copy (shutil) the hidden temporary
         # one, gone by the time the user reads the message: both name the target instead.
         if err.errno is not None and (err.filename is None or str(tmp) in (str(err.filename), str(err.filename2))):
-            # h5py's reason is two lines of write-call details naming the temporary file, with the
-            # cause ('No space left on device') deep inside: the errno's own words say it plainly.
-            reason = os.strerror(err.errno) if "errno =" in str(err.strerror) else err.strerror
+            reason = os.strerror(err.errno) if _h5_write_error(err) else err.strerror
             raise OSError(err.errno, reason, str(path)) from err
         raise
     finally:
@@ -51,10 +49,15 @@ def atomic_path(path: str | os.PathLike):
                 folder.rmdir()
 
 
+def _h5_write_error(err: OSError) -> re.Match | None:
+    """h5py's reason for a failed write: two lines of write-call details, the cause ('No space left
+    on device') and the file's name deep inside, no ``filename``; the errno's own words say it plainly."""
+    return re.search(r"filename = '([^']*)'.*?errno = ", str(err.strerror), re.S)
+
+
 def os_error_line(err: OSError) -> str:
-    """``[Errno 28] No space left on device: '<file>'``: h5py's message for a failed write is two
-    lines of write-call details with the file's name deep inside and no ``filename``."""
-    found = re.search(r"filename = '([^']*)'", str(err.strerror))
+    """``[Errno 28] No space left on device: '<file>'``, also from h5py's message."""
+    found = _h5_write_error(err)
     name = err.filename or (found.group(1) if found else None)
     return f"[Errno {err.errno}] {os.strerror(err.errno)}" + (f": '{name}'" if name else "")
 
