@@ -122,9 +122,13 @@ BAD_CONFIGS = [
     (lambda c: c["models"]["gpt2"].update(batch_size=2000, max_train_samples=None), "models.gpt2.batch_size",
      "2000 is more than the 1173 training examples of dataset 'pydoc'"),
     # Names that are path parts: braces stopped Snakemake with a WildcardError, ".." wrote outside results/.
-    (lambda c: c["models"].update({"a{b}": c["models"].pop("resnet18_parity")}), "models", "'a{b}' does not match"),
-    (lambda c: c["models"].update({"..": c["models"].pop("resnet18_parity")}), "models", "'..' does not match"),
-    (lambda c: c.update(name=".."), "name", "'..' does not match"),  # the report went to reports/../
+    # The message says what a name may hold, not the schema's regex.
+    (lambda c: c["models"].update({"a{b}": c["models"].pop("resnet18_parity")}), "models",
+     "'a{b}' is not a name of letters, digits and _ + - . (no leading dot: names are folder names)"),
+    (lambda c: c["models"].update({"..": c["models"].pop("resnet18_parity")}), "models", "'..' is not a name of"),
+    (lambda c: c.update(name=".."), "name", "'..' is not a name of letters"),  # the report went to reports/../
+    (lambda c: c["kernels"].update({"my-gemm": c["kernels"].pop("my_gemm")}), "kernels",
+     "'my-gemm' is not a kernel name of letters, digits and _"),
     # Failed only in the golden training job, with a KeyError or transformers' ValueError.
     (lambda c: c["models"]["gpt2"].update(dataset="digits"), "models.gpt2.dataset",
      "'digits' is an image dataset; gpt2 needs a text one"),

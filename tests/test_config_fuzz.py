@@ -88,6 +88,38 @@ def test_a_bad_error_spec_is_named_with_the_specs_allowed_not_a_regex(where):
     assert "bit_flip:WHERE" in str(err.value) and "^(" not in str(err.value)
 
 
+def test_every_pattern_of_the_schema_is_said_in_words():
+    # A name with a space or a brace was refused with the schema's regex ("does not match '^[A-Za-z...").
+    def patterns(node):
+        if isinstance(node, dict):
+            if "pattern" in node:
+                yield node
+            for value in node.values():
+                yield from patterns(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from patterns(value)
+
+    found = list(patterns(yaml.safe_load(SCHEMA.read_text())))
+    assert len(found) >= 6 and all(node.get("pattern_means") for node in found)
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda c: c.update(slurm={"cpu_partition": "a b"}),
+     "config key 'slurm.cpu_partition': 'a b' is not a partition name of letters, digits and _ . -"),
+    (lambda c: c.update(slurm={"vendors": {"nvidia": {"gres": "a100:1"}}}),
+     "config key 'slurm.vendors.nvidia.gres': 'a100:1' is not a GPU request gpu[:TYPE][:COUNT], such as"),
+    (lambda c: c["datasets"].update({"my data": c["datasets"].pop("digits")}),
+     "config key 'datasets': 'my data' is not a name of letters, digits and _ + - ."),
+])
+def test_a_bad_name_is_said_in_words(mutate, expected):
+    cfg = copy.deepcopy(VALID)
+    mutate(cfg)
+    with pytest.raises(PeatError) as err:
+        validate(cfg, SCHEMA)
+    assert str(err.value).startswith(expected)
+
+
 def test_valid_configs_pass_and_get_defaults():
     for name in ("test.yaml", "config.yaml"):
         cfg = yaml.safe_load((REPO / "config" / name).read_text())
