@@ -123,6 +123,21 @@ def test_steps_at_which_a_layer_did_not_run_are_not_replayed(tmp_path):
     assert sorted(set(table.loc[table["layer"] == "a", "step"])) == [0, 1, 2]
 
 
+def test_replay_reads_one_recorded_step_at_a_time(context, monkeypatch):
+    """A layer's samples are read as they are replayed, not all its steps at once: with
+    max_samples_per_layer: null those are every recorded step's weight and activations."""
+    read = []
+
+    def spy(path, layer, steps=None, derive=True):
+        read.append(math.inf if steps is None else len(steps))
+        return playback_read_layer(path, layer, steps, derive)
+
+    playback_read_layer = playback.read_layer
+    monkeypatch.setattr(playback, "read_layer", spy)
+    table, _ = replay(context, "linear", errors=[])
+    assert len(set(table["step"])) == 3 and read and max(read) <= 1
+
+
 def test_replay_is_deterministic(context):
     a, _ = replay(context, "layer_norm")
     b, _ = replay(context, "layer_norm")

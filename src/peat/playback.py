@@ -224,11 +224,10 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     probed = probe(plan, timer, layers)
     rows = []
     for layer in layers:
-        attrs, samples = _samples(plan, timer, layer)
+        steps = subsample(recorded_steps(plan.context, layer), plan.max_samples)
         for computation in plan.computations:
             if (layer, computation) in probed and probed[layer, computation].ok:
-                usable = [s for s in samples if kernels.applies(computation, s)]
-                rows += _replay_layer(plan, timer, layer, computation, usable, attrs)
+                rows += _replay_layer(plan, timer, layer, computation, steps)
     outcomes = [{"layer": layer, "computation": computation, **outcome.record()}
                 for (layer, computation), outcome in probed.items()]
     table = pd.DataFrame(rows)
@@ -301,12 +300,27 @@ def _variants(plan: Plan, layer: str, computation: str, attrs: dict) -> dict[str
     return out
 
 
-def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, samples: list, attrs: dict) -> list:
+def _each_sample(plan: Plan, timer: Timer, layer: str, computation: str, steps: list[int]):
+    """The layer's samples at ``steps`` that ``computation`` applies to, read one step at a time:
+    all of a layer's recorded steps together (a weight each) can outgrow memory."""
+    for step in steps:
+        yield from (s for s in _samples(plan, timer, layer, [step])[1] if kernels.applies(computation, s))
+
+
+def _ran(plan: Plan, layer: str, steps: list[int]) -> list[int]:
+    """``steps`` at which the layer ran (its input recorded), found without reading a tensor."""
+    with open_h5(plan.context) as f:
+        return [s for s in steps if "A" in f[f"layers/{layer}/{s:07d}"]]
+
+
+def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps: list[int]) -> list:
     rows = []
+    attrs, _ = read_layer(plan.context, layer, [])  # the layer's attributes alone
     variants = _variants(plan, layer, computation, attrs)  # made once: stateful models see consecutive calls
     target = kernels.TARGET[computation]
     follow = plan.propagate is not None and computation == "forward"
-    for sample in samples:
+    replayed = _ran(plan, layer, steps) if follow else None  # a forward applies wherever the layer ran
+    for sample in _each_sample(plan, timer, layer, computation, steps):
         ref = references(timer, computation, sample, attrs)
         candidates = {f"ref:{p}": ref[p] for p in (*evidence.PRECISIONS, "fp64")}
         # Downstream, each case injects what it injects here: copies taken before the kernel's call
@@ -339,8 +353,7 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, sample
         if follow:
             ran = {case: twin for case, twin in twins.items() if case in candidates}  # failed: row above
             with timer("propagate"):
-                rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer,
-                                            replayed=[int(s["step"]) for s in samples])
+                rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer, replayed=replayed)
     return rows
 
 
