@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from .io import atomic_path, open_h5, read_json, write_csv, write_json  # noqa: E402
@@ -35,6 +36,9 @@ KEYS = ["case", "computation", "layer", "fop", "tensor"]
 FIGURES = ("score_vs_iteration", "distributions", "heatmap", "bits", "spatial")
 # A training batch norm forward's updated running statistics: rows of its output too (peat.playback).
 RUNNING = ("running_mean", "running_var")
+# Plotted ratios to fp32 noise are floored here: an exact match to golden (ratio 0) has no logarithm.
+REL_FLOOR = 1e-3
+REL_LABEL = "log10 top-10% err / fp32 noise\n(exact match: -3)"
 
 
 def _ok(table: pd.DataFrame) -> pd.DataFrame:
@@ -193,17 +197,27 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
         for name in FIGURES:
             _empty(out / f"{name}.png", text, dpi, failed)
         return
-    own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], 1e-3))
-    grid = sns.relplot(own, x="step", y="log10_err_top10", hue="case", col="layer", row="computation",
-                       kind="line", marker="o", height=2.2, aspect=1.3, facet_kws={"sharey": False},
-                       errorbar=None)
-    grid.set_axis_labels("training step", "log10 top-10% |error|")
+    own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], REL_FLOOR))
+    # A dozen cases in hue alone gave near-identical teals and pinks: the marker tells them apart too.
+    grid = sns.relplot(own, x="step", y="log10_err_top10", hue="case", style="case", col="layer", row="computation",
+                       kind="line", markers=True, dashes=False, height=2.2, aspect=1.3,
+                       facet_kws={"sharey": False}, errorbar=None)
+    grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
     grid.set_titles("{row_name} | {col_name}")  # seaborn's "computation = ... | layer = ..." overran the next panel's
+    # Beyond the figure's right edge: a long layer name's title ran under the legend of a one-column grid.
+    sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))
+    for ax in grid.axes.flat:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # steps: a lone step was ticked -0.050 to 0.050
+        if not ax.has_data():  # e.g. the input gradient of a network's first layer: nothing computes it
+            ax.text(0.5, 0.5, "not replayed", ha="center", va="center", transform=ax.transAxes, color="grey")
+            ax.set_yticks([])
     _save(grid.figure, out / "score_vs_iteration.png", dpi, failed)
 
+    # One x scale for all computations: the axis is relative to each tensor's own fp32 noise, so
+    # forward and backward sit side by side as PEAT compares them.
     grid = sns.catplot(own, x="log10_rel_top10", y="case", hue="layer", col="computation", kind="box",
-                       height=3.2, aspect=0.9, sharex=False, fliersize=2)
-    grid.set_axis_labels("log10 top-10% err / fp32 noise", "")
+                       height=3.2, aspect=0.9, sharex=True, fliersize=2)
+    grid.set_axis_labels(REL_LABEL, "")
     _save(grid.figure, out / "distributions.png", dpi, failed)
 
     _heatmap(own[own["case"] == "kernel"], out / "heatmap.png", dpi, failed)
@@ -226,32 +240,42 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     if heat.empty:  # the pivot drops NaN scores: those of results without a finite element (an all-NaN output)
         _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi, failed)
         return
-    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * max(1, heat.shape[1]), 0.9 + 0.35 * max(1, heat.shape[0])))
-    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": "log10 top-10% error / fp32 noise"})
+    # At least 3 in tall: the colorbar's label ran off a figure of one to three rows.
+    fig, ax = plt.subplots(figsize=(2.0 + 0.5 * max(1, heat.shape[1]), max(3.0, 0.9 + 0.35 * heat.shape[0])))
+    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": REL_LABEL})
     ax.set_title("kernel under test: layer x iteration")
     _save(fig, path, dpi, failed)
 
 
 def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> None:
     """One error map per case: the first replayed step of the first layer by name, forward pass
-    (else input_grad, else weight_grad)."""
+    (else input_grad, else weight_grad). One colour scale for all panels (a scale per panel made a
+    rounding-sized error look as bright as a lane fault's), from the smallest nonzero block to the
+    largest; blocks without error are drawn apart, as no logarithm fits them."""
     first = own.sort_values(["computation", "layer", "step"]).groupby("case", sort=True).head(1)
     cases = first.to_dict("records")
+    maps = [np.asarray(r["map"], dtype=float).reshape(int(r["map_rows"]), int(r["map_cols"])) for r in cases]
+    logs = [np.ma.masked_invalid(np.ma.masked_less_equal(m, 0.0)) for m in maps]
+    logs = [np.ma.log10(m) for m in logs]
+    finite = np.concatenate([m.compressed() for m in logs])
+    vmin, vmax = (np.floor(finite.min()), np.ceil(finite.max())) if finite.size else (-1.0, 0.0)
+    vmax = max(vmax, vmin + 1)
+    cmap = plt.get_cmap("magma").with_extremes(bad="lightsteelblue")
     cols = min(4, len(cases))
     rows = int(np.ceil(len(cases) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 2.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols + 1, 2.6 * rows), squeeze=False)
     for ax in axes.flat[len(cases):]:
         ax.axis("off")
-    for ax, row in zip(axes.flat, cases):
-        m = np.asarray(row["map"], dtype=float).reshape(int(row["map_rows"]), int(row["map_cols"]))
-        ax.imshow(np.log10(m + 1e-30), cmap="magma", aspect="auto", interpolation="nearest",
-                  vmin=max(-30.0, float(np.log10(m.max() + 1e-30)) - 8))
+    for ax, row, m in zip(axes.flat, cases, logs):
+        image = ax.imshow(m, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
         ax.set_xticks([])
         ax.set_yticks([])
         ax.set_title(f"{row['case']}\n{row['layer']} {row['computation']} step {row['step']}", fontsize=7)
         ax.set_xlabel("columns (channels)", fontsize=7)
         ax.set_ylabel("rows", fontsize=7)
     fig.subplots_adjust(hspace=0.6)
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), fraction=0.03)
+    bar.set_label("log10 |error| summed per block (same scale in every panel;\nlight blue: no error)")
     _save(fig, path, dpi, failed)
 
 

@@ -52,9 +52,11 @@ SECTIONS = {
     "analyze": ("Analyzer", (
         "The Analyzer's characterization of each candidate kernel against the golden kernel on "
         "the replayed training context: per layer and computation (forward, input gradient, "
-        "weight gradient), how many elements differ beyond the reference envelope and how the "
-        "differences are laid out. Errors inside the float32/reduced-precision envelope are "
-        "numerics; errors outside it with structure (lanes, tiles, single bits) point to a bug.")),
+        "weight gradient), the top-10 % error against iteration, per layer and as its ratio to "
+        "float32 rounding noise, which bits differ and how the differences are laid out in the "
+        "tensor. Errors near the fp16/bf16/tf32 references are numerics; errors far beyond them, "
+        "or with structure (lanes, tiles, single bits), point to a bug. Counts of elements beyond "
+        "the Detector's envelopes (n32, ngross) are columns of the playback table.")),
     "alter": ("Checkpoint alteration", (
         "Sensitivity of training to bit flips in a checkpoint: each cell is one kind of flip "
         "(bit position or field) in one group of tensors, colored by how far the resumed run "

@@ -1,0 +1,97 @@
+"""What a reader of the Analyzer's figures needs on them: scales said, panels comparable, floors
+named. On a small synthetic playback table (no replay: the figures read only these columns)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.image import AxesImage
+
+from peat import analyze, report
+
+
+def _row(case, computation, layer, step, err, rel, scale):
+    m = np.full((4, 6), scale)
+    m[:, ::3] = 0.0  # blocks without error
+    return {"case": case, "computation": computation, "layer": layer, "fop": "output", "tensor": "O",
+            "step": step, "err_top10": err, "rel_top10": rel, "bits": np.arange(32) % 3,
+            "map": m.reshape(-1), "map_rows": 4, "map_cols": 6}
+
+
+@pytest.fixture
+def table():
+    """Two layers, the first without an input gradient (as a network's first layer); a kernel
+    matching golden exactly (rel 0) beside a lane fault a billion times larger than rounding."""
+    rows = []
+    for step in (0, 2):
+        for case, rel, scale in (("kernel", 0.0, 1e-8), ("ref:fp64", 1.0, 1e-8), ("lane:4", 1e9, 1.0)):
+            for computation, layer in (("forward", "a"), ("forward", "b"), ("input_grad", "b"),
+                                      ("weight_grad", "a"), ("weight_grad", "b")):
+                factor = 1e6 if computation == "weight_grad" else 1.0  # a backward scale far from the forward's
+                rows.append(_row(case, computation, layer, step, 1e-7 * rel, rel * factor, scale))
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Each figure by name, kept open after ``analyze._save`` wrote it."""
+    figs, save = {}, analyze._save
+
+    def spy(fig, path, dpi, failed=()):
+        figs[path.stem] = fig
+        save(fig, path, dpi, failed)
+    monkeypatch.setattr(analyze, "_save", spy)
+    return figs
+
+
+def test_spatial_maps_share_one_colour_scale_with_a_colorbar(table, tmp_path, drawn):
+    """Each panel had its own scale (its max - 8 decades) and no colorbar: a rounding-sized error
+    looked as bright as a lane fault's."""
+    analyze.figures(table, tmp_path)
+    fig = drawn["spatial"]
+    images = [a for ax in fig.axes for a in ax.get_children() if isinstance(a, AxesImage)]
+    assert len(images) == 3 and len({im.get_clim() for im in images}) == 1
+    assert images[0].get_clim() == (-8.0, 0.0)
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == 1 and "log10 |error|" in bars[0].get_ylabel() and "no error" in bars[0].get_ylabel()
+    assert all(im.get_array().mask[:, ::3].all() for im in images)  # zero error: no logarithm, drawn apart
+
+
+def test_ratio_figures_name_their_floor_and_share_one_x_scale(table, tmp_path, drawn):
+    """Ratios are floored at 1e-3 (an exact match has no logarithm): shown as -3 without a word;
+    the distributions' panels each had their own x range, forward and backward not comparable."""
+    analyze.figures(table, tmp_path)
+    boxes = [ax for ax in drawn["distributions"].axes if ax.get_xlabel()]
+    assert boxes and all("exact match: -3" in ax.get_xlabel() for ax in boxes)
+    assert len({ax.get_xlim() for ax in boxes}) == 1
+    heat_bar = [ax for ax in drawn["heatmap"].axes if ax.get_label() == "<colorbar>"]
+    assert "exact match: -3" in heat_bar[0].get_ylabel()
+    assert all("exact match: -30" in ax.get_ylabel() for ax in drawn["score_vs_iteration"].axes if ax.get_ylabel())
+
+
+def test_score_vs_iteration_says_which_panel_has_nothing_replayed(table, tmp_path, drawn):
+    """The first layer's input-gradient panel was empty with a 0..1 axis; a lone step was ticked
+    -0.05..0.05; cases differed by colour only."""
+    analyze.figures(table, tmp_path)
+    texts = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in drawn["score_vs_iteration"].axes}
+    assert texts["input_grad | a"] == ["not replayed"]
+    assert all(not t for title, t in texts.items() if title != "input_grad | a")
+    ax = drawn["score_vs_iteration"].axes[0]
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert len({line.get_marker() for line in ax.get_lines()}) == 3  # a dozen hues alone were hard to tell apart
+
+
+def test_score_vs_iteration_legend_clears_a_long_layer_names_titles(table, tmp_path, drawn):
+    """One layer, named as GPT-2's: its panels' titles, wider than the panels, ran under the legend."""
+    table = table[table["layer"] == "a"].assign(layer="transformer.h.0.mlp.c_fc")
+    analyze.figures(table, tmp_path)
+    fig = drawn["score_vs_iteration"]
+    legend = fig.legends[0].get_window_extent()
+    assert not any(ax.title.get_window_extent().overlaps(legend) for ax in fig.axes)
+
+
+def test_analyzer_section_caption_claims_no_count_its_figures_lack():
+    """It said the figures showed how many elements differ beyond the envelope; none does."""
+    caption = report.SECTIONS["analyze"][1]
+    assert "how many elements differ" not in caption and "n32" in caption
