@@ -36,6 +36,7 @@ KEYS = ["case", "computation", "layer", "fop", "tensor"]
 FIGURES = ("score_vs_iteration", "distributions", "heatmap", "bits", "spatial")
 # A training batch norm forward's updated running statistics: rows of its output too (peat.playback).
 RUNNING = ("running_mean", "running_var")
+SUMMARY_SLICE = 1 << 18  # rows of the context's summaries read at a time (50 MB)
 # Plotted ratios to fp32 noise are floored here: an exact match to golden (ratio 0) has no logarithm.
 REL_FLOOR = 1e-3
 REL_LABEL = "log10 top-10% err / fp32 noise\n(exact match: -3)"
@@ -69,10 +70,20 @@ def ranges(layers: pd.DataFrame) -> list[dict]:
     return out
 
 
-def summaries(context: str | Path) -> pd.DataFrame:
-    """The context's per-step summaries as a wide table: layer, step, W_mean, W_var, act_mean, act_var."""
+def summaries(context: str | Path, steps=None) -> pd.DataFrame:
+    """The context's per-step summaries as a wide table: layer, step, W_mean, W_var, act_mean, act_var;
+    of ``steps`` alone when given. The file holds every training step of every layer (millions of
+    rows in a long training) where playback replays a few: it is read a slice at a time and filtered."""
+    parts = []
     with open_h5(context) as f:
-        rows = pd.DataFrame(f["summaries"][()]) if "summaries" in f else pd.DataFrame()
+        data = f["summaries"] if "summaries" in f else np.zeros(0)
+        for start in range(0, len(data), SUMMARY_SLICE):
+            chunk = data[start:start + SUMMARY_SLICE]
+            keep = np.isin(chunk["tensor"], [b"W", b"act"])
+            if steps is not None:
+                keep &= np.isin(chunk["step"], np.fromiter(steps, dtype=np.int64))
+            parts.append(chunk[keep])
+    rows = pd.DataFrame(np.concatenate(parts)) if parts else pd.DataFrame()
     if rows.empty:
         return pd.DataFrame(columns=["layer", "step"])
     rows["layer"] = rows["layer"].str.decode("utf-8")
@@ -287,7 +298,7 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
     summary = {}
     if len(table):
         own, own_layers = _results(table), _results(layers)
-        summary = {"ranges": ranges(own_layers), "spearman": spearman(own, summaries(context)),
+        summary = {"ranges": ranges(own_layers), "spearman": spearman(own, summaries(context, set(own["step"]))),
                    "repeated_blocks": repeated_blocks(own_layers), "forward_backward": forward_backward(own_layers),
                    "propagation": propagation(own)}
     write_csv(out / "layers.csv", layers)
