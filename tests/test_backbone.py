@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from conftest import REPO, TEST_CONFIG, snakemake
-from peat import checkpoint, data, models
+from peat import checkpoint, data, models, profiler
 from peat.device import for_vendor
 from peat.io import PeatError
 from peat import tensor_stats
@@ -695,6 +695,22 @@ class WithEmptyLayer(torch.nn.Module):
 
     def forward(self, x):
         return self.fc(x) + self.empty(x).sum()
+
+
+def test_summary_rows_are_written_as_they_add_up_not_held_until_the_epoch_ends(tmp_path, monkeypatch):
+    """Three rows per layer and step: a long epoch's were all held in memory until its end."""
+    monkeypatch.setattr(profiler, "SUMMARY_ROWS_HELD", 4, raising=False)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 6 rows a step: each step written
+    prof = Profiler(tmp_path / "context.h5", ["0"], every=1)
+    prof.attach(model)
+    for step in range(3):
+        prof.begin_step(step, 1)
+        model(torch.randn(5, 4)).square().sum().backward()
+        prof.end_step()
+        assert not prof._rows and prof.file["summaries"].shape == (6 * (step + 1),)
+    prof.close()
+    with h5py.File(tmp_path / "context.h5") as f:
+        assert list(f["summaries"]["step"]) == [0] * 6 + [1] * 6 + [2] * 6
 
 
 def test_a_layer_of_width_zero_is_summarised_as_nan_and_refused_for_recording(tmp_path):
