@@ -95,3 +95,54 @@ def test_analyzer_section_caption_claims_no_count_its_figures_lack():
     """It said the figures showed how many elements differ beyond the envelope; none does."""
     caption = report.SECTIONS["analyze"][1]
     assert "how many elements differ" not in caption and "n32" in caption
+
+
+def test_many_layers_stay_readable_in_bounded_figures(table, tmp_path, drawn):
+    """20 layers made score_vs_iteration one row of 20 panels (4,709 px wide, ~1 s a panel to draw)
+    and packed 20 boxes a case into the distributions' 3.2 in. A few layers still look as they did."""
+    analyze.figures(table, tmp_path)
+    assert drawn["score_vs_iteration"]._suptitle is None and drawn["distributions"].legends
+    many = pd.concat([table.assign(layer=table["layer"] + str(i)) for i in range(10)], ignore_index=True)
+    many.loc[(many["layer"] == "b7") & (many["case"] == "kernel"), "rel_top10"] = 1e3  # its worst layer
+    analyze.figures(many, tmp_path)
+    fig = drawn["score_vs_iteration"]
+    shown = {ax.get_title().split(" | ")[1] for ax in fig.axes}
+    assert len(shown) == analyze.MAX_LAYERS and "b7" in shown
+    assert len(fig.axes) <= 3 * analyze.MAX_LAYERS and fig.get_figwidth() < 20
+    note = fig._suptitle.get_text().replace("\n", " ")
+    assert f"{analyze.MAX_LAYERS} of 20 layers" in note
+    assert all(f" {name}," in note or note.endswith(f" {name}") for name in set(many["layer"]) - shown)
+    dist = drawn["distributions"]
+    assert not dist.legends and "all 20 layers pooled" in dist._suptitle.get_text()
+    assert [len(ax.patches) for ax in dist.axes] == [3, 3, 3]  # one box a case
+
+
+def test_jobs_read_the_list_columns_only_for_the_figures_drawing_them(table, tmp_path, monkeypatch):
+    """Both jobs read the whole playback table: its list columns (bits, row_mass, col_mass, map),
+    80 % of it in pandas (+3.7 GB a job at 72k rows), which no rule and two figures read."""
+    import h5py
+
+    from peat import detect
+
+    table = table.assign(**{s: table["rel_top10"] for s in analyze.SCORES if s not in table}, op="conv2d",
+                         row_mass=list(table["map"]), col_mass=list(table["map"]))
+    table.to_parquet(tmp_path / "t.parquet")
+    h5py.File(tmp_path / "context.h5", "w").close()
+    (tmp_path / "record.json").write_text('{"outcomes": []}')
+    crashed = tmp_path / "crashed.parquet"  # every row failed: the verdict needs no evidence columns
+    table.assign(error="boom", status="crash").to_parquet(crashed)
+    read, lists = [], []
+    read_parquet, iter_list_rows = pd.read_parquet, analyze.iter_list_rows
+    monkeypatch.setattr(pd, "read_parquet", lambda path, columns=None: read.append(columns) or
+                        read_parquet(path, columns=columns))
+    monkeypatch.setattr(analyze, "iter_list_rows", lambda path, column, index: lists.append(column) or
+                        iter_list_rows(path, column, index))
+    analyze.run_job(tmp_path / "t.parquet", tmp_path / "context.h5", tmp_path / "job", record=tmp_path / "record.json")
+    assert detect.run_job(crashed, tmp_path / "record.json", tmp_path / "v.json")["error_model"] == "crash"
+    assert read[0] == [*analyze.KEYS, "step", *analyze.SCORES, "map_rows", "map_cols"]
+    assert "error" in read[1] and not {"bits", "row_mass", "col_mass", "map"} & set(read[1])
+    assert sorted(set(lists)) == ["bits", "map"]
+    monkeypatch.undo()
+    analyze.analyze(table, tmp_path / "context.h5", tmp_path / "whole")  # the same, from the whole table
+    for name in ("layers.csv", "summary.json", "bits.png", "spatial.png", "distributions.png"):
+        assert (tmp_path / "job" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

@@ -17,6 +17,7 @@ Reads one playback table (``peat.playback``) and the context's per-step summarie
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -29,7 +30,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from .io import atomic_path, open_h5, read_json, write_csv, write_json  # noqa: E402
+from .io import atomic_path, iter_list_rows, open_h5, read_json, read_parquet_scalars, write_csv, write_json  # noqa: E402
 
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
 KEYS = ["case", "computation", "layer", "fop", "tensor"]
@@ -40,6 +41,11 @@ SUMMARY_SLICE = 1 << 18  # rows of the context's summaries read at a time (50 MB
 # Plotted ratios to fp32 noise are floored here: an exact match to golden (ratio 0) has no logarithm.
 REL_FLOOR = 1e-3
 REL_LABEL = "log10 top-10% err / fp32 noise\n(exact match: -3)"
+# Layers drawn apart: score_vs_iteration took ~1 s a panel and 20 layers made it 4,700 px wide; the
+# distributions packed 20 layers' boxes per case into 3.2 in. Beyond this, see ``_shown_layers``.
+MAX_LAYERS = 6
+# The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
+COLUMNS = [*KEYS, "step", *SCORES, "error", "status", "map_rows", "map_cols"]
 
 
 def _ok(table: pd.DataFrame) -> pd.DataFrame:
@@ -199,7 +205,27 @@ def _log(values: pd.Series, floor: float = 1e-30) -> pd.Series:
     return np.log10(values.astype(float).clip(lower=floor))
 
 
-def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] = ()) -> None:
+def _shown_layers(own: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """Layers drawn apart (in table order) and those left out: beyond ``MAX_LAYERS``, those where
+    the kernel's largest top-10 % error over fp32 noise is largest, where a bug shows first."""
+    order = list(dict.fromkeys(own["layer"]))
+    if len(order) <= MAX_LAYERS:
+        return order, []
+    kernel = own[own["case"] == "kernel"] if (own["case"] == "kernel").any() else own
+    worst = kernel.groupby("layer")["log10_rel_top10"].max().reindex(order).fillna(-np.inf)
+    shown = set(worst.sort_values(ascending=False, kind="stable").index[:MAX_LAYERS])
+    return [x for x in order if x in shown], [x for x in order if x not in shown]
+
+
+def _note(fig, text: str) -> None:
+    # Wrapped here: matplotlib's wrap=True left a suptitle's unwrapped height as blank space above it.
+    fig.suptitle(textwrap.fill(text, int(fig.get_figwidth() * 14)), y=1.0, va="bottom", fontsize=8)
+
+
+def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] = (), lists=None) -> None:
+    """``lists(column, index)``: the arrays of a list column (``bits``, ``map``) at the increasing
+    index labels; by default from ``table``, which then holds them."""
+    lists = lists or (lambda column, index: iter(table.loc[index, column]))
     failed = failures(table, outcomes)
     own = _ok(table)
     own = own[own["fop"] == "output"] if len(own) else own
@@ -209,8 +235,9 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
             _empty(out / f"{name}.png", text, dpi, failed)
         return
     own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], REL_FLOOR))
+    shown, left = _shown_layers(own)
     # A dozen cases in hue alone gave near-identical teals and pinks: the marker tells them apart too.
-    grid = sns.relplot(own, x="step", y="log10_err_top10", hue="case", style="case", col="layer", row="computation",
+    grid = sns.relplot(own[own["layer"].isin(shown)], x="step", y="log10_err_top10", hue="case", style="case", col="layer", row="computation",
                        kind="line", markers=True, dashes=False, height=2.2, aspect=1.3,
                        facet_kws={"sharey": False}, errorbar=None)
     grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
@@ -222,25 +249,34 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
         if not ax.has_data():  # e.g. the input gradient of a network's first layer: nothing computes it
             ax.text(0.5, 0.5, "not replayed", ha="center", va="center", transform=ax.transAxes, color="grey")
             ax.set_yticks([])
+    if left:
+        _note(grid.figure, f"{len(shown)} of {len(shown) + len(left)} layers: those with the kernel's largest "
+                           f"top-10% error over fp32 noise; left out (in layers.csv): {', '.join(left)}")
     _save(grid.figure, out / "score_vs_iteration.png", dpi, failed)
 
     # One x scale for all computations: the axis is relative to each tensor's own fp32 noise, so
     # forward and backward sit side by side as PEAT compares them.
-    grid = sns.catplot(own, x="log10_rel_top10", y="case", hue="layer", col="computation", kind="box",
-                       height=3.2, aspect=0.9, sharex=True, fliersize=2)
+    # Beyond MAX_LAYERS, one box per case over every layer and step.
+    grid = sns.catplot(own, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
+                       kind="box", legend=not left and "auto", height=3.2, aspect=0.9, sharex=True, fliersize=2)
     grid.set_axis_labels(REL_LABEL, "")
+    if left:
+        _note(grid.figure, f"all {len(shown) + len(left)} layers pooled (each layer's statistics: layers.csv)")
     _save(grid.figure, out / "distributions.png", dpi, failed)
 
     _heatmap(own[own["case"] == "kernel"], out / "heatmap.png", dpi, failed)
 
-    bits = pd.DataFrame({r: np.sum(np.stack(list(rows)), axis=0) for r, rows in own.groupby("case")["bits"]}).T
+    counts = {}
+    for case, row in zip(own["case"], lists("bits", own.index)):
+        counts[case] = counts.get(case, 0) + row
+    bits = pd.DataFrame(counts).T.sort_index()
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.3 * len(bits)))
     sns.heatmap(np.log10(bits.astype(float) + 1), ax=ax, cmap="rocket_r",
                 cbar_kws={"label": "log10(1 + elements whose bit differs)"})
     ax.set_xlabel("bit (0 = mantissa LSB, 23-30 exponent, 31 = sign)")
     ax.set_ylabel("")
     _save(fig, out / "bits.png", dpi, failed)
-    _spatial_maps(own, out / "spatial.png", dpi, failed)
+    _spatial_maps(own, out / "spatial.png", dpi, failed, lists)
 
 
 def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> None:
@@ -258,14 +294,16 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     _save(fig, path, dpi, failed)
 
 
-def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> None:
+def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], lists) -> None:
     """One error map per case: the first replayed step of the first layer by name, forward pass
     (else input_grad, else weight_grad). One colour scale for all panels (a scale per panel made a
     rounding-sized error look as bright as a lane fault's), from the smallest nonzero block to the
     largest; blocks without error are drawn apart, as no logarithm fits them."""
     first = own.sort_values(["computation", "layer", "step"]).groupby("case", sort=True).head(1)
     cases = first.to_dict("records")
-    maps = [np.asarray(r["map"], dtype=float).reshape(int(r["map_rows"]), int(r["map_cols"])) for r in cases]
+    found = dict(zip(sorted(first.index), lists("map", sorted(first.index))))
+    maps = [np.asarray(found[i], dtype=float).reshape(int(r["map_rows"]), int(r["map_cols"]))
+            for i, r in zip(first.index, cases)]
     logs = [np.ma.masked_invalid(np.ma.masked_less_equal(m, 0.0)) for m in maps]
     logs = [np.ma.log10(m) for m in logs]
     finite = np.concatenate([m.compressed() for m in logs])
@@ -290,8 +328,10 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str]) ->
     _save(fig, path, dpi, failed)
 
 
-def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int = 80, outcomes: list[dict] = ()) -> dict:
-    """``outcomes``: the playback record's, whose failed probes left no row to plot."""
+def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int = 80, outcomes: list[dict] = (),
+            lists=None) -> dict:
+    """``outcomes``: the playback record's, whose failed probes left no row to plot; ``lists``: see
+    ``figures``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     layers = per_layer(table) if len(table) else pd.DataFrame(columns=KEYS)
@@ -303,7 +343,7 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
                    "propagation": propagation(own)}
     write_csv(out / "layers.csv", layers)
     write_json(out / "summary.json", summary)
-    figures(_results(table), out, dpi, outcomes)
+    figures(_results(table), out, dpi, outcomes, lists)
     return summary
 
 
@@ -317,4 +357,5 @@ def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: i
             record: str | Path | None = None) -> dict:
     """One workflow job: tables and figures of one kernel's playback table (and its record's outcomes)."""
     outcomes = read_json(record).get("outcomes", []) if record is not None else []
-    return analyze(pd.read_parquet(table_path), context, out, dpi, outcomes)
+    return analyze(read_parquet_scalars(table_path, COLUMNS), context, out, dpi, outcomes,
+                   lambda column, index: iter_list_rows(table_path, column, index))

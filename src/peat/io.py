@@ -93,6 +93,43 @@ def read_csv(path: str | os.PathLike, required: tuple[str, ...] = (), **kwargs):
     return table
 
 
+def read_parquet_scalars(path: str | os.PathLike, columns=None):
+    """A parquet table without its list columns (a playback table's ``bits``, ``row_mass``,
+    ``col_mass``, ``map``: 80 % of its memory in pandas, one object array per row), or only those of
+    ``columns`` it has. Indexed by row position, for ``iter_list_rows``."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    names = [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)]
+    if columns is not None:
+        names = [c for c in columns if c in names]
+    return pd.read_parquet(path, columns=names).reset_index(drop=True)
+
+
+def iter_list_rows(path: str | os.PathLike, column: str, positions, batch: int = 1024):
+    """The numpy arrays of list ``column`` at the increasing row ``positions``, read ``batch`` rows at
+    a time: a whole ``map`` column (up to 1,024 floats a row) is 8 KB a row held at once."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    wanted = np.asarray(positions, dtype=np.int64)
+    start = 0
+    # Buffered, not pre-buffered: the column chunk (a whole file's maps in one row group) is not read at once.
+    source = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
+    for rows in source.iter_batches(batch_size=batch, columns=[column]):
+        lo, hi = np.searchsorted(wanted, [start, start + rows.num_rows])
+        if hi > lo:
+            lists = rows.column(0).take(pa.array(wanted[lo:hi] - start))
+            flat = lists.flatten().to_numpy(zero_copy_only=False)
+            yield from np.split(flat, np.cumsum(lists.value_lengths().to_numpy(zero_copy_only=False))[:-1])
+        start += rows.num_rows
+        if hi == len(wanted):
+            return
+
+
 def json_text(obj) -> str:
     """Strict JSON (``jq``, ``JSON.parse``): NaN/inf become null, as a bare NaN would fail those readers."""
     return json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
