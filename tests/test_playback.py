@@ -362,6 +362,30 @@ def test_variants_injecting_into_results_reuse_the_kernels_result(context, tmp_p
     assert set(table.loc[table["case"] == "rv:2", "error_model"]) == {"random_value"}
 
 
+def test_each_case_is_scored_and_dropped_before_the_next_is_computed(context, monkeypatch):
+    """Playback held every case's result of a computation (golden, fp64, the rounded references,
+    the kernel, every error model) until all were scored: 4 GB per computation of a 45M-element
+    LLM layer. Now the references alone are held together (for their envelopes), then golden and
+    the kernel's own result (for the variants injecting into it) while each case is computed."""
+    import weakref
+
+    made, alive = [], []
+
+    def spying(real):
+        def spy(*args, **kwargs):
+            alive.append(sum(ref() is not None for ref in made))
+            out = real(*args, **kwargs)
+            made.extend(weakref.ref(t) for t in (out.values() if isinstance(out, dict) else [out]))
+            return out
+        return spy
+
+    monkeypatch.setattr(playback, "_call", spying(playback._call))
+    monkeypatch.setattr(playback, "_injected", spying(playback._injected))
+    replay(context, errors=["bf16", "rv:2", "lane:4", "fp16"], layers=["4"], computations=("forward",), max_samples=1)
+    # golden, fp64, fp16, bf16, tf32; the kernel, bf16 (called), rv:2 and lane:4 (injected), fp16 (called,
+    # once lane:4, the last to inject into the kernel's result, has it)
+    assert alive == [0, 1, 2, 3, 4, 1, 2, 2, 2, 1]
+
 def test_analyzer_tables_and_figures(context, tmp_path):
     table, _ = replay(context, "linear")
     summary = analyze.analyze(table, context, tmp_path)

@@ -152,7 +152,7 @@ def score_row(candidate: torch.Tensor, golden: torch.Tensor, reference: torch.Te
     """Scores, detector evidence and baselines of one candidate tensor. ``noise`` (the summary of
     |golden - reference|) and ``gold`` (``scores.Golden.of(golden)``) are shared by every
     candidate of the same golden tensor; ``diff`` (``scores.difference(candidate, gold)``) may
-    be passed in when already found."""
+    be passed in when already found. ``reference`` is read only without ``noise``."""
     gold = scores.Golden.of(golden) if gold is None else gold
     diff = scores.difference(candidate, gold) if diff is None else diff
     row = scores.tensor_scores(candidate, golden, reference, noise=noise, diff=diff, gold=gold)
@@ -317,64 +317,84 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps:
     rows = []
     attrs, _ = read_layer(plan.context, layer, [])  # the layer's attributes alone
     variants = _variants(plan, layer, computation, attrs)  # made once: stateful models see consecutive calls
+    # The kernel case's results are kept for the variants injecting into them (see _injected), until the last.
+    reusing = [case for case, kernel in variants.items() if errors.reuses(kernel, computation, variants["kernel"])]
     target = kernels.TARGET[computation]
     follow = plan.propagate is not None and computation == "forward"
     replayed = _ran(plan, layer, steps) if follow else None  # a forward applies wherever the layer ran
     for sample in _each_sample(plan, timer, layer, computation, steps):
         ref = references(timer, computation, sample, attrs)
-        candidates = {f"ref:{p}": ref[p] for p in (*evidence.PRECISIONS, "fp64")}
-        # Downstream, each case injects what it injects here: copies taken before the kernel's call
-        # (from whose result the variants that inject into results start, see _injected).
-        twins = {case: errors.replica(kernel, computation) for case, kernel in variants.items()} if follow else {}
-        for case, kernel in variants.items():
-            reusable = "kernel" in candidates and candidates["kernel"][target].shape == ref["golden"][target].shape
-            try:
-                if reusable and errors.reuses(kernel, computation, variants["kernel"]):
-                    # Injected into the result alone: the statistics it updated are the kernel case's.
-                    candidates[case] = candidates["kernel"] | {
-                        target: _injected(timer, kernel, computation, candidates["kernel"][target], sample, attrs)}
-                else:
-                    if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
-                        twins[case] = errors.replica(kernel, computation)
-                    candidates[case] = _call(timer, kernel, computation, sample, attrs)
-            except Exception as err:  # a kernel failing later than its probe: a row saying so
-                status = "not_applicable" if isinstance(err, errors.NotApplicable) else "crash"
-                rows.append({**plan.meta, "layer": layer, "step": int(sample["step"]), "computation": computation,
-                             "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
         with timer("score"):
             base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
                     "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
                     "golden_vs_recorded": _recorded_difference(ref["golden"][target], sample.get(target))}
-            for tensor in ref["golden"]:
-                # The context holds the running statistics before the step's update only.
-                row = base if tensor == target else base | {"tensor": tensor, "golden_vs_recorded": float("nan")}
-                rows += _scored(plan, row, {name: out[tensor] for name, out in ref.items()},
-                                {case: out[tensor] for case, out in candidates.items()})
+            # The context holds the running statistics before the step's update only.
+            scored = {tensor: _Scored(plan, base if tensor == target else
+                                      base | {"tensor": tensor, "golden_vs_recorded": float("nan")},
+                                      {name: out[tensor] for name, out in ref.items()}) for tensor in ref["golden"]}
+        del ref  # each case is scored as it comes and dropped: only golden and the envelopes stay
+        failed, own = [], None
+        # Downstream, each case injects what it injects here: copies taken before the kernel's call
+        # (from whose result the variants that inject into results start, see _injected).
+        twins = {case: errors.replica(kernel, computation) for case, kernel in variants.items()} if follow else {}
+        for case, kernel in variants.items():
+            try:
+                if own is not None and case in reusing:
+                    # Injected into the result alone: the statistics it updated are the kernel case's.
+                    out = own | {target: _injected(timer, kernel, computation, own[target], sample, attrs)}
+                else:
+                    if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
+                        twins[case] = errors.replica(kernel, computation)
+                    out = _call(timer, kernel, computation, sample, attrs)
+            except Exception as err:  # a kernel failing later than its probe: a row saying so
+                status = "not_applicable" if isinstance(err, errors.NotApplicable) else "crash"
+                failed.append({**plan.meta, "layer": layer, "step": int(sample["step"]), "computation": computation,
+                               "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
+                twins.pop(case, None)  # no row downstream either: its row is above
+            else:
+                with timer("score"):
+                    for tensor, of_tensor in scored.items():
+                        of_tensor.add(case, out[tensor])
+                if case == "kernel" and reusing and out[target].shape == scored[target].golden.shape:
+                    own = out
+                del out
+            if reusing and case == reusing[-1]:
+                own = None
+        rows += failed  # a failed case's row comes before the scored ones, as the table has always had it
+        for of_tensor in scored.values():
+            rows += of_tensor.rows
         if follow:
-            ran = {case: twin for case, twin in twins.items() if case in candidates}  # failed: row above
             with timer("propagate"):
-                rows += plan.propagate.rows(layer, sample, ran, base, plan.rules, timer, replayed=replayed)
+                rows += plan.propagate.rows(layer, sample, twins, base, plan.rules, timer, replayed=replayed)
     return rows
 
 
-def _scored(plan: Plan, base: dict, ref: dict[str, torch.Tensor], candidates: dict[str, torch.Tensor]) -> list:
-    """One row per case of one result tensor, scored against golden with the envelopes its references
-    (``ref``: golden, fp64 and the rounded ones) measure on this sample."""
-    rows = []
-    gold = scores.Golden.of(ref["golden"])
-    # The rounded references are candidates as well: their errors serve the envelopes too.
-    diffs = {f"ref:{p}": scores.difference(ref[p], gold) for p in evidence.PRECISIONS}
-    env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS}, plan.rules, gold,
-                             {p: diffs[f"ref:{p}"].err for p in evidence.PRECISIONS})
-    for case, cand in candidates.items():
+class _Scored:
+    """The rows of one result tensor, one per case, each scored when it comes against golden with
+    the envelopes its references (``ref``: golden, fp64 and the rounded ones) measure on this
+    sample; the references are scored first. Golden and the envelopes alone are kept: the
+    cases are not, and the references not past this constructor."""
+
+    def __init__(self, plan: Plan, base: dict, ref: dict[str, torch.Tensor]):
+        self.plan, self.base, self.golden, self.rows = plan, base, ref["golden"], []
+        self.gold = scores.Golden.of(self.golden)
+        # The rounded references are candidates as well: their errors serve the envelopes too.
+        diffs = {p: scores.difference(ref[p], self.gold) for p in evidence.PRECISIONS}
+        self.env = evidence.envelopes(self.golden, ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS},
+                                      plan.rules, self.gold, {p: diffs[p].err for p in evidence.PRECISIONS})
+        for p in evidence.PRECISIONS:
+            self.add(f"ref:{p}", ref[p], diffs.pop(p))
+        self.add("ref:fp64", ref["fp64"])
+
+    def add(self, case: str, cand: torch.Tensor, diff: scores.Diff | None = None) -> None:
         cand = cand.float() if cand.dtype == torch.float64 else cand
-        if cand.shape != ref["golden"].shape:
-            rows.append({**base, "case": case, "status": "shape_mismatch",
-                         "error": f"returned {tuple(cand.shape)}, expected {tuple(ref['golden'].shape)}"})
-            continue
-        rows.append({**base, "case": case, **score_row(cand, ref["golden"], ref["fp64"], env, plan.rules,
-                                                      env.noise, gold, diffs.get(case))})
-    return rows
+        if cand.shape != self.golden.shape:
+            self.rows.append({**self.base, "case": case, "status": "shape_mismatch",
+                              "error": f"returned {tuple(cand.shape)}, expected {tuple(self.golden.shape)}"})
+            return
+        # The envelopes hold the noise summary: fp64 itself is not needed again (hence None).
+        self.rows.append({**self.base, "case": case, **score_row(cand, self.golden, None, self.env, self.plan.rules,
+                                                                 self.env.noise, self.gold, diff)})
 
 
 def _jsonable(attrs: dict) -> dict:
