@@ -269,6 +269,25 @@ def test_envelopes_are_measured_not_fixed():
     assert env["noise_fp16_max"] < env["noise_bf16_max"]
 
 
+
+def test_envelopes_hold_one_precisions_difference_from_fp64_at_a_time():
+    """Each rounded result's float64 difference from fp64 is as large as two float32 tensors: the
+    three were held together, 13.5 tensors' worth of numpy arrays at the peak (the peak of
+    playback's scoring once each case is dropped when scored); one at a time, 6.2."""
+    import tracemalloc
+
+    torch.manual_seed(0)
+    golden = torch.randn(512, 512)
+    ref = golden.double() + 1e-9 * torch.randn(512, 512, dtype=torch.float64)
+    rounded = {p: errors.round_to(golden, p) for p in evidence.PRECISIONS}
+    tracemalloc.start()
+    try:
+        env = evidence.envelopes(golden, ref, rounded)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert env.local.shape == (512, 512) and peak < 8 * golden.nbytes
+
 def test_priority_order_first_class_wins():
     sample, attrs, golden, ref, env = case("linear")
     both = errors.parse("lane:4").apply(golden, torch.Generator().manual_seed(0))

@@ -55,23 +55,28 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     noise32 = float(noise.max(initial=0.0))
     if not math.isfinite(noise32):  # abs_error's NaN as inf and inf as the largest float: counted from scratch
         noise32 = _finite_max(_distance(gold.matrix, ref))
+    noise = summary(noise)
     views = {p: as_matrix(t) for p, t in rounded.items()}  # an NCHW tensor's is a copy: made once
-    diffs = {p: _distance(m, ref) for p, m in views.items()}
-    tops = {p: float(d.max(initial=0.0)) for p, d in diffs.items()}  # NaN or inf where a difference is
-    rp = {p: top if math.isfinite(top) else _finite_max(diffs[p]) for p, top in tops.items()}
+    rp, tiles = {}, []
+    for p, m in views.items():  # one float64 difference, as large as two tensors, at a time
+        d = _distance(m, ref)
+        top = float(d.max(initial=0.0))  # NaN or inf where a difference is
+        rp[p] = top if math.isfinite(top) else _finite_max(d)
+        if gold.matrix.size:
+            # NaN and inf count as 0; a difference without them is used as it is, not copied. Each is
+            # reduced to its tiles: the envelope is a tile's worst times KRP, so the worst over
+            # precisions, the scaling and the floor need one value per tile, not per element.
+            tiles.append(per_tile(d if math.isfinite(top) else np.nan_to_num(d, nan=0.0, posinf=0.0), rules.tile,
+                                  np.maximum))
+        del d
     tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
     taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
-    env.noise = summary(noise)
-    if diffs and gold.matrix.size:
-        # NaN and inf count as 0; a difference without them is used as it is, not copied. Each is
-        # reduced to its tiles first: the envelope is a tile's worst times KRP, so the worst over
-        # precisions, the scaling and the floor need one value per tile, not per element.
-        worst = functools.reduce(np.maximum, [per_tile(d if math.isfinite(tops[p]) else
-                                                       np.nan_to_num(d, nan=0.0, posinf=0.0), rules.tile, np.maximum)
-                                              for p, d in diffs.items()])
-        env.local = per_element(np.maximum(rules.krp * worst, tau32), rules.tile, gold.matrix.shape)
+    env.noise = noise
+    if tiles:
+        env.local = per_element(np.maximum(rules.krp * functools.reduce(np.maximum, tiles), tau32), rules.tile,
+                                gold.matrix.shape)
         env.footprints = {p: _beyond(errors[p] if p in errors else abs_error(m, golden, gold), tau32 / rules.band,
                                      tau32 * rules.band)[:4]
                           for p, m in views.items()}
