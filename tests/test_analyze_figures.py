@@ -58,6 +58,23 @@ def test_spatial_maps_share_one_colour_scale_with_a_colorbar(table, tmp_path, dr
     assert all(im.get_array().mask[:, ::3].all() for im in images)  # zero error: no logarithm, drawn apart
 
 
+def test_an_inf_error_leaves_the_shared_scale_to_the_finite_ones_and_titles_count_nan(table, tmp_path, drawn):
+    """An Inf error counts as the largest float: its block set the shared scale to 309 decades."""
+    inf = _row("inf:1", "forward", "a", 0, 1.0, 1.0, 1e-8) | {"nonfinite": 1}
+    inf["map"][5] = np.finfo(np.float64).max
+    nan = _row("nan:1", "forward", "a", 0, 1.0, 1.0, 1e-8) | {"nonfinite": 2}  # NaN: no mass in the map
+    analyze.figures(pd.concat([table, pd.DataFrame([inf, nan])], ignore_index=True), tmp_path)
+    fig = drawn["spatial"]
+    images = {ax.get_title().split("\n")[0]: a for ax in fig.axes for a in ax.get_children()
+              if isinstance(a, AxesImage)}
+    assert {im.get_clim() for im in images.values()} == {(-8.0, 0.0)}
+    assert images["inf:1"].get_array()[0, 5] > 300  # above the scale: the colorbar's green extension
+    titles = [ax.get_title() for ax in fig.axes]
+    assert any(t.startswith("inf:1") and t.endswith(", 1 NaN/Inf") for t in titles)
+    assert any(t.startswith("nan:1") and t.endswith(", 2 NaN/Inf") for t in titles)
+    assert "green: an Inf error" in [ax for ax in fig.axes if ax.get_label() == "<colorbar>"][0].get_ylabel()
+
+
 def test_ratio_figures_name_their_floor_and_share_one_x_scale(table, tmp_path, drawn):
     """Ratios are floored at 1e-3 (an exact match has no logarithm): shown as -3 without a word;
     the distributions' panels each had their own x range, forward and backward not comparable."""

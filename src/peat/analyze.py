@@ -45,7 +45,7 @@ REL_LABEL = "log10 top-10% err / fp32 noise\n(exact match: -3)"
 # distributions packed 20 layers' boxes per case into 3.2 in. Beyond this, see ``_shown_layers``.
 MAX_LAYERS = 6
 # The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
-COLUMNS = [*KEYS, "step", *SCORES, "error", "status", "map_rows", "map_cols"]
+COLUMNS = [*KEYS, "step", *SCORES, "error", "status", "map_rows", "map_cols", "nonfinite"]
 
 
 def _ok(table: pd.DataFrame) -> pd.DataFrame:
@@ -304,12 +304,15 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], li
     found = dict(zip(sorted(first.index), lists("map", sorted(first.index))))
     maps = [np.asarray(found[i], dtype=float).reshape(int(r["map_rows"]), int(r["map_cols"]))
             for i, r in zip(first.index, cases)]
-    logs = [np.ma.masked_invalid(np.ma.masked_less_equal(m, 0.0)) for m in maps]
-    logs = [np.ma.log10(m) for m in logs]
-    finite = np.concatenate([m.compressed() for m in logs])
-    vmin, vmax = (np.floor(finite.min()), np.ceil(finite.max())) if finite.size else (-1.0, 0.0)
+    # An Inf error counts as the largest float (scores.abs_error): its block stretched the shared scale
+    # to 308 decades, every other panel one flat colour. Such blocks are drawn apart, above the scale.
+    huge = np.finfo(np.float64).max
+    logs = [np.ma.log10(np.ma.masked_invalid(np.ma.masked_less_equal(np.minimum(m, huge), 0.0))) for m in maps]
+    scaled = np.concatenate([np.ma.masked_where(m >= huge, log).compressed() for m, log in zip(maps, logs)])
+    vmin, vmax = (np.floor(scaled.min()), np.ceil(scaled.max())) if scaled.size else (-1.0, 0.0)
     vmax = max(vmax, vmin + 1)
-    cmap = plt.get_cmap("magma").with_extremes(bad="lightsteelblue")
+    inf = any((m >= huge).any() for m in maps)
+    cmap = plt.get_cmap("magma").with_extremes(bad="lightsteelblue", over="limegreen")
     cols = min(4, len(cases))
     rows = int(np.ceil(len(cases) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(3 * cols + 1, 2.6 * rows), squeeze=False)
@@ -319,12 +322,16 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], li
         image = ax.imshow(m, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
         ax.set_xticks([])
         ax.set_yticks([])
-        ax.set_title(f"{row['case']}\n{row['layer']} {row['computation']} step {row['step']}", fontsize=7)
+        # A NaN error carries no mass in the map: the title counts it (and Inf ones).
+        bad = int(np.nan_to_num(row.get("nonfinite", 0)))  # NaN: a table without the column for this row
+        ax.set_title(f"{row['case']}\n{row['layer']} {row['computation']} step {row['step']}"
+                     + (f", {bad} NaN/Inf" if bad else ""), fontsize=7)
         ax.set_xlabel("columns (channels)", fontsize=7)
         ax.set_ylabel("rows", fontsize=7)
     fig.subplots_adjust(hspace=0.6)
-    bar = fig.colorbar(image, ax=axes.ravel().tolist(), fraction=0.03)
-    bar.set_label("log10 |error| summed per block (same scale in every panel;\nlight blue: no error)")
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), fraction=0.03, extend="max" if inf else "neither")
+    bar.set_label("log10 |error| summed per block (same scale in every panel;\nlight blue: no error"
+                  + ("; green: an Inf error)" if inf else ")"))
     _save(fig, path, dpi, failed)
 
 
