@@ -307,12 +307,6 @@ def _each_sample(plan: Plan, timer: Timer, layer: str, computation: str, steps: 
         yield from (s for s in _samples(plan, timer, layer, [step])[1] if kernels.applies(computation, s))
 
 
-def _ran(plan: Plan, layer: str, steps: list[int]) -> list[int]:
-    """``steps`` at which the layer ran (its input recorded), found without reading a tensor."""
-    with open_h5(plan.context) as f:
-        return [s for s in steps if "A" in f[f"layers/{layer}/{s:07d}"]]
-
-
 def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps: list[int]) -> list:
     rows = []
     attrs, _ = read_layer(plan.context, layer, [])  # the layer's attributes alone
@@ -321,7 +315,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps:
     reusing = [case for case, kernel in variants.items() if errors.reuses(kernel, computation, variants["kernel"])]
     target = kernels.TARGET[computation]
     follow = plan.propagate is not None and computation == "forward"
-    replayed = _ran(plan, layer, steps) if follow else None  # a forward applies wherever the layer ran
+    # A forward applies wherever the layer ran.
+    replayed = sorted(set(steps) & set(recorded_steps(plan.context, layer, ran=True))) if follow else None
     for sample in _each_sample(plan, timer, layer, computation, steps):
         ref = references(timer, computation, sample, attrs)
         with timer("score"):

@@ -548,10 +548,12 @@ def _bias_grad(op: str, grad_out: torch.Tensor, attrs: dict) -> torch.Tensor:
     return grad_out.reshape(-1, *grad_out.shape[grad_out.dim() - kept:]).sum(0)
 
 
-def recorded_steps(path: str | Path, layer: str) -> list[int]:
-    """The steps at which ``layer`` was recorded, in order (nothing else is read)."""
+def recorded_steps(path: str | Path, layer: str, ran: bool = False) -> list[int]:
+    """The steps at which ``layer`` was recorded, in order (no tensor is read); with ``ran``, only
+    those at which it ran (its input recorded: a conditional branch or an idle expert holds its weights only)."""
     with open_h5(path) as f:
-        return sorted(int(key) for key in _layer_group(f, path, layer))
+        group = _layer_group(f, path, layer)
+        return sorted(int(key) for key in group if not ran or "A" in group[key])
 
 
 def _layer_group(f, path, layer: str):
