@@ -80,14 +80,14 @@ def summaries(context: str | Path, steps=None) -> pd.DataFrame:
     """The context's per-step summaries as a wide table: layer, step, W_mean, W_var, act_mean, act_var;
     of ``steps`` alone when given. The file holds every training step of every layer (millions of
     rows in a long training) where playback replays a few: it is read a slice at a time and filtered."""
-    parts = []
+    parts, wanted = [], None if steps is None else np.fromiter(steps, dtype=np.int64)
     with open_h5(context) as f:
         data = f["summaries"] if "summaries" in f else np.zeros(0)
         for start in range(0, len(data), SUMMARY_SLICE):
             chunk = data[start:start + SUMMARY_SLICE]
             keep = np.isin(chunk["tensor"], [b"W", b"act"])
-            if steps is not None:
-                keep &= np.isin(chunk["step"], np.fromiter(steps, dtype=np.int64))
+            if wanted is not None:
+                keep &= np.isin(chunk["step"], wanted)
             parts.append(chunk[keep])
     rows = pd.DataFrame(np.concatenate(parts)) if parts else pd.DataFrame()
     if rows.empty:
@@ -301,7 +301,8 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], li
     largest; blocks without error are drawn apart, as no logarithm fits them."""
     first = own.sort_values(["computation", "layer", "step"]).groupby("case", sort=True).head(1)
     cases = first.to_dict("records")
-    found = dict(zip(sorted(first.index), lists("map", sorted(first.index))))
+    index = sorted(first.index)
+    found = dict(zip(index, lists("map", index)))
     maps = [np.asarray(found[i], dtype=float).reshape(int(r["map_rows"]), int(r["map_cols"]))
             for i, r in zip(first.index, cases)]
     # An Inf error counts as the largest float (scores.abs_error): its block stretched the shared scale
