@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.image import AxesImage
 
 from peat import analyze, report
@@ -92,8 +93,8 @@ def test_score_vs_iteration_says_which_panel_has_nothing_replayed(table, tmp_pat
     -0.05..0.05; cases differed by colour only."""
     analyze.figures(table, tmp_path)
     texts = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in drawn["score_vs_iteration"].axes}
-    assert texts["input_grad | a"] == ["not replayed"]
-    assert all(not t for title, t in texts.items() if title != "input_grad | a")
+    assert texts["input_grad\na"] == ["not replayed"]
+    assert all(not t for title, t in texts.items() if title != "input_grad\na")
     ax = drawn["score_vs_iteration"].axes[0]
     assert all(float(t).is_integer() for t in ax.get_xticks())
     assert len({line.get_marker() for line in ax.get_lines()}) == 3  # a dozen hues alone were hard to tell apart
@@ -106,6 +107,29 @@ def test_score_vs_iteration_legend_clears_a_long_layer_names_titles(table, tmp_p
     fig = drawn["score_vs_iteration"]
     legend = fig.legends[0].get_window_extent()
     assert not any(ax.title.get_window_extent().overlaps(legend) for ax in fig.axes)
+
+
+def test_score_vs_iteration_titles_and_step_ticks_do_not_overlap(table, tmp_path, drawn):
+    """Two GPT-2 layers replayed at 9 steps (the default run's bf16_gemm): "input_grad |
+    transformer.h.0.mlp.c_fc" ran into its neighbour's title, and ticks 105 and 120 into each other."""
+    names = {"a": "transformer.h.0.mlp.c_fc", "b": "transformer.h.1.attn.c_attn"}
+    steps = pd.concat([table[table["step"] == 0].assign(step=s) for s in range(0, 121, 15)], ignore_index=True)
+    analyze.figures(steps.assign(layer=steps["layer"].map(names)), tmp_path)
+    fig = drawn["score_vs_iteration"]
+    FigureCanvasAgg(fig)  # laid out again at the dpi it was saved at: Agg's text is wider there
+    fig.set_dpi(80)
+    fig.canvas.draw()
+    titles = [ax.title.get_window_extent() for ax in fig.axes]
+    assert not any(a.overlaps(b) for i, a in enumerate(titles) for b in titles[i + 1:])
+    # Nor another panel, its tick marks (3.5 pt, under 4 px at 80 dpi) included: a two-line title's
+    # first line ran into the marks of the panel above.
+    panels = [ax.get_window_extent().padded(4) for ax in fig.axes]
+    assert not any(t.overlaps(p) for i, t in enumerate(titles) for j, p in enumerate(panels) if i != j)
+    labelled = [[t.get_window_extent() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+                for ax in fig.axes]  # the bottom row's (the steps are shared)
+    labelled = [ticks for ticks in labelled if ticks]
+    assert len(labelled) == 2 and all(len(ticks) >= 2 for ticks in labelled)
+    assert not any(a.overlaps(b) for ticks in labelled for a, b in zip(ticks, ticks[1:]))
 
 
 def test_analyzer_section_caption_claims_no_count_its_figures_lack():
@@ -123,7 +147,7 @@ def test_many_layers_stay_readable_in_bounded_figures(table, tmp_path, drawn):
     many.loc[(many["layer"] == "b7") & (many["case"] == "kernel"), "rel_top10"] = 1e3  # its worst layer
     analyze.figures(many, tmp_path)
     fig = drawn["score_vs_iteration"]
-    shown = {ax.get_title().split(" | ")[1] for ax in fig.axes}
+    shown = {ax.get_title().split("\n")[1] for ax in fig.axes}
     assert len(shown) == analyze.MAX_LAYERS and "b7" in shown
     assert len(fig.axes) <= 3 * analyze.MAX_LAYERS and fig.get_figwidth() < 20
     note = fig._suptitle.get_text().replace("\n", " ")

@@ -16,7 +16,7 @@ import yaml
 from conftest import BIN, REPO, TEST_CONFIG, snakemake
 from peat import alter_study
 from peat.io import PeatError
-from peat.report import TABLES, build, training_curves
+from peat.report import TABLES, build, loss_scale, training_curves
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 REPORT = Path("reports/test")
@@ -262,6 +262,18 @@ def test_training_curves_are_byte_identical(workflow_run, tmp_path):
     b = training_curves(metrics, tmp_path / "b.png", title="gpt2 (cpu)")
     assert a.read_bytes() == b.read_bytes()
     assert a.read_bytes() == (workflow_run / "results/golden/gpt2/cpu/training_curves.png").read_bytes()
+
+
+@pytest.mark.parametrize("train, val, scale", [
+    # The default ResNet-18's golden run: its first validation loss (159) flattened the training curve.
+    ([2.64, 0.41, 0.0026], [159.2, 5.07, 0.40, 0.33], "log"),
+    ([5.5, 3.6, 3.2], [3.3, 3.29], "linear"),  # GPT-2's: within a decade
+    ([2.0, 0.0], [0.5], "linear"),  # a loss of exactly 0 has no place on a log axis
+    ([2.0, float("nan"), float("inf")], [1.0], "linear"),  # non-finite losses (gaps) do not count
+    ([], [], "linear"),
+])
+def test_loss_axis_turns_logarithmic_only_over_two_decades(train, val, scale):
+    assert loss_scale(pd.Series(train, dtype=float), pd.Series(val, dtype=float)) == scale
 
 
 def test_page_without_stage_outputs(tmp_path):

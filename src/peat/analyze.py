@@ -241,14 +241,17 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
                        kind="line", markers=True, dashes=False, height=2.2, aspect=1.3,
                        facet_kws={"sharey": False}, errorbar=None)
     grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
-    grid.set_titles("{row_name} | {col_name}")  # seaborn's "computation = ... | layer = ..." overran the next panel's
+    # Two lines: seaborn's "computation = ... | layer = ...", and even "forward | <GPT-2 layer>", overran the next panel's.
+    grid.set_titles("{row_name}\n{col_name}")
     # Beyond the figure's right edge: a long layer name's title ran under the legend of a one-column grid.
     sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))
     for ax in grid.axes.flat:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # steps: a lone step was ticked -0.050 to 0.050
+        # Steps: a lone step was ticked -0.050 to 0.050, and nine ticks of 0..120 ran into each other.
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True, min_n_ticks=1))
         if not ax.has_data():  # e.g. the input gradient of a network's first layer: nothing computes it
             ax.text(0.5, 0.5, "not replayed", ha="center", va="center", transform=ax.transAxes, color="grey")
             ax.set_yticks([])
+    grid.tight_layout()  # again, for the two-line titles: their first line ran into the panel above
     if left:
         _note(grid.figure, f"{len(shown)} of {len(shown) + len(left)} layers: those with the kernel's largest "
                            f"top-10% error over fp32 noise; left out (in layers.csv): {', '.join(left)}")

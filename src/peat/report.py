@@ -37,7 +37,8 @@ SECTIONS = {
     "golden": ("Golden training", (
         "Training curves of the trusted golden runs that every other stage compares against. "
         "Left: loss per optimizer step (line, training batches) and on the validation split after "
-        "each epoch (dots). Right: validation accuracy (classifiers) or perplexity (language "
+        "each epoch (dots), on a log scale where the losses span more than two decades. Right: "
+        "validation accuracy (classifiers) or perplexity (language "
         "models) per epoch. A healthy run has a falling loss and no gaps: a gap is a non-finite "
         "loss. The table gives the last validation point of each run.")),
     "candidate": ("Candidate-kernel training", (
@@ -404,7 +405,7 @@ def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str,
     with _axes(dpi) as (fig, (left, right)):
         left.plot(train["step"], train["loss"], lw=1, label="train (per step)")
         left.plot(val["step"], val["loss"], "o", label="validation (per epoch)")
-        left.set(xlabel="optimizer step", ylabel="loss", title="loss")
+        left.set(xlabel="optimizer step", ylabel="loss", title="loss", yscale=loss_scale(train["loss"], val["loss"]))
         left.legend(fontsize="small")
         right.plot(val["epoch"], val[metric], "o-", color="C1")
         right.set(xlabel="epoch", ylabel=f"validation {metric}", title=f"validation {metric}")
@@ -424,7 +425,8 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
     with _axes(dpi) as (fig, (left, right)):
         left.plot(train["step"], train["loss_golden"], lw=1.5, label="golden")
         left.plot(train["step"], train["loss_candidate"], "--", lw=1.5, label="candidate")
-        left.set(xlabel="optimizer step", ylabel="training loss", title="loss")
+        left.set(xlabel="optimizer step", ylabel="training loss", title="loss",
+                 yscale=loss_scale(train["loss_golden"], train["loss_candidate"]))
         left.legend(fontsize="small")
         diff = (train["loss_candidate"] - train["loss_golden"]).abs()
         right.plot(train["step"], diff.where(diff > 0), "o-", ms=3, color="C3")
@@ -434,6 +436,17 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
             right.set_yscale("log")
         fig.suptitle(title)
     return _png(fig)
+
+
+def loss_scale(*losses: pd.Series, decades: float = 2.0) -> str:
+    """"log" where the positive losses span more than ``decades`` decades, else "linear": an
+    early validation loss of 150 (batch norm's running statistics before they settle) drew a
+    training curve falling from 2.5 to 0.02 as a flat line at 0."""
+    values = pd.concat(losses).astype(float)
+    values = values[values.notna() & (values.abs() != float("inf"))]
+    if values.empty or values.min() <= 0:
+        return "linear"
+    return "log" if values.max() / values.min() > 10 ** decades else "linear"
 
 
 @contextlib.contextmanager
