@@ -88,6 +88,19 @@ def test_ratio_figures_name_their_floor_and_share_one_x_scale(table, tmp_path, d
     assert all("exact match: -30" in ax.get_ylabel() for ax in drawn["score_vs_iteration"].axes if ax.get_ylabel())
 
 
+def test_distributions_cut_the_axis_and_say_what_lies_beyond(table, tmp_path, drawn):
+    """A flipped exponent bit (38 decades over noise) squeezed every other box into the left
+    tenth of the shared axis; now it ends at REL_CUT and a row beyond it says its largest value."""
+    analyze.figures(table, tmp_path)  # the lane fault's weight gradient lies 15 decades over noise
+    panels = {ax.get_title(): ax for ax in drawn["distributions"].axes}
+    assert {ax.get_xlim()[1] for ax in panels.values()} == {analyze.REL_CUT}
+    said = [(t.get_text(), t.get_position()) for t in panels["computation = weight_grad"].texts]
+    assert said == [("15 \u25b8", (analyze.REL_CUT, 2))]  # the lane fault's row, third case of the table
+    assert not panels["computation = forward"].texts and not panels["computation = input_grad"].texts
+    analyze.figures(table[table["computation"] != "weight_grad"], tmp_path)  # nothing beyond 9: no cut
+    assert all(ax.get_xlim()[1] < 10 and not ax.texts for ax in drawn["distributions"].axes)
+
+
 def test_score_vs_iteration_says_which_panel_has_nothing_replayed(table, tmp_path, drawn):
     """The first layer's input-gradient panel was empty with a 0..1 axis; a lone step was ticked
     -0.05..0.05; cases differed by colour only."""

@@ -41,6 +41,9 @@ SUMMARY_SLICE = 1 << 18  # rows of the context's summaries read at a time (50 MB
 # Plotted ratios to fp32 noise are floored here: an exact match to golden (ratio 0) has no logarithm.
 REL_FLOOR = 1e-3
 REL_LABEL = "log10 top-10% err / fp32 noise\n(exact match: -3)"
+# The distributions' x axis ends here (decades over fp32 noise): a flipped exponent bit (38)
+# squeezed rounding (3-5) and scattered bugs (5-10) into the panels' left tenth.
+REL_CUT = 12
 # Layers drawn apart: score_vs_iteration took ~1 s a panel and 20 layers made it 4,700 px wide; the
 # distributions packed 20 layers' boxes per case into 3.2 in. Beyond this, see ``_shown_layers``.
 MAX_LAYERS = 6
@@ -260,9 +263,12 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     # One x scale for all computations: the axis is relative to each tensor's own fp32 noise, so
     # forward and backward sit side by side as PEAT compares them.
     # Beyond MAX_LAYERS, one box per case over every layer and step.
+    cases = list(pd.unique(own["case"]))
     grid = sns.catplot(own, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
-                       kind="box", legend=not left and "auto", height=3.2, aspect=0.9, sharex=True, fliersize=2)
+                       order=cases, kind="box", legend=not left and "auto", height=3.2, aspect=0.9, sharex=True,
+                       fliersize=2)
     grid.set_axis_labels(REL_LABEL, "")
+    _cut_beyond(grid, own, cases)
     if left:
         _note(grid.figure, f"all {len(shown) + len(left)} layers pooled (each layer's statistics: layers.csv)")
     _save(grid.figure, out / "distributions.png", dpi, failed)
@@ -280,6 +286,20 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     ax.set_ylabel("")
     _save(fig, out / "bits.png", dpi, failed)
     _spatial_maps(own, out / "spatial.png", dpi, failed, lists)
+
+
+def _cut_beyond(grid, own: pd.DataFrame, cases: list[str]) -> None:
+    """End the distributions' shared x axis at REL_CUT where some case lies beyond it; such a
+    case's row says its largest value at the edge, so nothing shown is out of sight unsaid."""
+    top = own.groupby(["computation", "case"])["log10_rel_top10"].max()
+    if not (top > REL_CUT).any():
+        return
+    for computation, ax in grid.axes_dict.items():
+        ax.set_xlim(right=REL_CUT)
+        beyond = top.get(computation, pd.Series(dtype=float))
+        for case, value in beyond[beyond > REL_CUT].items():
+            ax.text(REL_CUT, cases.index(case), f"{value:.0f} \u25b8", ha="right", va="center", fontsize=7,
+                    color="firebrick", bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
 
 
 def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> None:
