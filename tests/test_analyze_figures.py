@@ -76,6 +76,28 @@ def test_an_inf_error_leaves_the_shared_scale_to_the_finite_ones_and_titles_coun
     assert "green: an Inf error" in [ax for ax in fig.axes if ax.get_label() == "<colorbar>"][0].get_ylabel()
 
 
+def test_a_case_that_made_nan_or_inf_is_named_so_not_drawn_as_an_exact_match(table, tmp_path, drawn):
+    """The default run's nan:1 in an otherwise exact gradient: its scores (of the finite elements)
+    are 0, so it sat at the exact-match floor of the score and distribution figures unsaid, and a
+    kernel cell holding a NaN looked like its finite elements alone in the heatmap."""
+    nan = [_row("nan:1", "weight_grad", layer, step, 0.0, 0.0, 1e-8) | {"nonfinite": 1}
+           for layer in ("a", "b") for step in (0, 2)]
+    table = pd.concat([table.assign(nonfinite=0), pd.DataFrame(nan)], ignore_index=True)
+    table.loc[(table["case"] == "kernel") & (table["layer"] == "b") & (table["computation"] == "forward")
+              & (table["step"] == 2), "nonfinite"] = 3
+    analyze.figures(table, tmp_path)
+    labels = {t.get_text() for ax in drawn["distributions"].axes for t in ax.get_yticklabels()}
+    assert "nan:1 (NaN/Inf)" in labels and "nan:1" not in labels and "kernel (NaN/Inf)" in labels
+    legend = {t.get_text() for t in drawn["score_vs_iteration"].legends[0].get_texts()}
+    assert {"nan:1 (NaN/Inf)", "kernel (NaN/Inf)", "lane:4"} <= legend
+    heat = [ax for ax in drawn["heatmap"].axes if ax.get_label() != "<colorbar>"][0]
+    marked = [(t.get_text(), t.get_position()) for t in heat.texts if t.get_text()]
+    rows = [t.get_text() for t in heat.get_yticklabels()]
+    assert marked == [("NaN/Inf", (1.5, rows.index("b-forward") + 0.5))]  # step 2: the second column
+    analyze.figures(table.assign(nonfinite=0), tmp_path)
+    assert not any(t.get_text() for ax in drawn["heatmap"].axes for t in ax.texts)
+
+
 def test_ratio_figures_name_their_floor_and_share_one_x_scale(table, tmp_path, drawn):
     """Ratios are floored at 1e-3 (an exact match has no logarithm): shown as -3 without a word;
     the distributions' panels each had their own x range, forward and backward not comparable."""

@@ -239,8 +239,9 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
         return
     own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], REL_FLOOR))
     shown, left = _shown_layers(own)
+    named = _nonfinite_named(own)
     # A dozen cases in hue alone gave near-identical teals and pinks: the marker tells them apart too.
-    grid = sns.relplot(own[own["layer"].isin(shown)], x="step", y="log10_err_top10", hue="case", style="case", col="layer", row="computation",
+    grid = sns.relplot(named[named["layer"].isin(shown)], x="step", y="log10_err_top10", hue="case", style="case", col="layer", row="computation",
                        kind="line", markers=True, dashes=False, height=2.2, aspect=1.3,
                        facet_kws={"sharey": False}, errorbar=None)
     grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
@@ -263,12 +264,12 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     # One x scale for all computations: the axis is relative to each tensor's own fp32 noise, so
     # forward and backward sit side by side as PEAT compares them.
     # Beyond MAX_LAYERS, one box per case over every layer and step.
-    cases = list(pd.unique(own["case"]))
-    grid = sns.catplot(own, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
+    cases = list(pd.unique(named["case"]))
+    grid = sns.catplot(named, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
                        order=cases, kind="box", legend=not left and "auto", height=3.2, aspect=0.9, sharex=True,
                        fliersize=2)
     grid.set_axis_labels(REL_LABEL, "")
-    _cut_beyond(grid, own, cases)
+    _cut_beyond(grid, named, cases)
     if left:
         _note(grid.figure, f"all {len(shown) + len(left)} layers pooled (each layer's statistics: layers.csv)")
     _save(grid.figure, out / "distributions.png", dpi, failed)
@@ -286,6 +287,18 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     ax.set_ylabel("")
     _save(fig, out / "bits.png", dpi, failed)
     _spatial_maps(own, out / "spatial.png", dpi, failed, lists)
+
+
+def _nonfinite(rows: pd.DataFrame) -> pd.Series:
+    return rows["nonfinite"].fillna(0) > 0 if "nonfinite" in rows else pd.Series(False, index=rows.index)
+
+
+def _nonfinite_named(own: pd.DataFrame) -> pd.DataFrame:
+    """``own`` with " (NaN/Inf)" after the name of every case that made a NaN or Inf where golden
+    is finite. Scores are those of the finite elements, so such a case sat among the exact
+    matches where it erred in nothing else (a NaN in an otherwise exact gradient drew at -30)."""
+    flagged = own["case"].isin(set(own.loc[_nonfinite(own), "case"]))
+    return own.assign(case=own["case"].where(~flagged, own["case"] + " (NaN/Inf)"))
 
 
 def _cut_beyond(grid, own: pd.DataFrame, cases: list[str]) -> None:
@@ -312,7 +325,13 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
         return
     # At least 3 in tall: the colorbar's label ran off a figure of one to three rows.
     fig, ax = plt.subplots(figsize=(2.0 + 0.5 * max(1, heat.shape[1]), max(3.0, 0.9 + 0.35 * heat.shape[0])))
-    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": REL_LABEL})
+    # A cell whose result held a NaN or Inf says so: its colour is the finite elements' score alone.
+    bad = kernel.assign(bad=_nonfinite(kernel)).pivot_table(index=["layer", "computation"], columns="step",
+                                                            values="bad", aggfunc="any")
+    marks = bad.reindex(index=heat.index, columns=heat.columns).fillna(False).astype(bool)
+    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": REL_LABEL},
+                annot=marks.map(lambda b: "NaN/Inf" if b else "") if marks.to_numpy().any() else None, fmt="",
+                annot_kws={"color": "firebrick", "fontsize": 7})
     ax.set_title("kernel under test: layer x iteration")
     _save(fig, path, dpi, failed)
 
