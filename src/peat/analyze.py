@@ -237,7 +237,10 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
         for name in FIGURES:
             _empty(out / f"{name}.png", text, dpi, failed)
         return
-    own = own.assign(log10_err_top10=_log(own["err_top10"]), log10_rel_top10=_log(own["rel_top10"], REL_FLOOR))
+    # NaN/Inf counts: 0 where the table has none for a row (a table without the column, or rows concatenated to it).
+    bad = own["nonfinite"].fillna(0).astype(int) if "nonfinite" in own else 0
+    own = own.assign(nonfinite=bad, log10_err_top10=_log(own["err_top10"]),
+                     log10_rel_top10=_log(own["rel_top10"], REL_FLOOR))
     shown, left = _shown_layers(own)
     named = _nonfinite_named(own)
     # A dozen cases in hue alone gave near-identical teals and pinks: the marker tells them apart too.
@@ -289,15 +292,11 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     _spatial_maps(own, out / "spatial.png", dpi, failed, lists)
 
 
-def _nonfinite(rows: pd.DataFrame) -> pd.Series:
-    return rows["nonfinite"].fillna(0) > 0 if "nonfinite" in rows else pd.Series(False, index=rows.index)
-
-
 def _nonfinite_named(own: pd.DataFrame) -> pd.DataFrame:
     """``own`` with " (NaN/Inf)" after the name of every case that made a NaN or Inf where golden
     is finite. Scores are those of the finite elements, so such a case sat among the exact
     matches where it erred in nothing else (a NaN in an otherwise exact gradient drew at -30)."""
-    flagged = own["case"].isin(set(own.loc[_nonfinite(own), "case"]))
+    flagged = own["case"].isin(set(own.loc[own["nonfinite"] > 0, "case"]))
     return own.assign(case=own["case"].where(~flagged, own["case"] + " (NaN/Inf)"))
 
 
@@ -326,9 +325,8 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     # At least 3 in tall: the colorbar's label ran off a figure of one to three rows.
     fig, ax = plt.subplots(figsize=(2.0 + 0.5 * max(1, heat.shape[1]), max(3.0, 0.9 + 0.35 * heat.shape[0])))
     # A cell whose result held a NaN or Inf says so: its colour is the finite elements' score alone.
-    bad = kernel.assign(bad=_nonfinite(kernel)).pivot_table(index=["layer", "computation"], columns="step",
-                                                            values="bad", aggfunc="any")
-    marks = bad.reindex(index=heat.index, columns=heat.columns).fillna(False).astype(bool)
+    bad = kernel.pivot_table(index=["layer", "computation"], columns="step", values="nonfinite", aggfunc="max")
+    marks = bad.reindex(index=heat.index, columns=heat.columns).fillna(0) > 0
     sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": REL_LABEL},
                 annot=marks.map(lambda b: "NaN/Inf" if b else "") if marks.to_numpy().any() else None, fmt="",
                 annot_kws={"color": "firebrick", "fontsize": 7})
@@ -366,7 +364,7 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], li
         ax.set_xticks([])
         ax.set_yticks([])
         # A NaN error carries no mass in the map: the title counts it (and Inf ones).
-        bad = int(np.nan_to_num(row.get("nonfinite", 0)))  # NaN: a table without the column for this row
+        bad = row["nonfinite"]
         ax.set_title(f"{row['case']}\n{row['layer']} {row['computation']} step {row['step']}"
                      + (f", {bad} NaN/Inf" if bad else ""), fontsize=7)
         ax.set_xlabel("columns (channels)", fontsize=7)
