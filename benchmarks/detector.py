@@ -6,9 +6,12 @@ every seed, the golden kernel is replayed with each pseudo-error spec of ``SPECS
 into that computation (``peat.errors.faulty``), over ``--steps`` recorded iterations. The
 shipped correct alternative kernels (``peat.alt_kernels``) are the should-pass cases.
 
-A case's label is its spec's class (``peat.errors.TRUTH``), with two corrections the class
+A case's label is its spec's class (``peat.errors.TRUTH``), with the corrections the class
 definitions force: an injection that made golden-finite values NaN/Inf is ``non_finite``
-(first in the priority order), and one that changed nothing is ``none``. The Detector
+(first in the priority order), one that changed nothing is ``none``, and a lane fault that
+leaves no lanes to see is labelled by what it left: on a view of one lane (a depthwise
+convolution's weight gradient, 96x1x3x3, is one column) the whole output is wrong,
+``block_structured``; one or two wrong elements of a vector are ``random_value``. The Detector
 predicts a class per case (the worst over the iterations, as for a kernel verdict); the
 baselines only say pass or fail.
 
@@ -35,6 +38,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 import torch  # noqa: E402
@@ -78,6 +82,13 @@ def truth_of(spec: str, rows: pd.DataFrame) -> str:
         return "non_finite"
     if (rows["frac_diff"] == 0).all():
         return "none"
+    if label == "periodic_lane":
+        lanes, other = ("row_mass", "col_mass") if errors.parse(spec).axis == "row" else ("col_mass", "row_mass")
+        wrong = rows[rows["frac_diff"] > 0]  # (row_mass is binned where the view is long, never a single row)
+        if (wrong[lanes].map(len) == 1).all():
+            return "block_structured"
+        if ((wrong[other].map(len) == 1) & (wrong[lanes].map(np.count_nonzero) < 3)).all():
+            return "random_value"
     return label
 
 

@@ -11,11 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import detector  # noqa: E402
 import harness  # noqa: E402
 import run as bench_run  # noqa: E402
 
@@ -155,3 +158,18 @@ def test_merged_entries_keep_the_machine_that_measured_them(tmp_path):
     assert {e["name"]: e["cpu"] for e in merged["benchmarks"]} == {"profiler_overhead": "Intel Xeon",
                                                                    "sdc_checks": "AMD EPYC"}
     assert merged["machine"]["cpu"] == "per entry" and merged["machine"]["cores"] == 2
+
+
+@pytest.mark.parametrize(("spec", "rows", "cols", "truth"), [
+    ("lane:4", [1.0] * 9, [9.0], "block_structured"),  # a depthwise conv's weight gradient: one column
+    ("lane:16:row", [32.0], [1.0] * 32, "block_structured"),  # row lanes of a vector: its one row, wrong through
+    ("lane:16:row", [1.0] * 256, [256.0] * 64, "periodic_lane"),  # a long view: its row_mass binned, every bin hit
+    ("lane:16", [2.0], [1.0 if c in (3, 19) else 0.0 for c in range(32)], "random_value"),  # two elements
+    ("lane:16", [4.0], [1.0 if c % 16 == 3 else 0.0 for c in range(64)], "periodic_lane"),
+    ("lane:16", [1.0] * 8, [8.0 if c == 3 else 0.0 for c in range(8)], "periodic_lane"),  # one lane of many
+])
+def test_detector_benchmark_labels_a_lane_fault_by_what_it_left(spec, rows, cols, truth):
+    """row_mass and col_mass are the error mass per row and column of the case's matrix view."""
+    table = pd.DataFrame({"nonfinite": [0], "frac_diff": [0.5], "row_mass": [np.array(rows)],
+                          "col_mass": [np.array(cols)]})
+    assert detector.truth_of(spec, table) == truth

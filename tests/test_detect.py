@@ -151,6 +151,35 @@ def test_lanes_are_filled_columns_or_rows_in_one_stride():
     assert evidence._lanes(np.where(np.arange(8)[:, None] < 3, cols, False), detect.Rules()) == none  # 3 of 8 filled
     cols[:, 6] = False  # 7 of the progression's 8 lanes: less than COVER of them
     assert evidence._lanes(cols, detect.Rules()) == none
+    # S too large to be sparse: lanes filled at FILL of the fullest one, the progression's others holding S.
+    partial = np.zeros((8, 32), dtype=bool)
+    partial[:3, 2::4] = True
+    partial[0, 6] = False
+    assert evidence._lanes(partial, detect.Rules(), sparse=False) == {"lane_cover": 1.0, "lane_stride": 4,
+                                                                      "lane_axis": "col"}
+    assert evidence._lanes(partial, detect.Rules()) == none  # sparse: 3 of 8 fill no lane
+    partial[0, [0, 1, 5]] = True  # wrong elements outside the progression: less than COVER of S in it
+    assert evidence._lanes(partial, detect.Rules(), sparse=False)["lane_cover"] == 23 / 26
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_lane_stuck_at_zero_in_a_relus_output_is_a_lane(seed):
+    """Stuck at its first value (0 here), a lane of a ReLU's output is wrong only where golden is
+    not 0: about a third of each lane, less than FILL of any, yet all of S in the progression."""
+    def tweak(sample):
+        sample["A"][0] = 0.0  # row 0 is the bias alone, below 0: the lanes stick at 0
+        sample["B"] = -sample["B"].abs() - 0.1
+
+    sample, attrs, golden, ref, _ = case("linear", seed, tweak)
+    shift = float(golden.std()) / 2
+    relu = lambda t: torch.relu(t - shift)  # noqa: E731
+    rounded = {p: relu(kernels.call(errors.faulty(kernels.golden("linear"), p), "forward", sample, attrs))
+               for p in evidence.PRECISIONS}
+    golden, env = relu(golden), evidence.envelopes(relu(golden), relu(ref), rounded)
+    faulty = errors.parse("lane:8:stuck").apply(golden, torch.Generator().manual_seed(seed))
+    lanes = evidence.as_matrix(faulty != golden).sum(0)
+    assert 0 < lanes.max() < detect.Rules().fill * len(golden)
+    assert classify(faulty, golden, env) == "periodic_lane"
 
 
 @pytest.mark.parametrize("computation", ["forward", "weight_grad"])

@@ -179,7 +179,7 @@ def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules:
         return out
     if n * rules.cover <= rules.block_area * mask.size:  # else no tiles within block_area can explain S
         out |= _blocks(mask, rules)
-    out |= _lanes(mask, rules)
+    out |= _lanes(mask, rules, out["sparse"])
     if not out["sparse"]:
         return out
     c, g = masked(candidate, mask).astype(np.float32, copy=False), gold.matrix[mask]
@@ -212,10 +212,14 @@ def _blocks(m: np.ndarray, rules: Rules) -> dict:
             "block_tiles": int(np.count_nonzero(tiles))}
 
 
-def _lanes(m: np.ndarray, rules: Rules) -> dict:
-    """Columns (or rows) filled >= FILL that form a whole arithmetic progression of stride >= 2
-    (a single filled lane counts when it holds >= 2 wrong elements; lanes of one wrong element,
-    a vector's or a 2-row view's, need >= 3 of them)."""
+def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True) -> dict:
+    """Columns (or rows) of a whole arithmetic progression of stride >= 2 (or one lane) that hold
+    S. The progression is set by its filled lanes: those >= FILL wrong (a single one counts when it
+    holds >= 2 wrong elements; lanes of one wrong element, a vector's or a 2-row view's, need >= 3
+    of them), and >= COVER of its lanes must hold S. Where S is not ``sparse``, a lane is filled
+    at FILL of the fullest lane: a lane stuck at one value is wrong only where golden differs from
+    it, in a ReLU's output or a trained gradient as little as a fifth of the lane (measured), and
+    a sparse S stays with the rules for a few scattered wrong elements."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     # Lanes are the columns, then the rows: counts holds each one's wrong elements, of ``length``.
     for axis, counts, length in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
@@ -223,15 +227,15 @@ def _lanes(m: np.ndarray, rules: Rules) -> dict:
         n_lanes = len(counts)
         if n_lanes < 2:
             continue
-        lanes = np.flatnonzero(counts >= rules.fill * length)
+        lanes = np.flatnonzero(counts >= rules.fill * (length if sparse else counts.max()))
         # One or two lanes of one wrong element each (a vector, or half of a 2-long lane) are no period.
         if len(lanes) == 0 or (len(lanes) < 3 and counts[lanes].max() < 2):
             continue
         stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else n_lanes
-        expected = len(range(lanes[0] % stride, n_lanes, stride)) if stride < n_lanes else 1
-        if stride < 2 or len(lanes) < rules.cover * expected:
+        held = counts[lanes[0] % stride::stride] if stride < n_lanes else counts[lanes]
+        if stride < 2 or np.count_nonzero(held) < rules.cover * len(held):
             continue
-        cover = float(counts[lanes].sum() / counts.sum())
+        cover = float(held.sum() / counts.sum())
         if cover > best["lane_cover"]:
             best = {"lane_cover": cover, "lane_stride": stride, "lane_axis": axis}
     return best
