@@ -160,6 +160,12 @@ def test_lanes_are_filled_columns_or_rows_in_one_stride():
     assert evidence._lanes(partial, detect.Rules()) == none  # sparse: 3 of 8 fill no lane
     partial[0, [0, 1, 5]] = True  # wrong elements outside the progression: less than COVER of S in it
     assert evidence._lanes(partial, detect.Rules(), sparse=False)["lane_cover"] == 23 / 26
+    alone = np.zeros((8, 32), dtype=bool)
+    alone[:3, 5] = True  # one lane, 3 of 8 wrong: no fuller lane sets a progression, so it must be filled itself
+    assert evidence._lanes(alone, detect.Rules(), sparse=False) == none
+    alone[:4, 5] = True
+    assert evidence._lanes(alone, detect.Rules(), sparse=False) == {"lane_cover": 1.0, "lane_stride": 32,
+                                                                    "lane_axis": "col"}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

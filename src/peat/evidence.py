@@ -216,10 +216,12 @@ def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True) -> dict:
     """Columns (or rows) of a whole arithmetic progression of stride >= 2 (or one lane) that hold
     S. The progression is set by its filled lanes: those >= FILL wrong (a single one counts when it
     holds >= 2 wrong elements; lanes of one wrong element, a vector's or a 2-row view's, need >= 3
-    of them), and >= COVER of its lanes must hold S. Where S is not ``sparse``, a lane is filled
-    at FILL of the fullest lane: a lane stuck at one value is wrong only where golden differs from
-    it, in a ReLU's output or a trained gradient as little as a fifth of the lane (measured), and
-    a sparse S stays with the rules for a few scattered wrong elements."""
+    of them), and >= COVER of its lanes must hold S. Where S is not ``sparse``, a lane of a
+    progression is filled at FILL of the fullest lane: a lane stuck at one value is wrong only
+    where golden differs from it, in a ReLU's output or a trained gradient as little as a fifth of
+    the lane (measured). A sparse S stays with the rules for a few scattered wrong elements, and a
+    lane alone must be filled itself: rounding that leaves the fp32 envelope in one outlier
+    channel, and not in most of it, is no lane fault."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     # Lanes are the columns, then the rows: counts holds each one's wrong elements, of ``length``.
     for axis, counts, length in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
@@ -230,6 +232,8 @@ def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True) -> dict:
         lanes = np.flatnonzero(counts >= rules.fill * (length if sparse else counts.max()))
         # One or two lanes of one wrong element each (a vector, or half of a 2-long lane) are no period.
         if len(lanes) == 0 or (len(lanes) < 3 and counts[lanes].max() < 2):
+            continue
+        if len(lanes) == 1 and counts[lanes[0]] < rules.fill * length:
             continue
         stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else n_lanes
         held = counts[lanes[0] % stride::stride] if stride < n_lanes else counts[lanes]
