@@ -31,7 +31,8 @@ block_structured   >= COVER of S lies in at most MAX_TILES connected tiles (both
 periodic_lane      >= COVER of S lies in the columns (or rows) of one lane or a whole progression
                    of stride >= 2, >= COVER of them holding S; the progression is set by its lanes
                    filled >= FILL (of their length where S is sparse, else of the fullest lane: a
-                   lane stuck at a value golden often holds is wrong only where golden differs).
+                   lane stuck at a value golden often holds is wrong only where golden differs; a
+                   lane alone, of its length).
 bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
                    of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch,
                    or comes back within that noise, with golden's sign and binade, when one of its
