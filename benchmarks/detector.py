@@ -77,13 +77,14 @@ def applicable(spec: str, op: str, computation: str) -> bool:
 
 
 def truth_of(spec: str, rows: pd.DataFrame) -> str:
-    label = errors.parse(spec).truth
+    model = errors.parse(spec)
+    label = model.truth
     if label != "non_finite" and (rows["nonfinite"] > 0).any():
         return "non_finite"
     if (rows["frac_diff"] == 0).all():
         return "none"
     if label == "periodic_lane":
-        lanes, other = ("row_mass", "col_mass") if errors.parse(spec).axis == "row" else ("col_mass", "row_mass")
+        lanes, other = ("row_mass", "col_mass") if model.axis == "row" else ("col_mass", "row_mass")
         wrong = rows[rows["frac_diff"] > 0]  # (row_mass is binned where the view is long, never a single row)
         if (wrong[lanes].map(len) == 1).all():
             return "block_structured"
