@@ -430,6 +430,61 @@ def test_layers_fed_the_same_input_share_one_stored_copy(tmp_path):
     assert torch.equal(up[1]["A"], gate[1]["A"]) and not torch.equal(up[0]["A"], up[1]["A"])
 
 
+def profile_gated(path: Path, steps: int, first: int = 0, killed_at: int | None = None) -> Profiler:
+    """GatedMLP's steps ``first``.. ``steps - 1`` recorded as training records them: two steps an
+    epoch, a snapshot after each epoch but the last; ``killed_at``: stopped there, unclosed."""
+    torch.manual_seed(0)
+    model = GatedMLP()
+    prof = Profiler(path, ["*"], every=1, meta={"vendor": "cpu"})
+    prof.attach(model, first_step=first, resuming=first > 0)
+    for step in range(first, steps):
+        if step == killed_at:
+            return prof
+        prof.begin_step(step, step // 2 + 1)
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(5, 6, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        prof.end_step()
+        if step % 2 == 1 and step < steps - 1:
+            prof.snapshot()
+    prof.close()
+    return prof
+
+
+@pytest.mark.parametrize("resume_at", [4, 2])
+def test_snapshots_hold_their_own_epochs_and_rebuild_a_killed_runs_context(tmp_path, resume_at):
+    """A snapshot copied the whole context so far, every epoch (quadratic in the epochs). Each now
+    holds only the steps since the last; a resumed run rebuilds the context from them, whatever
+    state the killed run left its open file in, and ends with the uninterrupted run's datasets
+    (a resume point before the last snapshot: killed between it and the checkpoint)."""
+    profile_gated(tmp_path / "whole" / "context.h5", 6)
+    killed = profile_gated(tmp_path / "resumed" / "context.h5", 6, killed_at=5)
+    shards = killed.partial.with_name("context.snapshots")
+    assert sorted(p.name for p in shards.iterdir()) == ["0000000.h5", "0000002.h5"]
+    for shard, steps in (("0000000.h5", [0, 1]), ("0000002.h5", [2, 3])):
+        with h5py.File(shards / shard) as f:
+            assert [int(k) for k in f["layers/gate"]] == [int(k) for k in f["layers/down"]] == steps
+            assert sorted(set(f["summaries"]["step"])) == steps
+            assert f[f"layers/gate/{steps[0]:07d}/A"] == f[f"layers/up/{steps[0]:07d}/A"]  # still one dataset
+    killed.file.close()  # the process dies; what it had open is garbage
+    killed.partial.write_bytes(b"not an HDF5 file")
+    profile_gated(tmp_path / "resumed" / "context.h5", 6, first=resume_at)
+    assert_bit_identical(tmp_path / "whole" / "context.h5", tmp_path / "resumed" / "context.h5")
+    with h5py.File(tmp_path / "resumed" / "context.h5") as f:
+        assert all(f[f"layers/gate/{s:07d}/A"] == f[f"layers/up/{s:07d}/A"] for s in range(6))
+        assert f.attrs["naive_bytes_per_step"] > 0
+
+
+def test_a_resume_without_the_snapshots_before_it_is_one_line(tmp_path):
+    """A context missing the steps before the resume point would look complete."""
+    killed = profile_gated(tmp_path / "context.h5", 6, killed_at=5)
+    killed.file.close()
+    (killed.partial.with_name("context.snapshots") / "0000000.h5").unlink()
+    with pytest.raises(PeatError, match=r"context.snapshots: the Profiler's snapshots hold the steps before 0, "
+                                        r"not every step before the resume point 4; delete .*\.partial"):
+        profile_gated(tmp_path / "context.h5", 6, first=4)
+    assert not killed.partial.exists()
+
+
 def test_convs_padded_by_name_replay_and_other_paddings_are_not_taken_for_conv2d(tmp_path):
     """padding='same' was stored as the letters ['s', 'a', 'm', 'e'] (replay crashed); a
     reflect-padded conv was replayed with zero padding, a wrong golden output."""

@@ -98,7 +98,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         step, first_epoch, history = int(state["step"]), int(state["epoch"]) + 1, state["history"]
         print(f"resuming from {start} at step {step}, epoch {first_epoch}", flush=True)
     if profiler is not None:
-        profiler.attach(model, first_step=step)
+        profiler.attach(model, first_step=step, resuming=start == resume)
     t0 = time.perf_counter() - (history[-1]["wall_time"] if history else 0.0)
     batches_per_epoch = len(epoch_batches(len(train_x), run.batch_size, run.seed, 0))
     if batches_per_epoch == 0:  # the last partial batch is dropped: nothing would train
