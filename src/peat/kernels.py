@@ -527,6 +527,14 @@ def _failure(err: BaseException) -> tuple[str, str]:
     return status, text[0] if text else type(err).__name__
 
 
+def _failed(status: str, message: str, seconds: float) -> Outcome:
+    """The outcome of a kernel that failed, in its process or in ours; a failure that is not the
+    kernel's (``NOT_THE_KERNEL``) fails the job."""
+    if status == NOT_THE_KERNEL:
+        raise PeatError(message) from None
+    return Outcome(status, message, seconds=seconds)
+
+
 def _address_space() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -627,10 +635,8 @@ def _receive(conn, proc, timeout: float) -> tuple[object, str]:
 
 def _read_back(payload: tuple, expect, seconds: float) -> Outcome:
     status, body = payload
-    if status == NOT_THE_KERNEL:
-        raise PeatError(body)
     if status != "ok":
-        return Outcome(status, body, seconds=seconds)
+        return _failed(status, body, seconds)
     try:
         value = torch.load(io.BytesIO(body), weights_only=True)
     except Exception as err:  # e.g. a kernel returning an arbitrary object
@@ -654,10 +660,7 @@ def _run_inline(func, args, kwargs, timeout, expect) -> Outcome:
     except TimeoutError as err:
         return Outcome("timeout", str(err), seconds=time.perf_counter() - start)
     except Exception as err:  # the kernel's failure is its outcome
-        status, message = _failure(err)
-        if status == NOT_THE_KERNEL:
-            raise PeatError(message) from None
-        return Outcome(status, message, seconds=time.perf_counter() - start)
+        return _failed(*_failure(err), time.perf_counter() - start)
     finally:
         if main:
             signal.setitimer(signal.ITIMER_REAL, 0)
