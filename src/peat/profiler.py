@@ -504,10 +504,9 @@ def _copy_steps(src: h5py.File, dst: h5py.File, layers, before: int, since: int 
     (datasets shared by hard links stay shared: one copy, linked again)."""
     copied = {}  # source dataset id -> its copy
     for name in layers:
-        for key, group in src.get(f"layers/{name}", {}).items():
-            if not since <= int(key) < before:
-                continue
-            out = dst.create_group(f"layers/{name}/{key}")
+        steps = src.get(f"layers/{name}", {})
+        for key in [k for k in steps if since <= int(k) < before]:  # names only: opening every group costs
+            group, out = steps[key], dst.create_group(f"layers/{name}/{key}")
             out.attrs.update(group.attrs)
             for tensor, dataset in group.items():
                 if dataset.id in copied:
