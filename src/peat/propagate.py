@@ -37,6 +37,7 @@ from . import checkpoint, errors, kernels, scores
 from .evidence import PRECISIONS, envelopes
 from .io import open_h5
 from .models import build, loss_and_metrics
+from .playback import score_row, subsample
 from .profiler import match_layers, read_layer, recorded_steps
 from .train import Run, _subset, epoch_batches, epoch_seed
 
@@ -123,9 +124,7 @@ class Propagator:
     # -- one step ------------------------------------------------------------------------------
     def wanted(self, layer: str, step: int, steps: list[int]) -> bool:
         if layer not in self.chosen:
-            keep = steps if self.samples is None or len(steps) <= self.samples else \
-                [steps[round(i * (len(steps) - 1) / max(1, self.samples - 1))] for i in range(self.samples)]
-            self.chosen[layer] = set(keep)
+            self.chosen[layer] = set(subsample(steps, self.samples))
         return step in self.chosen[layer]
 
     def observe(self, model, layer: str, nxt: str | None, x, y, replace=None, prefix=None, *,
@@ -233,7 +232,6 @@ class Propagator:
     @staticmethod
     def _score(point: str, nxt, gold: dict, ref64: dict, rounded: dict, runs: dict, rules, base: dict) -> list[dict]:
         """Rows of every run at one later observing point (``next`` or ``loss``)."""
-        from .playback import score_row
 
         g, r = gold[point].cpu(), ref64[point].cpu()
         gold_point = scores.Golden.of(g)
