@@ -959,6 +959,23 @@ def test_resume_after_sigkill_matches_uninterrupted_run(digits, golden_twice, tm
         assert_bit_identical(golden_twice[0] / name, tmp_path / name)
 
 
+def test_a_run_interrupted_in_this_process_resumes_here(digits, golden_twice, tmp_path):
+    """Ctrl-C in a notebook leaves the process alive: its Profiler kept the context open, and the
+    rerun could not create it anew (HDF5 refuses a file that is open)."""
+    from peat.train import train_model
+
+    def die(step, epoch):
+        if epoch == 2:
+            raise KeyboardInterrupt("Ctrl-C")
+
+    with pytest.raises(KeyboardInterrupt):
+        train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False,
+                    before_step=die)
+    train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False)
+    for name in ("final.h5", "context.h5"):
+        assert_bit_identical(golden_twice[0] / name, tmp_path / name)
+
+
 def test_resume_of_a_model_with_dropout_matches_uninterrupted_run(digits, tmp_path):
     """The generator's state is not in the checkpoint: a resumed mobilenet_v2 (dropout before its
     classifier) drew other masks than the uninterrupted run and ended with other weights."""

@@ -245,6 +245,7 @@ class Profiler:
         self._inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._written: dict[int, tuple[torch.Tensor, h5py.Dataset]] = {}
         self.recording = False
+        self._input_hooks = []
         self._open(resuming)  # first: a refused file leaves no hook behind
         self._hooks = [m.register_forward_hook(self._forward_hook(n), with_kwargs=True) for n, m in self.all_layers.items()]
 
@@ -367,6 +368,14 @@ class Profiler:
             shard.create_dataset("summaries", data=self.file["summaries"][self._snapped_rows:])
             shard.attrs.update(naive_bytes_per_step=self.naive_bytes_per_step, last_step=self.last_step)
         self._snapped, self._snapped_rows = self.last_step, len(self.file["summaries"])
+
+    def abandon(self) -> None:
+        """Stop recording and close the file as it is: training was interrupted, and a rerun resumes
+        from the snapshots (in this process too, as after Ctrl-C in a notebook: HDF5 refuses to
+        create a file that is still open)."""
+        for handle in self._hooks + self._input_hooks:
+            handle.remove()
+        self.file.close()
 
     def close(self) -> None:
         """Finish the file, rename it into place and write the storage accounting beside it."""

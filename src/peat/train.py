@@ -107,41 +107,46 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     if profiler is not None:
         check_records_a_step(_key(run, "record.every"), profiler.every, profiler.epochs, batches_per_epoch)
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
-    for epoch in range(first_epoch, run.epochs + 1):
-        model.train()
-        # Dropout masks too depend only on (seed, epoch): a resumed run draws what an uninterrupted
-        # one draws (the generator's state is not in the checkpoint).
-        torch.manual_seed(epoch_seed(run.seed, epoch))
-        for idx in epoch_batches(len(train_x), run.batch_size, run.seed, epoch):
-            if before_step is not None:
-                before_step(step, epoch)
-            if profiler is not None:
-                profiler.begin_step(step, epoch)
-            optimizer.zero_grad(set_to_none=True)
-            x, y = train_x[idx].to(run.device), train_y[idx].to(run.device)
-            loss, counts = train_forward(model, data.kind, x, y, _key(run, "batch_size"))
-            loss.backward()
-            if profiler is not None:
-                profiler.end_step()
-            optimizer.step()
-            history.append(_row(step, epoch, "train", loss.item(), counts, data.kind, t0))
+    try:
+        for epoch in range(first_epoch, run.epochs + 1):
+            model.train()
+            # Dropout masks too depend only on (seed, epoch): a resumed run draws what an uninterrupted
+            # one draws (the generator's state is not in the checkpoint).
+            torch.manual_seed(epoch_seed(run.seed, epoch))
+            for idx in epoch_batches(len(train_x), run.batch_size, run.seed, epoch):
+                if before_step is not None:
+                    before_step(step, epoch)
+                if profiler is not None:
+                    profiler.begin_step(step, epoch)
+                optimizer.zero_grad(set_to_none=True)
+                x, y = train_x[idx].to(run.device), train_y[idx].to(run.device)
+                loss, counts = train_forward(model, data.kind, x, y, _key(run, "batch_size"))
+                loss.backward()
+                if profiler is not None:
+                    profiler.end_step()
+                optimizer.step()
+                history.append(_row(step, epoch, "train", loss.item(), counts, data.kind, t0))
+                if on_row is not None:
+                    on_row(history[-1])
+                step += 1
+                bar.update()
+                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}", refresh=False)
+            history.append(_evaluate(model, data.kind, val_x, val_y, run, step, epoch, t0))
             if on_row is not None:
                 on_row(history[-1])
-            step += 1
-            bar.update()
-            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}", refresh=False)
-        history.append(_evaluate(model, data.kind, val_x, val_y, run, step, epoch, t0))
-        if on_row is not None:
-            on_row(history[-1])
-        save = dict(step=step, epoch=epoch, meta=run.meta, history=history)
-        if epoch in run.checkpoint_epochs:
-            checkpoint.save(partial / f"epoch{epoch:03d}.h5", model, optimizer, **save)
-        if epoch < run.epochs and resumable:
-            # Context snapshot first: if we die between the two, the older resume point
-            # simply truncates the newer snapshot.
-            if profiler is not None:
-                profiler.snapshot()
-            checkpoint.save(resume, model, optimizer, **save)
+            save = dict(step=step, epoch=epoch, meta=run.meta, history=history)
+            if epoch in run.checkpoint_epochs:
+                checkpoint.save(partial / f"epoch{epoch:03d}.h5", model, optimizer, **save)
+            if epoch < run.epochs and resumable:
+                # Context snapshot first: if we die between the two, the older resume point
+                # drops the newer snapshot.
+                if profiler is not None:
+                    profiler.snapshot()
+                checkpoint.save(resume, model, optimizer, **save)
+    except BaseException:
+        if profiler is not None:
+            profiler.abandon()
+        raise
     bar.close()
     checkpoint.save(out_dir / "final.h5", model, optimizer, step=step, epoch=run.epochs, meta=run.meta, history=history)
     if profiler is not None:
