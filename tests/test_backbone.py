@@ -1058,7 +1058,7 @@ def test_batch_larger_than_the_training_set_fails_instead_of_training_nothing(di
     spec = dict(SPEC, max_train_samples=10, batch_size=32)
     with pytest.raises(PeatError, match=r"config key 'models\.resnet18\.batch_size': 32 is more than the 10 training"):
         train_model("resnet18", spec, digits, tmp_path, progress=False)
-    assert not (tmp_path / "final.h5").exists()
+    assert not (tmp_path / "final.h5").exists() and not (tmp_path / ".partial" / "context.h5").exists()
 
 
 def test_a_batch_too_small_for_batch_norm_names_the_batch_size(digits, tmp_path):

@@ -97,8 +97,6 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         state = checkpoint.load(start, model, optimizer)
         step, first_epoch, history = int(state["step"]), int(state["epoch"]) + 1, state["history"]
         print(f"resuming from {start} at step {step}, epoch {first_epoch}", flush=True)
-    if profiler is not None:
-        profiler.attach(model, first_step=step, resuming=start == resume)
     t0 = time.perf_counter() - (history[-1]["wall_time"] if history else 0.0)
     batches_per_epoch = len(epoch_batches(len(train_x), run.batch_size, run.seed, 0))
     if batches_per_epoch == 0:  # the last partial batch is dropped: nothing would train
@@ -106,6 +104,8 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
                         "training samples; no training step would run")
     if profiler is not None:
         check_records_a_step(_key(run, "record.every"), profiler.every, profiler.epochs, batches_per_epoch)
+        # Last before the loop: from here on, an interruption closes its file (abandon).
+        profiler.attach(model, first_step=step, resuming=start == resume)
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
     try:
         for epoch in range(first_epoch, run.epochs + 1):
