@@ -134,6 +134,7 @@ class Launch:
     def __init__(self, config: dict, what: str, deadline: float):
         self.world, self.timeout_s = config["sdc"]["world_size"], config["sdc"]["timeout_s"]
         self.threads, self.what, self.deadline = config.get("threads", 1), what, deadline
+        self.terminated = 0  # the signal that terminates the launcher, once one came
 
     def run(self, args: list[str]) -> list[RankEnd]:
         """Run ``python -m peat.sdc_drill *args`` on every rank; their output goes to stdout as it comes, prefixed."""
@@ -144,15 +145,18 @@ class Launch:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
         arm = _death_signal()  # run between fork and exec: the output threads start after every rank
-        procs = [subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                  preexec_fn=arm) for r in range(self.world)]
-        tees = [Tee(f"[rank{rank}]: ", proc.stdout) for rank, proc in enumerate(procs)]
         # torchrun ends its workers when it is terminated: without that, a plain kill of the launcher left
-        # every rank running, a hung one for days. A handler can only be set in the main thread.
+        # every rank running, a hung one for days. Set before the first rank starts (a kill as they
+        # started ended the launcher untidily); a handler can only be set in the main thread.
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+        previous = signal.signal(signal.SIGTERM, self._terminated) if main else None
+        procs, tees = [], []
         try:
+            for r in range(self.world):
+                procs.append(subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, preexec_fn=arm,
+                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+            tees = [Tee(f"[rank{rank}]: ", proc.stdout) for rank, proc in enumerate(procs)]
             hung = self._wait(procs)
         finally:
             if main:
@@ -164,12 +168,20 @@ class Launch:
             outputs = [tee.output() for tee in tees]
         return [RankEnd(None if h else proc.returncode, text) for proc, h, text in zip(procs, hung, outputs)]
 
+    def _terminated(self, signum, frame):
+        self.terminated = signum
+        # The shell's code for a process the signal ended. Raised inside an at-fork hook (a rank
+        # starting), Python prints it as ignored and goes on: _wait raises it again.
+        raise SystemExit(128 + signum)
+
     def _wait(self, procs: list) -> list[bool]:
         """Wait for the ranks; returns which are hung (to be killed)."""
         # Once a rank has ended, a healthy peer finds out within its collective timeout: a rank still
         # running after that is hung.
         give_up = self.deadline
         while any(proc.poll() is None for proc in procs):
+            if self.terminated:  # the handler's own SystemExit was lost (see _terminated)
+                raise SystemExit(128 + self.terminated)
             now = time.monotonic()
             if now >= self.deadline:
                 raise PeatError(f"{self.what}: the ranks did not finish within the launcher's time limit")
@@ -198,8 +210,6 @@ def _death_signal():
     return arm
 
 
-def _terminated(signum, frame):
-    raise SystemExit(128 + signum)  # the shell's code for a process the signal ended
 
 
 class Tee(threading.Thread):
