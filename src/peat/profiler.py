@@ -229,7 +229,6 @@ class Profiler:
         uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         self._tied = {n for n, m in self.targets.items() if uses[id(_weight(m))] > 1}
         self.first_step, self.last_step = first_step, first_step - 1
-        self._snapped = first_step - 1  # the last step inside a snapshot
         self.naive_bytes_per_step = 0
         self._rows: list[tuple] = []
         # (layer, tensor) -> six statistics: a numpy row, or a tensor still on the device
@@ -269,7 +268,8 @@ class Profiler:
             self.partial.unlink()
             self._drop_empty_partial_folder()
             raise
-        self._snapped_rows = len(self.file["summaries"])
+        # The last step and the summary rows inside a snapshot: every one before first_step.
+        self._snapped, self._snapped_rows = self.first_step - 1, len(self.file["summaries"])
 
     def _restore(self) -> None:
         """Rebuild what was recorded before ``first_step`` from the snapshots: the file a killed

@@ -210,8 +210,6 @@ def _death_signal():
     return arm
 
 
-
-
 class Tee(threading.Thread):
     """Copies one rank's output to stdout line by line as it comes, prefixed as torchrun's ``--tee``
     does, and keeps it for the end-of-launch checks. It blocks in read(): no polling."""
