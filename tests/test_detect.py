@@ -390,8 +390,11 @@ def test_bf16_gemm_on_gpt2_attention_weight_gradient_is_reduced_precision(gpt2_c
     candidate = kernels.call(bf16, "weight_grad", sample, attrs)
     must = env.footprints["bf16"][1]  # rows: q, k, v outputs (64 each), columns: inputs
     assert must[128:].mean() > 0.8 and must[:128].mean() < 0.05  # the v block only
-    # Without the footprints and the tile-wise envelope (a plain dict), S's block is taken as a fault's:
-    assert classify(candidate, golden, dict(env)) == "block_structured"
+    # Without the footprints and the tile-wise envelope (a plain dict), S is laid out in tiles as a
+    # fault's would be (how much of S the tiles hold depends on the CPU's bf16 GEMM: 0.85 with native
+    # bf16 instructions, enough for the tile rule on the CPU this was found on); the footprint says whose.
+    plain = evidence.evidence(candidate, golden, dict(env))
+    assert plain["s_rounding"] == "" and plain["s_block_tiles"] > 0 and plain["s_block_cover"] > 0.5
     f = evidence.evidence(candidate, golden, env)
     assert f["s_rounding"] == "bf16" and f["ngross"] == 0
     assert detect.classify(f)[0] == "reduced_precision"
