@@ -56,9 +56,10 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     if not math.isfinite(noise32):  # abs_error's NaN as inf and inf as the largest float: counted from scratch
         noise32 = _finite_max(_distance(gold.matrix, ref))
     noise = summary(noise)
-    views = {p: as_matrix(t) for p, t in rounded.items()}  # an NCHW tensor's is a copy: made once
-    rp, tiles = {}, []
-    for p, m in views.items():  # one float64 difference, as large as two tensors, at a time
+    tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
+    rp, tiles, footprints = {}, [], {}
+    for p, t in rounded.items():  # one matrix view (an NCHW tensor's is a copy) and float64 difference at a time
+        m = as_matrix(t)
         d = _distance(m, ref)
         top = float(d.max(initial=0.0))  # NaN or inf where a difference is
         rp[p] = top if math.isfinite(top) else _finite_max(d)
@@ -68,8 +69,10 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
             # precisions, the scaling and the floor need one value per tile, not per element.
             tiles.append(per_tile(d if math.isfinite(top) else np.nan_to_num(d, nan=0.0, posinf=0.0), rules.tile,
                                   np.maximum))
-        del d
-    tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
+            del d  # before the footprint's arrays are made
+            footprints[p] = _beyond(errors[p] if p in errors else abs_error(m, golden, gold), tau32 / rules.band,
+                                    tau32 * rules.band)[:4]
+        del m
     taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
@@ -77,9 +80,7 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     if tiles:
         env.local = per_element(np.maximum(rules.krp * functools.reduce(np.maximum, tiles), tau32), rules.tile,
                                 gold.matrix.shape)
-        env.footprints = {p: _beyond(errors[p] if p in errors else abs_error(m, golden, gold), tau32 / rules.band,
-                                     tau32 * rules.band)[:4]
-                          for p, m in views.items()}
+        env.footprints = footprints
     return env
 
 

@@ -131,12 +131,13 @@ def summary(err, nonzero: np.ndarray | None = None) -> dict:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
     top = _top(finite, k, nonzero)
-    mean = float(finite.mean())
-    spread = tensor_stats.squared_deviations(finite, mean)  # summed below, not np.dot: BLAS threads would spin
     # Summed in sorted order: numpy picks its partition routine by CPU, and the order in which
     # it leaves the top values would otherwise show in the last bits across machines.
-    return {"max": float(top.max()) if top.size else 0.0, "mean": mean,
-            "top10": float(np.sort(top).sum() / k), "var": float(spread.sum() / finite.size)}
+    largest, top10 = float(top.max()) if top.size else 0.0, float(np.sort(top).sum() / k)
+    del top  # a view of a copy as large as err, when _top made one: gone before the deviations are
+    mean = float(finite.mean())
+    spread = tensor_stats.squared_deviations(finite, mean)  # summed below, not np.dot: BLAS threads would spin
+    return {"max": largest, "mean": mean, "top10": top10, "var": float(spread.sum() / finite.size)}
 
 
 def _top(values: np.ndarray, k: int, nonzero: np.ndarray | None = None) -> np.ndarray:
