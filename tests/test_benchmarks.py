@@ -173,3 +173,17 @@ def test_detector_benchmark_labels_a_lane_fault_by_what_it_left(spec, rows, cols
     table = pd.DataFrame({"nonfinite": [0], "frac_diff": [0.5], "row_mass": [np.array(rows)],
                           "col_mass": [np.array(cols)]})
     assert detector.truth_of(spec, table) == truth
+
+
+def test_scoring_memory_script_scores_the_references_and_one_candidate(tmp_path):
+    """benchmarks/scoring_memory.py as a user runs it: the four references' rows and the
+    candidate's, its peak measured above the inputs, the same numbers printed and written."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scoring_memory.py"), "--shape", "8", "16", "32",
+                           "32", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == result
+    assert result["shape"] == [8, 16, 32, 32] and result["tensor_mb"] == 0.5 and result["rows"] == 5
+    assert result["peak_above_inputs_mb"] >= 0  # both rounded to 0.1 from the same peak:
+    assert abs(result["peak_over_tensor"] * 0.5 - result["peak_above_inputs_mb"]) <= 0.1
