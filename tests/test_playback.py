@@ -1020,11 +1020,13 @@ def _score_cases():
 
 def test_compiled_scores_equal_numpys_bit_for_bit(monkeypatch):
     """The C loops behind score_row (tensor_stats.compare, beyond, column_sums, class_maxima,
-    squared_deviations) give every column exactly as the numpy code does."""
+    squared_deviations, select: here on tensors of any size) give every column exactly as the
+    numpy code does."""
     from peat import evidence, scores, tensor_stats
 
     if not tensor_stats.compiled():
         pytest.skip("no C compiler here")
+    monkeypatch.setattr(tensor_stats, "SELECT_MIN", 0)
 
     def rows():
         out = []
@@ -1047,6 +1049,26 @@ def test_compiled_scores_equal_numpys_bit_for_bit(monkeypatch):
                 same = value == got[key] or value != value and got[key] != got[key]  # NaN is NaN
                 assert type(value) is type(got[key]) and same, key
 
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4095, 70_000])
+def test_select_is_numpys_partition(monkeypatch, n):
+    """tensor_stats.select is np.partition(keys, i)[i] for uint32 and uint64 keys and the bit
+    patterns of float64 values >= 0: distinct, repeated, all equal, zeros, the highest bits set."""
+    from peat import tensor_stats
+
+    if not tensor_stats.compiled():
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(tensor_stats, "SELECT_MIN", 0)
+    rng = np.random.default_rng(n)
+    errors = np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-30, 5, n)
+    errors[: n // 3] = 0.0
+    for keys in (rng.integers(0, 2**32, n, dtype=np.uint32), rng.integers(0, 7, n).astype(np.uint32),
+                 np.full(n, 5, dtype=np.uint64), np.zeros(n, dtype=np.uint32),
+                 rng.integers(2**63, 2**64 - 1, n, dtype=np.uint64), errors.view(np.uint64),
+                 np.full(n, 2.0**-1074).view(np.uint64)):
+        for i in sorted({0, n // 2, n - 1, int(rng.integers(0, n))}):
+            assert tensor_stats.select(keys, i) == np.partition(keys, i)[i], (keys.dtype, i)
 
 
 def test_local_envelope_is_the_per_element_worst_of_its_tile():
@@ -1134,7 +1156,7 @@ def test_every_exported_c_loop_has_its_ctypes_signature():
     """Without one, ctypes passes and returns C ints: pointers and int64 counts would be cut to 32 bits."""
     from peat import tensor_stats
 
-    exported = re.findall(r"^(?:CLONES )?(?:void|int64_t) (peat_\w+)\(", tensor_stats.SOURCE, re.MULTILINE)
+    exported = re.findall(r"^(?:CLONES )?(?:void|int64_t|uint64_t) (peat_\w+)\(", tensor_stats.SOURCE, re.MULTILINE)
     assert sorted(exported) == sorted(tensor_stats._SIGNATURES)
 
 

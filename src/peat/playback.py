@@ -23,7 +23,7 @@ import hashlib
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -373,9 +373,8 @@ class _Scored:
     def __init__(self, plan: Plan, base: dict, ref: dict[str, torch.Tensor]):
         self.plan, self.base, self.golden, self.rows = plan, base, ref["golden"], []
         self.gold = scores.Golden.of(self.golden)
-        # The rounded references are candidates as well: their errors serve the envelopes too. Held
-        # meanwhile without their nonzero values (a buffer as large as each error, found again when scored).
-        diffs = {p: replace(scores.difference(ref[p], self.gold), nonzero=None) for p in evidence.PRECISIONS}
+        # The rounded references are candidates as well: their errors serve the envelopes too.
+        diffs = {p: scores.difference(ref[p], self.gold) for p in evidence.PRECISIONS}
         self.env = evidence.envelopes(self.golden, ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS},
                                       plan.rules, self.gold, {p: diffs[p].err for p in evidence.PRECISIONS})
         for p in evidence.PRECISIONS:

@@ -64,22 +64,21 @@ class Diff:
 
     err: np.ndarray               # abs_error(candidate, golden)
     top: float                    # its largest value
-    nonzero: np.ndarray | None    # its nonzero values in flat order when every one is finite (summary reorders them)
     bits: dict                    # the bit-level scores (_bits_found)
 
 
 def difference(candidate: torch.Tensor, gold: Golden) -> Diff:
     """``Diff`` of a candidate against golden: one pass of ``tensor_stats.compare`` reads the
-    candidate in the matrix view (no transposed copy) and finds its error, the error's nonzero
-    values and largest one, and the bit-level scores; numpy and torch ops without the C loop,
+    candidate in the matrix view (no transposed copy) and finds its error, its largest value
+    and the bit-level scores; numpy and torch ops without the C loop,
     and ``abs_error``'s rules where a difference is not finite."""
     candidate = candidate.detach().float().cpu()
     found = tensor_stats.compare(candidate, gold.matrix, gold.finite)
     bits = _bits_found(candidate, gold, found)
     if found is None or not found["finite"]:
         err = abs_error(candidate, None, gold)
-        return Diff(err, float(err.max(initial=0.0)), None, bits)
-    return Diff(found["err"], found["top"], found["nonzero"], bits)
+        return Diff(err, float(err.max(initial=0.0)), bits)
+    return Diff(found["err"], found["top"], bits)
 
 
 def as_matrix(t) -> np.ndarray:
@@ -120,33 +119,38 @@ QUIET = np.errstate(over="ignore", invalid="ignore")
 
 
 @QUIET
-def summary(err, nonzero: np.ndarray | None = None) -> dict:
+def summary(err) -> dict:
     """PEAT's four scores of an absolute-error array (``err`` >= 0, NaN-free as ``abs_error``
-    gives it): max, mean, top-10 % mean, variance. ``nonzero`` (``Diff.nonzero``: err's
-    nonzero values in order, every err finite) spares finding them; they are partitioned in
-    place (no copy: ``np.partition`` copies, then partitions, alike)."""
+    gives it): max, mean, top-10 % mean, variance."""
     flat = np.asarray(err, dtype=np.float64).reshape(-1)
-    finite = flat if nonzero is not None or np.isfinite(flat.max(initial=0.0)) else flat[np.isfinite(flat)]
+    finite = flat if np.isfinite(flat.max(initial=0.0)) else flat[np.isfinite(flat)]
     if finite.size == 0:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
-    top = _top(finite, k, nonzero)
+    top = _top(finite, k)
     # Summed in sorted order: numpy picks its partition routine by CPU, and the order in which
     # it leaves the top values would otherwise show in the last bits across machines.
     largest, top10 = float(top.max()) if top.size else 0.0, float(np.sort(top).sum() / k)
-    del top  # a view of a copy as large as err, when _top made one: gone before the deviations are
+    del top  # gone before the deviations' array is made (numpy's _top copies err)
     mean = float(finite.mean())
     spread = tensor_stats.squared_deviations(finite, mean)  # summed below, not np.dot: BLAS threads would spin
     return {"max": largest, "mean": mean, "top10": top10, "var": float(spread.sum() / finite.size)}
 
 
-def _top(values: np.ndarray, k: int, nonzero: np.ndarray | None = None) -> np.ndarray:
-    """The ``k`` largest of ``values`` (>= 0), less the zeros among them: exact errors are
-    often much of a tensor, and selecting among the nonzero ones alone is faster. ``nonzero``:
-    those, in order, when already known (then reordered in place)."""
-    if nonzero is None:
-        count = np.count_nonzero(values)
-        nonzero = values.copy() if count == values.size else values[values != 0]  # a copy either way
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` largest of ``values`` (finite float64 >= 0), less the zeros among them, in no
+    particular order. With the C loop, those above the k-th largest (``tensor_stats.select`` on
+    the bit patterns, which order as the values) and that value as often as it is among them;
+    else (or for a few values) ``np.partition`` of the nonzero ones (exact errors are often much
+    of a tensor)."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    kth = tensor_stats.select(flat.view(np.uint64), flat.size - k)
+    if kth is not None:
+        kth = float(np.uint64(kth).view(np.float64))
+        above = flat[flat > kth]
+        return above if kth == 0 else np.concatenate([above, np.full(k - above.size, kth)])
+    count = np.count_nonzero(values)
+    nonzero = values.copy() if count == values.size else values[values != 0]  # a copy either way
     n = nonzero.size
     if n <= k:
         return nonzero
@@ -300,8 +304,8 @@ def _bit_scores_of(counts: np.ndarray, ulp: np.ndarray) -> dict:
     ndiff = int(counts[32])
     median = 0  # when most elements agree
     if n - ndiff <= n // 2:
-        ulp.partition(n // 2)
-        median = ulp[n // 2]
+        median = tensor_stats.select(ulp, n // 2)
+        median = np.partition(ulp, n // 2)[n // 2] if median is None else median
     return {"ulp_median": float(median), "ulp_max": float(counts[34]), "frac_diff": ndiff / n,
             "nonfinite": int(counts[33]), "bits": counts[:32].copy()}
 
@@ -355,7 +359,7 @@ def tensor_scores(candidate: torch.Tensor, golden: torch.Tensor, reference: torc
     gold = Golden.of(golden) if gold is None else gold
     diff = difference(candidate, gold) if diff is None else diff
     noise = summary(abs_error(reference, golden, gold)) if noise is None else noise
-    abs_scores = summary(diff.err, diff.nonzero)
+    abs_scores = summary(diff.err)
     out = {f"err_{k}": v for k, v in abs_scores.items()}
     out |= {f"noise_{k}": v for k, v in noise.items()}
     out |= {f"rel_{k}": abs_scores[k] / max(noise[k], TINY) for k in abs_scores}
