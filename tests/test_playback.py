@@ -1054,7 +1054,8 @@ def test_compiled_scores_equal_numpys_bit_for_bit(monkeypatch):
 @pytest.mark.parametrize("n", [1, 2, 3, 4095, 70_000])
 def test_select_is_numpys_partition(monkeypatch, n):
     """tensor_stats.select is np.partition(keys, i)[i] for uint32 and uint64 keys and the bit
-    patterns of float64 values >= 0: distinct, repeated, all equal, zeros, the highest bits set."""
+    patterns of float64 values >= 0: distinct, repeated, all equal, zeros, the highest bits set;
+    tensor_stats.top is the largest k errors as scores._top's numpy path gives them."""
     from peat import tensor_stats
 
     if not tensor_stats.compiled():
@@ -1069,6 +1070,11 @@ def test_select_is_numpys_partition(monkeypatch, n):
                  np.full(n, 2.0**-1074).view(np.uint64)):
         for i in sorted({0, n // 2, n - 1, int(rng.integers(0, n))}):
             assert tensor_stats.select(keys, i) == np.partition(keys, i)[i], (keys.dtype, i)
+    for k in sorted({1, max(1, n // 10), n}):  # top: those above the k-th largest in order, then it
+        kth = np.partition(errors, n - k)[n - k]
+        above = errors[errors > kth]
+        want = above if kth == 0 else np.concatenate([above, np.full(k - above.size, kth)])
+        assert np.array_equal(tensor_stats.top(errors, k), want), k
 
 
 def test_local_envelope_is_the_per_element_worst_of_its_tile():

@@ -128,34 +128,26 @@ def summary(err) -> dict:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
     top = _top(finite, k)
-    # Summed in sorted order: numpy picks its partition routine by CPU, and the order in which
-    # it leaves the top values would otherwise show in the last bits across machines.
-    largest, top10 = float(top.max()) if top.size else 0.0, float(np.sort(top).sum() / k)
-    del top  # gone before the deviations' array is made (numpy's _top copies err)
+    largest, top10 = float(top.max()) if top.size else 0.0, float(top.sum() / k)
+    del top  # gone before the deviations' array is made
     mean = float(finite.mean())
     spread = tensor_stats.squared_deviations(finite, mean)  # summed below, not np.dot: BLAS threads would spin
     return {"max": largest, "mean": mean, "top10": top10, "var": float(spread.sum() / finite.size)}
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` largest of ``values`` (finite float64 >= 0), less the zeros among them, in no
-    particular order. With the C loop, those above the k-th largest (``tensor_stats.select`` on
-    the bit patterns, which order as the values) and that value as often as it is among them;
-    else (or for a few values) ``np.partition`` of the nonzero ones (exact errors are often much
-    of a tensor)."""
+    """The ``k`` largest of ``values`` (finite float64 >= 0), less the zeros among them: those
+    above the k-th largest in the order they come, then that value as often as it is among them.
+    ``tensor_stats.top`` (a radix select on the bit patterns, which order as the values), else
+    ``np.partition``: the same array either way, on every machine (numpy picks its partition
+    routine by CPU, and the order it leaves values in would show in the last bits of their sum)."""
     flat = np.ascontiguousarray(values).reshape(-1)
-    kth = tensor_stats.select(flat.view(np.uint64), flat.size - k)
-    if kth is not None:
-        kth = float(np.uint64(kth).view(np.float64))
-        above = flat[flat > kth]
-        return above if kth == 0 else np.concatenate([above, np.full(k - above.size, kth)])
-    count = np.count_nonzero(values)
-    nonzero = values.copy() if count == values.size else values[values != 0]  # a copy either way
-    n = nonzero.size
-    if n <= k:
-        return nonzero
-    nonzero.partition(n - k)  # O(n), unlike a sort
-    return nonzero[n - k:]
+    found = tensor_stats.top(flat, k)
+    if found is not None:
+        return found
+    kth = np.partition(flat, flat.size - k)[flat.size - k]
+    above = flat[flat > kth]
+    return above if kth == 0 else np.concatenate([above, np.full(k - above.size, kth)])
 
 
 # Bit b of every byte value, for the per-bit histogram of a byte histogram.

@@ -11,9 +11,9 @@
 - the rest of playback's per-candidate scoring where numpy needs several passes or a Python
   loop: the Detector's sets S and G (``beyond``), the sums down the error matrix's columns
   (``column_sums``), squared deviations (``squared_deviations``), the periodicity score's
-  63 periods (``class_maxima``), isolated wrong elements (``isolated``) and the order
-  statistics of the top-10 % score and the median ULP distance (``select``: a radix select,
-  several times faster than ``np.partition``, which was half of scoring).
+  63 periods (``class_maxima``), isolated wrong elements (``isolated``), the largest 10 % of
+  an error (``top``) and the median ULP distance (``select``): a radix select, several times
+  faster than ``np.partition``, which was half of scoring.
 
 The loops are compiled on first use with the system C compiler (well under a second) and
 cached by source hash. Without a compiler, or for tensors a loop does not take (``stats``: not
@@ -318,6 +318,23 @@ uint64_t peat_select(const void *keys, int64_t n, int width, int64_t i, uint64_t
     return prefix;
 }
 
+/* The k largest of n finite doubles >= 0, less the zeros among them: those above the k-th
+   largest in the order they come, then that value as often as it is among them (numpy's
+   x[x > t] and a fill, t from peat_select); returns how many, at most k (out holds k). */
+int64_t peat_top(const double *x, int64_t n, int64_t k, uint64_t *buf, int64_t *hist, double *out) {
+    uint64_t bits = peat_select(x, n, 8, n - k, buf, hist);
+    double t;
+    memcpy(&t, &bits, 8);
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++) {  /* branch-free: m stays below k, so out[m] is in bounds */
+        out[m] = x[j];
+        m += x[j] > t;
+    }
+    if (t == 0.0) return m;
+    for (; m < k; m++) out[m] = t;
+    return k;
+}
+
 /* For each period k in 2..kmax, the largest of the k residue-class sums of mass[0..n), each
    summed in index order (as numpy's mass.reshape(-1, k).sum(0) plus the remainder): best[k]. */
 void peat_periods(const double *mass, int64_t n, int64_t kmax, double *classes, double *best) {
@@ -366,6 +383,7 @@ _SIGNATURES = {
     "peat_moments": ([_P, _I64, ctypes.c_float, _P], None),
     "peat_compare": ([_P, *[_I64] * 6, _P, ctypes.c_int, *[_P] * 4], None),
     "peat_select": ([_P, _I64, ctypes.c_int, _I64, _P, _P], ctypes.c_uint64),
+    "peat_top": ([_P, _I64, _I64, _P, _P, _P], _I64),
     "peat_periods": ([_P, _I64, _I64, _P, _P], None),
     "peat_beyond": ([_P, _I64, ctypes.c_double, _P, ctypes.c_int, *[_P] * 4], None),
     "peat_column_sums": ([_P, *[_I64] * 3, _P, _I64, *[_P] * 3], None),
@@ -504,6 +522,19 @@ def select(keys: np.ndarray, i: int) -> int | None:
     keys = np.ascontiguousarray(keys)
     buf, hist = np.empty(keys.size, dtype=np.uint64), np.empty(65536, dtype=np.int64)
     return int(lib.peat_select(keys.ctypes.data, keys.size, keys.itemsize, i, buf.ctypes.data, hist.ctypes.data))
+
+
+def top(x: np.ndarray, k: int) -> np.ndarray | None:
+    """The ``k`` (1 <= k <= size) largest of a 1-d float64 array of finite values >= 0, less the
+    zeros among them: those above the k-th largest in the order they come, then that value as
+    often as it is among them (``peat_top``). None without the C loop or for fewer than
+    SELECT_MIN values."""
+    lib = _library()
+    if lib is None or x.size < SELECT_MIN:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    buf, hist, out = np.empty(x.size, dtype=np.uint64), np.empty(65536, dtype=np.int64), np.empty(k)
+    return out[:lib.peat_top(x.ctypes.data, x.size, k, buf.ctypes.data, hist.ctypes.data, out.ctypes.data)]
 
 
 def _strided_matrix(t: torch.Tensor) -> torch.Tensor | None:
