@@ -1075,6 +1075,9 @@ def test_select_is_numpys_partition(monkeypatch, n):
         above = errors[errors > kth]
         want = above if kth == 0 else np.concatenate([above, np.full(k - above.size, kth)])
         assert np.array_equal(tensor_stats.top(errors, k), want), k
+    # Out of range: left to numpy, which raises, rather than read past the buffers.
+    assert tensor_stats.select(errors.view(np.uint64), n) is None and tensor_stats.top(errors, n + 1) is None
+    assert tensor_stats.top(errors, 0) is None and tensor_stats.select(np.zeros(0, np.uint32), 0) is None
 
 
 def test_local_envelope_is_the_per_element_worst_of_its_tile():

@@ -515,9 +515,9 @@ def select(keys: np.ndarray, i: int) -> int | None:
     """The ``i``-th smallest (from 0) of ``keys``, a 1-d uint32 or uint64 array (the bit patterns
     of non-negative float64 values order as the values): ``np.partition(keys, i)[i]``, in two
     passes over all keys and a few over those that share its leading bits. None without the C
-    loop, or for fewer than SELECT_MIN keys (np.partition is as fast there)."""
+    loop, for fewer than SELECT_MIN keys (np.partition is as fast there) or an ``i`` out of range."""
     lib = _library()
-    if lib is None or keys.size < SELECT_MIN:
+    if lib is None or keys.size < SELECT_MIN or not 0 <= i < keys.size:  # numpy's path raises for a bad i
         return None
     keys = np.ascontiguousarray(keys)
     buf, hist = np.empty(keys.size, dtype=np.uint64), np.empty(65536, dtype=np.int64)
@@ -527,10 +527,10 @@ def select(keys: np.ndarray, i: int) -> int | None:
 def top(x: np.ndarray, k: int) -> np.ndarray | None:
     """The ``k`` (1 <= k <= size) largest of a 1-d float64 array of finite values >= 0, less the
     zeros among them: those above the k-th largest in the order they come, then that value as
-    often as it is among them (``peat_top``). None without the C loop or for fewer than
-    SELECT_MIN values."""
+    often as it is among them (``peat_top``). None without the C loop, for fewer than SELECT_MIN
+    values or a ``k`` out of range."""
     lib = _library()
-    if lib is None or x.size < SELECT_MIN:
+    if lib is None or x.size < SELECT_MIN or not 1 <= k <= x.size:
         return None
     x = np.ascontiguousarray(x, dtype=np.float64)
     buf, hist, out = np.empty(x.size, dtype=np.uint64), np.empty(65536, dtype=np.int64), np.empty(k)
