@@ -128,7 +128,9 @@ def summary(err) -> dict:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
     top = _top(finite, k)
-    largest, top10 = float(top.max()) if top.size else 0.0, float(top.sum() / k)
+    # Summed in ascending order: a float64 sum depends on the order of its terms, and the score
+    # must not depend on where in the tensor the largest errors lie.
+    largest, top10 = float(top.max()) if top.size else 0.0, float(np.sort(top).sum() / k)
     del top  # gone before the deviations' array is made
     mean = float(finite.mean())
     spread = tensor_stats.squared_deviations(finite, mean)  # summed below, not np.dot: BLAS threads would spin
@@ -137,10 +139,8 @@ def summary(err) -> dict:
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:
     """The ``k`` largest of ``values`` (finite float64 >= 0), less the zeros among them: those
-    above the k-th largest in the order they come, then that value as often as it is among them.
-    ``tensor_stats.top`` (a radix select on the bit patterns, which order as the values), else
-    ``np.partition``: the same array either way, on every machine (numpy picks its partition
-    routine by CPU, and the order it leaves values in would show in the last bits of their sum)."""
+    above the k-th largest, then that value as often as it is among them. ``tensor_stats.top``
+    (a radix select on the bit patterns, which order as the values), else ``np.partition``."""
     flat = np.ascontiguousarray(values).reshape(-1)
     found = tensor_stats.top(flat, k)
     if found is not None:
