@@ -156,10 +156,10 @@ CLONES static void count_bits(const uint32_t *xor, int64_t n, int64_t *counts) {
 /* Candidate c against golden g, float32, both in the matrix view: g is that contiguous matrix,
    c is read through strides (an NCHW tensor's view: n0 = N blocks of n1 = H*W rows of n2 = C
    channels) without a transposed copy. err[i] = |c - g| in double (numpy's subtract and abs),
-   *top is the largest err. From the bit patterns: out[b] counts elements whose bit b differs, out[32] differing
-   elements, out[33] non-finite candidates where golden is finite, out[34] the largest ULP
-   distance (ulp[i]: element i's; ordered patterns: a negative pattern -2^31 + L maps to -L),
-   out[35] 1 when every err is finite. */
+   *top is the largest err. From the bit patterns: out[b] counts elements whose bit b differs,
+   out[32] differing elements, out[33] non-finite candidates where golden is finite, out[34]
+   the largest ULP distance (ulp[i]: element i's; ordered patterns: a negative pattern
+   -2^31 + L maps to -L), out[35] 1 when every err is finite. */
 void peat_compare(const float *c, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1, int64_t s2,
                   const float *g, int golden_finite, double *err, uint32_t *ulp, int64_t *out, double *top) {
     int64_t i = 0, ndiff = 0, state[4] = {0, 0, 0, 0};
@@ -282,38 +282,41 @@ static int64_t pick(const int64_t *hist, int64_t *i) {
     return d;
 }
 
+static inline uint64_t key_at(const void *keys, int width, int64_t j) {
+    return width == 8 ? ((const uint64_t *)keys)[j] : ((const uint32_t *)keys)[j];
+}
+
+/* One round over the m keys: count the b-bit digit at shift, take the digit whose count holds
+   rank i and keep the keys that have it in buf (moving keys down only: buf may be keys). */
+static uint64_t narrow(const void *keys, int width, int64_t *m, int shift, int b, int64_t *i, uint64_t *buf,
+                       int64_t *hist) {
+    uint64_t mask = ((uint64_t)1 << b) - 1;
+    memset(hist, 0, ((size_t)1 << b) * sizeof(int64_t));
+    for (int64_t j = 0; j < *m; j++) hist[(key_at(keys, width, j) >> shift) & mask]++;
+    uint64_t digit = (uint64_t)pick(hist, i);
+    int64_t kept = 0;
+    for (int64_t j = 0; j < *m && shift > 0; j++) {  /* branch-free: kept only when its digit is the one */
+        uint64_t key = key_at(keys, width, j);
+        buf[kept] = key;
+        kept += ((key >> shift) & mask) == digit;
+    }
+    *m = kept;
+    return digit;
+}
+
 uint64_t peat_select(const void *keys, int64_t n, int width, int64_t i, uint64_t *buf, int64_t *hist) {
-    const uint32_t *k32 = keys;
-    const uint64_t *k64 = keys;
     uint64_t all = 0;
-    for (int64_t j = 0; j < n; j++) all |= width == 8 ? k64[j] : k32[j];
+    for (int64_t j = 0; j < n; j++) all |= key_at(keys, width, j);
     int shift = 0, b = 8;
     while (shift < 64 && all >> shift) shift++;
     while (b < 16 && ((int64_t)1 << b) < n) b++;
     b = b < shift ? b : shift;
     shift -= b;
-    memset(hist, 0, ((size_t)1 << b) * sizeof(int64_t));
-    for (int64_t j = 0; j < n; j++) hist[(width == 8 ? k64[j] : k32[j]) >> shift]++;
-    uint64_t digit = (uint64_t)pick(hist, &i), prefix = digit << shift;
-    int64_t m = 0;
-    for (int64_t j = 0; j < n && shift > 0; j++) {  /* branch-free: kept only when its digit is the one */
-        buf[m] = width == 8 ? k64[j] : k32[j];
-        m += buf[m] >> shift == digit;
-    }
+    uint64_t prefix = narrow(keys, width, &n, shift, b, &i, buf, hist) << shift;
     while (shift > 0) {
         b = shift < 12 ? shift : 12;
         shift -= b;
-        uint64_t mask = ((uint64_t)1 << b) - 1;
-        memset(hist, 0, ((size_t)1 << b) * sizeof(int64_t));
-        for (int64_t j = 0; j < m; j++) hist[(buf[j] >> shift) & mask]++;
-        digit = (uint64_t)pick(hist, &i);
-        prefix |= digit << shift;
-        int64_t kept = 0;
-        for (int64_t j = 0; j < m && shift > 0; j++) {
-            buf[kept] = buf[j];
-            kept += ((buf[j] >> shift) & mask) == digit;
-        }
-        m = kept;
+        prefix |= narrow(buf, 8, &n, shift, b, &i, buf, hist) << shift;
     }
     return prefix;
 }
