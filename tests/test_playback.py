@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -1100,11 +1101,11 @@ def test_local_envelope_is_the_per_element_worst_of_its_tile():
         assert env.local.shape == want.shape and np.array_equal(env.local, want)
 
 
-def test_envelopes_share_the_noise_and_the_rounded_references_errors():
+def test_envelopes_share_the_noise_and_footprints_come_from_the_references_scores():
     """envelopes measures |golden - reference| once for tau32 and the candidates' noise
-    summary (``noise``), and takes the rounded references' errors from their scores: the same
-    envelopes, footprints and noise as worked out on their own, also for a golden or a
-    reference with NaN and inf."""
+    summary (``noise``); a footprint made from a rounded reference's score (playback's way, one
+    error at a time) is the one envelopes makes on its own, also for a golden or a reference
+    with NaN and inf."""
     from peat import evidence, scores
 
     for _, golden in _score_cases()[::3]:
@@ -1112,14 +1113,31 @@ def test_envelopes_share_the_noise_and_the_rounded_references_errors():
         ref = golden.double() + 1e-9
         ref.view(-1)[-1] = math.nan
         rounded = {p: golden * (1 + 10.0 ** -k) for k, p in enumerate(evidence.PRECISIONS, start=2)}
-        errors = {p: scores.difference(t, gold).err for p, t in rounded.items()}
-        shared, own = evidence.envelopes(golden, ref, rounded, gold=gold, errors=errors), evidence.envelopes(golden, ref, rounded)
-        assert shared == own and shared["noise32_max"] == evidence._finite_max(
+        bare, own = evidence.envelopes(golden, ref, rounded, gold=gold, footprints=False), evidence.envelopes(golden, ref, rounded)
+        assert bare == own and bare["noise32_max"] == evidence._finite_max(
             evidence._distance(gold.matrix, scores.as_matrix(ref)))
-        np.testing.assert_equal(shared.noise, scores.summary(scores.abs_error(ref, golden)))
+        np.testing.assert_equal(bare.noise, scores.summary(scores.abs_error(ref, golden)))
+        assert bare.footprints == {} and list(own.footprints) == list(evidence.PRECISIONS)
         for p, (may, must, *sizes) in own.footprints.items():
-            got = shared.footprints[p]
+            got = evidence.footprint(scores.difference(rounded[p], gold).err, bare["tau32"])
             assert np.array_equal(got[0], may) and np.array_equal(got[1], must) and list(got[2:]) == sizes
+            assert sizes[0] > 0  # the cases reach the footprints' sets
+
+
+def test_an_empty_output_is_scored():
+    """A tensor with no elements (a zero-size batch or layer) gets its rows, as an exact one:
+    nothing differs, nothing is wrong."""
+    from peat import evidence
+
+    golden = torch.randn(0, 4)
+    scored = playback._Scored(playback.Plan(context=Path("-"), kernel=None, rules=detect.Rules()), {"tensor": "O"},
+                              {"golden": golden, "fp64": golden.double(), **{p: golden for p in evidence.PRECISIONS}})
+    scored.add("kernel", golden.clone())
+    assert [r["case"] for r in scored.rows] == ["ref:fp16", "ref:bf16", "ref:tf32", "ref:fp64", "kernel"]
+    row = scored.rows[-1]
+    assert (row["error_model"], row["ulp_median"], row["ulp_max"], row["nonfinite"], row["allclose"]) == \
+        ("none", 0.0, 0.0, 0, True)
+
 
 def test_allclose_in_numpy_equals_torch_at_the_tolerance_edge():
     """evidence.allclose against a finite golden's cached bound is torch.allclose, also one

@@ -34,8 +34,7 @@ class Envelopes(dict):
 
 @QUIET
 def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
-              rules: Rules = Rules(), gold: Golden | None = None,
-              errors: dict[str, np.ndarray] | None = None) -> Envelopes:
+              rules: Rules = Rules(), gold: Golden | None = None, footprints: bool = True) -> Envelopes:
     """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs.
 
     ``taurp`` is the worst over the tensor; ``local`` holds, for every element, KRP times the
@@ -43,12 +42,11 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     ``tau32``): rounding errors scale with the magnitudes around them (outlier channels, a
     gradient block much larger than its neighbours). ``footprints`` are the S sets the
     references themselves have: where, on these inputs, a correct reduced-precision result
-    leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) and ``errors`` (per precision,
-    ``abs_error`` of the rounded tensor against golden) may be passed in when known: playback
-    scores the rounded references as candidates too.
+    leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be passed in when known.
+    Without ``footprints``, they are left to the caller (``footprint``): playback scores the
+    rounded references as candidates and so finds their errors anyway, one at a time.
     """
     gold = Golden.of(golden) if gold is None else gold
-    errors = {} if errors is None else errors
     ref = as_matrix(reference)
     absmax = max(abs(gold.lo), abs(gold.hi)) if math.isfinite(gold.lo) else 0.0
     noise = abs_error(ref, golden, gold)
@@ -57,7 +55,7 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
         noise32 = _finite_max(_distance(gold.matrix, ref))
     noise = summary(noise)
     tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
-    rp, tiles, footprints = {}, [], {}
+    rp, tiles, prints = {}, [], {}
     for p, t in rounded.items():  # one matrix view (an NCHW tensor's is a copy) and float64 difference at a time
         m = as_matrix(t)
         d = _distance(m, ref)
@@ -70,18 +68,22 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
             tiles.append(per_tile(d if math.isfinite(top) else np.nan_to_num(d, nan=0.0, posinf=0.0), rules.tile,
                                   np.maximum))
             del d  # before the footprint's arrays are made
-            footprints[p] = _beyond(errors[p] if p in errors else abs_error(m, golden, gold), tau32 / rules.band,
-                                    tau32 * rules.band)[:4]
+            if footprints:
+                prints[p] = footprint(abs_error(m, golden, gold), tau32, rules)
         del m
     taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
-    env.noise = noise
+    env.noise, env.footprints = noise, prints
     if tiles:
         env.local = per_element(np.maximum(rules.krp * functools.reduce(np.maximum, tiles), tau32), rules.tile,
                                 gold.matrix.shape)
-        env.footprints = footprints
     return env
+
+
+def footprint(err: np.ndarray, tau32: float, rules: Rules = Rules()) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """A reference's footprint (``Envelopes.footprints``) from its error against golden."""
+    return _beyond(err, tau32 / rules.band, tau32 * rules.band)[:4]
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -333,8 +333,9 @@ def _ordered(bits: np.ndarray) -> np.ndarray:
 
 
 def _order_statistic(values: np.ndarray, i: int):
-    """The ``i``-th smallest of ``values`` (>= 0); 0 when ``i`` < 0 (an omitted zero)."""
-    if i < 0 or values.size - np.count_nonzero(values) > i:
+    """The ``i``-th smallest of ``values`` (>= 0); 0 when ``i`` < 0 (an omitted zero) or past
+    the end (an empty tensor's median)."""
+    if not 0 <= i < values.size or values.size - np.count_nonzero(values) > i:
         return 0
     return np.partition(values, i)[i]
 
