@@ -1021,7 +1021,7 @@ def _score_cases():
 
 def test_compiled_scores_equal_numpys_bit_for_bit(monkeypatch):
     """The C loops behind score_row (tensor_stats.compare, beyond, column_sums, class_maxima,
-    squared_deviations, select: here on tensors of any size) give every column exactly as the
+    squared_deviation_sum, select: here on tensors of any size) give every column exactly as the
     numpy code does."""
     from peat import evidence, scores, tensor_stats
 
@@ -1216,3 +1216,22 @@ def test_the_next_observing_point_reads_the_layers_output():
     assert readers["layer2.0.conv2"] == "layer2.1.conv1" == readers["layer2.0.downsample.0"]
     assert readers["layer1.1.conv2"] == "layer2.0.conv1" and readers["layer4.1.conv2"] is None  # fc: not recorded
     assert all(p.requires_grad for p in model.parameters())  # left as found
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 127, 128, 129, 136, 1000, 8193, 100_003])
+def test_squared_deviation_sum_is_numpys_sum_bit_for_bit(n):
+    """tensor_stats.squared_deviation_sum adds (x - mean) ** 2 in np.sum's pairwise order
+    (blocks of 8 lanes, halves at multiples of 8), without the array: the same float64 bits, on
+    deviations many orders of magnitude apart, where adding them one after another rounds
+    differently."""
+    from peat import tensor_stats
+
+    if not tensor_stats.compiled():
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)
+    mean = float(x.mean()) if n else 0.0
+    spread = x - mean
+    spread *= spread
+    assert tensor_stats.squared_deviation_sum(x, mean) == float(spread.sum())
+    assert n < 129 or float(spread.sum()) != float(np.cumsum(spread)[-1])  # the order shows

@@ -131,10 +131,9 @@ def summary(err) -> dict:
     # Summed in ascending order: a float64 sum depends on the order of its terms, and the score
     # must not depend on where in the tensor the largest errors lie.
     largest, top10 = float(top.max()) if top.size else 0.0, float(np.sort(top).sum() / k)
-    del top  # gone before the deviations' array is made
     mean = float(finite.mean())
-    spread = tensor_stats.squared_deviations(finite, mean)  # summed below, not np.dot: BLAS threads would spin
-    return {"max": largest, "mean": mean, "top10": top10, "var": float(spread.sum() / finite.size)}
+    spread = tensor_stats.squared_deviation_sum(finite, mean)  # not np.dot: BLAS threads would spin
+    return {"max": largest, "mean": mean, "top10": top10, "var": spread / finite.size}
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:

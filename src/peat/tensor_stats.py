@@ -8,12 +8,13 @@
   float32 bit patterns differ (bits per position, ULP distances, non-finite values).
   Playback scores every candidate tensor so; with numpy and torch it takes a transposed
   copy, a dozen passes and four byte histograms.
-- the rest of playback's per-candidate scoring where numpy needs several passes or a Python
-  loop: the Detector's sets S and G (``beyond``), the sums down the error matrix's columns
-  (``column_sums``), squared deviations (``squared_deviations``), the periodicity score's
-  63 periods (``class_maxima``), isolated wrong elements (``isolated``), the largest 10 % of
-  an error (``top``) and the median ULP distance (``select``): a radix select, several times
-  faster than ``np.partition``, which was half of scoring.
+- the rest of playback's per-candidate scoring where numpy needs several passes, a Python
+  loop or an array of its own: the Detector's sets S and G (``beyond``), the sums down the
+  error matrix's columns (``column_sums``), the variance's sum of squared deviations
+  (``squared_deviation_sum``), the periodicity score's 63 periods (``class_maxima``),
+  isolated wrong elements (``isolated``), the largest 10 % of an error (``top``) and the
+  median ULP distance (``select``): a radix select, several times faster than
+  ``np.partition``, which was half of scoring.
 
 The loops are compiled on first use with the system C compiler (well under a second) and
 cached by source hash. Without a compiler, or for tensors a loop does not take (``stats``: not
@@ -239,12 +240,32 @@ CLONES void peat_column_sums(const double *m, int64_t rows, int64_t cols, int64_
     }
 }
 
-/* out[i] = (x[i] - mean)^2, numpy's subtract then multiply (no fused multiply-add). */
-CLONES void peat_squared_deviations(const double *x, int64_t n, double mean, double *out) {
-    for (int64_t i = 0; i < n; i++) {
-        double d = x[i] - mean;
-        out[i] = d * d;
+/* The sum of (x[i] - mean)^2 (numpy's subtract then multiply, no fused multiply-add) in the
+   order np.sum adds up that array, without making it: pairwise, in blocks of at most 128 summed
+   in 8 lanes, halves split at a multiple of 8. */
+static inline double squared(double x, double mean) {
+    double d = x - mean;
+    return d * d;
+}
+
+double peat_squared_deviation_sum(const double *x, int64_t n, double mean) {
+    if (n < 8) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += squared(x[i], mean);
+        return sum;
     }
+    if (n <= 128) {
+        double r[8];
+        int64_t i;
+        for (int k = 0; k < 8; k++) r[k] = squared(x[k], mean);
+        for (i = 8; i < n - n % 8; i += 8)
+            for (int k = 0; k < 8; k++) r[k] += squared(x[i + k], mean);
+        double sum = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) sum += squared(x[i], mean);
+        return sum;
+    }
+    int64_t half = n / 2 - (n / 2) % 8;
+    return peat_squared_deviation_sum(x, half, mean) + peat_squared_deviation_sum(x + half, n - half, mean);
 }
 
 /* Set elements of a rows x cols 0/1 mask none of whose 8 neighbours is set: each is an
@@ -390,7 +411,7 @@ _SIGNATURES = {
     "peat_periods": ([_P, _I64, _I64, _P, _P], None),
     "peat_beyond": ([_P, _I64, ctypes.c_double, _P, ctypes.c_int, *[_P] * 4], None),
     "peat_column_sums": ([_P, *[_I64] * 3, _P, _I64, *[_P] * 3], None),
-    "peat_squared_deviations": ([_P, _I64, ctypes.c_double, _P], None),
+    "peat_squared_deviation_sum": ([_P, _I64, ctypes.c_double], ctypes.c_double),
     "peat_isolated": ([_P, _I64, _I64, _P], _I64),
 }
 
@@ -605,17 +626,16 @@ def column_sums(m: np.ndarray, tile: int, edges: np.ndarray | None) -> tuple | N
     return total, bands, (blocks if nblocks else None)
 
 
-def squared_deviations(x: np.ndarray, mean: float) -> np.ndarray:
-    """(x - mean) ** 2 of a contiguous float64 array, one pass (numpy: a subtraction and a
-    multiplication, the same roundings)."""
+def squared_deviation_sum(x: np.ndarray, mean: float) -> float:
+    """((x - mean) ** 2).sum() of a contiguous float64 array, bit for bit, in one pass without
+    the squared deviations' array (numpy: a subtraction, a multiplication and np.sum's pairwise
+    order)."""
     lib = _library()
     if lib is None or x.dtype != np.float64 or not x.flags.c_contiguous:
         spread = x - mean
         spread *= spread
-        return spread
-    out = np.empty_like(x)
-    lib.peat_squared_deviations(x.ctypes.data, x.size, float(mean), out.ctypes.data)
-    return out
+        return float(spread.sum())
+    return float(lib.peat_squared_deviation_sum(x.ctypes.data, x.size, float(mean)))
 
 
 def isolated(mask: np.ndarray) -> int:
