@@ -1183,7 +1183,7 @@ def test_every_exported_c_loop_has_its_ctypes_signature():
     """Without one, ctypes passes and returns C ints: pointers and int64 counts would be cut to 32 bits."""
     from peat import tensor_stats
 
-    exported = re.findall(r"^(?:CLONES )?(?:void|int64_t|uint64_t) (peat_\w+)\(", tensor_stats.SOURCE, re.MULTILINE)
+    exported = re.findall(r"^(?:CLONES )?\w+ (peat_\w+)\(", tensor_stats.SOURCE, re.MULTILINE)
     assert sorted(exported) == sorted(tensor_stats._SIGNATURES)
 
 
