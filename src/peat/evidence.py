@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -12,7 +13,7 @@ from scipy import ndimage
 
 from . import tensor_stats
 from .detect import Rules, shape_class
-from .scores import QUIET, Golden, abs_error, as_matrix, masked, per_tile, summary
+from .scores import QUIET, Diff, Golden, abs_error, as_matrix, difference, masked, per_tile, summary
 
 PRECISIONS = ("fp16", "bf16", "tf32")  # golden rounded so: the reduced-precision envelope
 EPS32 = 2.0 ** -23
@@ -43,7 +44,7 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     gradient block much larger than its neighbours). ``footprints`` are the S sets the
     references themselves have: where, on these inputs, a correct reduced-precision result
     leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be passed in when known.
-    Without ``footprints``, they are left to the caller (``footprint``): playback scores the
+    Without ``footprints``, they are left to ``scored_references``: playback scores the
     rounded references as candidates and so finds their errors anyway, one at a time.
     """
     gold = Golden.of(golden) if gold is None else gold
@@ -84,6 +85,19 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
 def footprint(err: np.ndarray, tau32: float, rules: Rules = Rules()) -> tuple[np.ndarray, np.ndarray, int, int]:
     """A reference's footprint (``Envelopes.footprints``) from its error against golden."""
     return _beyond(err, tau32 / rules.band, tau32 * rules.band)[:4]
+
+
+def scored_references(env: Envelopes, rounded: dict[str, torch.Tensor], gold: Golden,
+                      rules: Rules = Rules()) -> Iterator[tuple[str, Diff]]:
+    """Each rounded reference's ``Diff`` against golden, once its footprint is in ``env`` (made
+    with ``footprints=False``): the references are candidates as well, so one error serves both
+    the footprint and the reference's row, and the errors come one by one. A reference's row
+    sees the footprints so far; its own matches it, so the first footprint to match is the one
+    it would find among all three."""
+    for p in PRECISIONS:
+        diff = difference(rounded[p], gold)
+        env.footprints[p] = footprint(diff.err, env["tau32"], rules)
+        yield p, diff
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -375,14 +375,8 @@ class _Scored:
         self.gold = scores.Golden.of(self.golden)
         self.env = evidence.envelopes(self.golden, ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS},
                                       plan.rules, self.gold, footprints=False)
-        # The rounded references are candidates as well, and their errors give their footprints: one
-        # error held at a time. A reference's row sees the footprints so far; its own matches it, so
-        # the first footprint to match is the one it would find among all three.
-        for p in evidence.PRECISIONS:
-            diff = scores.difference(ref[p], self.gold)
-            self.env.footprints[p] = evidence.footprint(diff.err, self.env["tau32"], plan.rules)
+        for p, diff in evidence.scored_references(self.env, ref, self.gold, plan.rules):
             self.add(f"ref:{p}", ref[p], diff)
-        del diff
         self.add("ref:fp64", ref["fp64"])
 
     def add(self, case: str, cand: torch.Tensor, diff: scores.Diff | None = None) -> None:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, errors, kernels, scores
-from .evidence import PRECISIONS, envelopes
+from .evidence import PRECISIONS, envelopes, scored_references
 from .io import open_h5
 from .models import build, loss_and_metrics
 from .playback import score_row, subsample
@@ -214,7 +214,7 @@ class Propagator:
 
             golden_kernel = kernels.golden(attrs["op"])
             rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in PRECISIONS}
-            runs, failed = {f"ref:{p}": r for p, r in rounded.items()}, {}
+            runs, failed = {}, {}
             for case, kernel in variants.items():
                 try:
                     runs[case] = through(kernel)
@@ -235,11 +235,17 @@ class Propagator:
 
         g, r = gold[point].cpu(), ref64[point].cpu()
         gold_point = scores.Golden.of(g)
-        env = envelopes(g, r, {p: rounded[p][point].cpu() for p in PRECISIONS}, rules, gold_point)
+        refs = {p: rounded[p][point].cpu().float() for p in PRECISIONS}
+        env = envelopes(g, r, refs, rules, gold_point, footprints=False)
         fop, tensor = _observing_point(point, nxt)
-        return [{**base, "fop": fop, "tensor": tensor, "case": case,
-                 **score_row(seen[point].cpu().float(), g, r, env, rules, env.noise, gold_point)}
-                for case, seen in runs.items()]
+
+        def row(case: str, seen: torch.Tensor, diff: scores.Diff | None = None) -> dict:
+            return {**base, "fop": fop, "tensor": tensor, "case": case,
+                    **score_row(seen, g, r, env, rules, env.noise, gold_point, diff)}
+
+        # The rounded references first: their rows and their footprints come from one error each.
+        return ([row(f"ref:{p}", refs[p], diff) for p, diff in scored_references(env, refs, gold_point, rules)]
+                + [row(case, seen[point].cpu().float()) for case, seen in runs.items()])
 
 
 def _float64(model: torch.nn.Module) -> torch.nn.Module:
