@@ -231,8 +231,8 @@ class Propagator:
 
     @staticmethod
     def _score(point: str, nxt, gold: dict, ref64: dict, rounded: dict, runs: dict, rules, base: dict) -> list[dict]:
-        """Rows of every run at one later observing point (``next`` or ``loss``)."""
-
+        """Rows at one later observing point (``next`` or ``loss``): the rounded references',
+        then those of ``runs`` (the kernel and its variants)."""
         g, r = gold[point].cpu(), ref64[point].cpu()
         gold_point = scores.Golden.of(g)
         refs = {p: rounded[p][point].cpu().float() for p in PRECISIONS}
