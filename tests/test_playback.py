@@ -1082,9 +1082,9 @@ def test_select_is_numpys_partition(monkeypatch, n):
 
 
 def test_local_envelope_is_the_per_element_worst_of_its_tile():
-    """envelopes works out the local envelope on tiles (one value each, spread over them at the
-    end): it is KRP times the worst fp16/bf16/tf32 error of each element's tile, floored at
-    tau32, as worked out element by element, also with partial tiles, NaN and inf."""
+    """envelopes works out the local envelope on tiles and keeps one value each (a TileBound):
+    spread over the elements, it is KRP times the worst fp16/bf16/tf32 error of each element's
+    tile, floored at tau32, as worked out element by element, also with partial tiles, NaN and inf."""
     from peat import evidence, scores
 
     rules = detect.Rules()
@@ -1098,7 +1098,37 @@ def test_local_envelope_is_the_per_element_worst_of_its_tile():
                         for t in rounded.values()], axis=0)
         tiles = scores.per_tile(worst, rules.tile, np.maximum)
         want = np.maximum(rules.krp * evidence.per_element(tiles, rules.tile, worst.shape), env["tau32"])
-        assert env.local.shape == want.shape and np.array_equal(env.local, want)
+        assert env.local.shape == want.shape and env.local.tiles.shape == tiles.shape
+        assert np.array_equal(env.local.full(), want)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (37, 70), (64, 16), (200, 1)])
+def test_tile_bound_is_its_per_element_array(shape):
+    """A TileBound picks, for the elements of a mask, what its per-element array holds there,
+    and tensor_stats.beyond against it gives what numpy gives against that array: the same
+    sets S and G, their sizes and the largest finite err / bound (with partial tiles, zeros,
+    NaN and inf in the error)."""
+    from peat import evidence, tensor_stats
+
+    rng = np.random.default_rng(sum(shape))
+    tile = 16
+    bound = evidence.TileBound(rng.uniform(0.1, 2.0, tuple(-(-s // tile) for s in shape)), tile, shape)
+    err = np.abs(rng.standard_normal(shape))
+    err.reshape(-1)[::7] = 0.0
+    if err.size > 3:
+        err.reshape(-1)[[1, 2]] = [np.inf, np.nan]
+    full = bound.full()
+    mask = rng.random(shape) < 0.3
+    assert full.shape == shape and np.array_equal(bound[mask], full[mask])
+    found = tensor_stats.beyond(err, 0.5, bound.tiles, tile)
+    if found is None:
+        pytest.skip("no C compiler here")
+    with np.errstate(invalid="ignore"):
+        over32, gross, ratio = err > 0.5, err > full, err / full
+    ratio = ratio[np.isfinite(ratio)]
+    assert np.array_equal(found[0], over32) and np.array_equal(found[1], gross)
+    assert found[2:4] == (np.count_nonzero(over32), np.count_nonzero(gross))
+    assert found[4] == (ratio.max() if ratio.size else 0.0)
 
 
 def test_envelopes_share_the_noise_and_footprints_come_from_the_references_scores():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,16 +20,35 @@ PRECISIONS = ("fp16", "bf16", "tf32")  # golden rounded so: the reduced-precisio
 EPS32 = 2.0 ** -23
 
 
+@dataclass(frozen=True)
+class TileBound:
+    """A bound per element of a matrix of ``shape`` that is one value per aligned ``tile`` x
+    ``tile`` tile (``tiles``): held so, it is 1/tile² of the per-element array, which was
+    as large as two float32 tensors and alive while every candidate of an output was scored."""
+
+    tiles: np.ndarray  # float64, (ceil(rows / tile), ceil(cols / tile))
+    tile: int
+    shape: tuple[int, int]
+
+    def __getitem__(self, mask: np.ndarray) -> np.ndarray:
+        """The bounds of the elements a boolean ``mask`` of ``shape`` picks, in its (row-major) order."""
+        rows, cols = np.nonzero(mask)
+        return self.tiles[rows // self.tile, cols // self.tile]
+
+    def full(self) -> np.ndarray:
+        return per_element(self.tiles, self.tile, self.shape)
+
+
 class Envelopes(dict):
     """The scalar envelopes of one tensor (what playback writes into its table row), with two
     attributes that are not written, needed only while the candidates of that output are scored:
-    ``local``, the per-element reduced-precision envelope, and ``footprints``, for each of
-    fp16/bf16/tf32 the elements where rounding to it moves the result beyond ``tau32 / BAND``
-    (may) and beyond ``tau32 * BAND`` (must). Both are in the matrix view. And ``noise``, the
-    ``peat.scores.summary`` of |golden - reference| that every candidate's ``rel_*`` scores
-    divide by (the envelope measures that same difference)."""
+    ``local``, the per-element reduced-precision envelope (a ``TileBound``), and ``footprints``,
+    for each of fp16/bf16/tf32 the elements where rounding to it moves the result beyond
+    ``tau32 / BAND`` (may) and beyond ``tau32 * BAND`` (must). Both are in the matrix view. And
+    ``noise``, the ``peat.scores.summary`` of |golden - reference| that every candidate's
+    ``rel_*`` scores divide by (the envelope measures that same difference)."""
 
-    local: np.ndarray | None = None
+    local: TileBound | None = None
     noise: dict | None = None
     footprints: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}  # may, must and their sizes
 
@@ -38,9 +58,9 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
               rules: Rules = Rules(), gold: Golden | None = None, footprints: bool = True) -> Envelopes:
     """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs.
 
-    ``taurp`` is the worst over the tensor; ``local`` holds, for every element, KRP times the
-    worst fp16/bf16/tf32 error in its aligned TILE x TILE tile of the matrix view (floored at
-    ``tau32``): rounding errors scale with the magnitudes around them (outlier channels, a
+    ``taurp`` is the worst over the tensor; ``local`` holds, for every aligned TILE x TILE tile
+    of the matrix view, KRP times the worst fp16/bf16/tf32 error in it (floored at ``tau32``),
+    every element's bound: rounding errors scale with the magnitudes around them (outlier channels, a
     gradient block much larger than its neighbours). ``footprints`` are the S sets the
     references themselves have: where, on these inputs, a correct reduced-precision result
     leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be passed in when known.
@@ -77,8 +97,8 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
                      "taurp": taurp})
     env.noise, env.footprints = noise, prints
     if tiles:
-        env.local = per_element(np.maximum(rules.krp * functools.reduce(np.maximum, tiles), tau32), rules.tile,
-                                gold.matrix.shape)
+        env.local = TileBound(np.maximum(rules.krp * functools.reduce(np.maximum, tiles), tau32), rules.tile,
+                              gold.matrix.shape)
     return env
 
 
@@ -98,6 +118,7 @@ def scored_references(env: Envelopes, rounded: dict[str, torch.Tensor], gold: Go
         diff = difference(rounded[p], gold)
         env.footprints[p] = footprint(diff.err, env["tau32"], rules)
         yield p, diff
+        del diff  # before the next one is made (the caller lets go of it too)
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -157,7 +178,7 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     top = _finite_max(diff) if top is None or not math.isfinite(top) else top
     over32, gross, n32, ngross, ratio = _beyond(diff, env["tau32"], bound)
     out = {"numel": int(diff.size), "nonfinite": nonfinite, "err_over_tau32": top / env["tau32"],
-           "err_over_taurp": ratio if isinstance(bound, np.ndarray) else top / bound, "n32": n32, "ngross": ngross}
+           "err_over_taurp": ratio if isinstance(bound, TileBound) else top / bound, "n32": n32, "ngross": ngross}
     out["s_rounding"] = rounding_footprint(over32, n32, env, rules.cover) if n32 else ""
     s = shape(over32, candidate, gold, env["tau32"], rules, layout=not out["s_rounding"])
     out |= {f"s_{k}": v for k, v in s.items()}
@@ -167,22 +188,25 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     return out
 
 
-def _beyond(diff: np.ndarray, tau32: float, bound) -> tuple:
-    """S and G (``diff`` beyond ``tau32``, beyond ``bound``: a number or one per element), their
+def _beyond(diff: np.ndarray, tau32: float, bound: float | TileBound) -> tuple:
+    """S and G (``diff`` beyond ``tau32``, beyond ``bound``: a number or a ``TileBound``), their
     sizes and the largest finite diff / bound: ``tensor_stats.beyond``'s one pass, or numpy's.
     (The footprints are two such sets of a reference: beyond tau32 / BAND and tau32 * BAND.)"""
-    found = tensor_stats.beyond(diff, tau32, bound) if diff.size else None
+    tiled = isinstance(bound, TileBound)
+    found = (tensor_stats.beyond(diff, tau32, bound.tiles if tiled else bound, bound.tile if tiled else 0)
+             if diff.size else None)
     if found is not None:
         return found
+    bound = bound.full() if tiled else bound
     over32, gross = diff > tau32, diff > bound
-    ratio = _finite_max(diff / bound) if isinstance(bound, np.ndarray) else math.nan  # unused for a number
+    ratio = _finite_max(diff / bound) if tiled else math.nan  # unused for a number
     return over32, gross, int(np.count_nonzero(over32)), int(np.count_nonzero(gross)), ratio
 
 
 def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules: Rules, layout: bool = True,
           lone: bool = False) -> dict:
     """How the wrong elements ``mask`` (matrix view) are laid out and what they look like;
-    ``noise`` is the envelope they are beyond (a number, or an array like the mask). Without
+    ``noise`` is the envelope they are beyond (a number, or a ``TileBound``). Without
     ``layout``, only their count. ``lone``: the wrong value of a one-element tensor (a loss)
     counts as scattered, since it has no layout and only its value can say what went wrong;
     for G alone, as S's lone value may still be rounding that no footprint caught."""
@@ -201,7 +225,7 @@ def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules:
         return out
     c, g = masked(candidate, mask).astype(np.float32, copy=False), gold.matrix[mask]
     out["zero_frac"] = float(np.mean((c == 0) & (g != 0)))
-    out["bit_frac"] = float(np.mean(_few_bits(c, g, noise[mask] if isinstance(noise, np.ndarray) else noise)))
+    out["bit_frac"] = float(np.mean(_few_bits(c, g, noise[mask] if isinstance(noise, TileBound) else noise)))
     if math.isfinite(gold.lo):
         out["inrange_frac"] = float(np.mean((c >= gold.lo) & (c <= gold.hi)))
     return out

@@ -377,6 +377,7 @@ class _Scored:
                                       plan.rules, self.gold, footprints=False)
         for p, diff in evidence.scored_references(self.env, ref, self.gold, plan.rules):
             self.add(f"ref:{p}", ref[p], diff)
+            del diff  # one error held at a time: not through the next reference's or fp64's
         self.add("ref:fp64", ref["fp64"])
 
     def add(self, case: str, cand: torch.Tensor, diff: scores.Diff | None = None) -> None:

@@ -182,9 +182,9 @@ void peat_compare(const float *c, int64_t n0, int64_t n1, int64_t n2, int64_t s0
 }
 
 /* The Detector's sets S (err > tau32) and G (err > bound[i], or > bound[0] alone when
-   per_element is 0) as 0/1 bytes, their sizes in counts[0..1], and in *ratio the largest
-   finite err / bound[i] (0 when none is finite). Quotients are >= 0 or NaN: the largest is
-   found on their bit patterns (an integer maximum, which vectorises), non-finite ones as 0. */
+   per_element is 0) as 0/1 bytes, their sizes in counts[0..1], and in *top the largest finite
+   err / bound[i] (0 when none is finite). Quotients are >= 0 or NaN: the largest is found on
+   their bit patterns (an integer maximum, which vectorises), non-finite ones as 0. */
 static inline void beyond_run(const double *err, int64_t n, double tau32, const double *bound, const int per_element,
                               uint8_t *over32, uint8_t *gross, int64_t *counts, int64_t *top) {
     int64_t n32 = 0, ngross = 0, best = 0;
@@ -204,13 +204,27 @@ static inline void beyond_run(const double *err, int64_t n, double tau32, const 
     *top = best;
 }
 
-CLONES void peat_beyond(const double *err, int64_t n, double tau32, const double *bound, int per_element,
-                        uint8_t *over32, uint8_t *gross, int64_t *counts, double *ratio) {
-    int64_t top;
-    if (per_element)  /* two calls with a constant flag: each loop specialised */
-        beyond_run(err, n, tau32, bound, 1, over32, gross, counts, &top);
-    else
-        beyond_run(err, n, tau32, bound, 0, over32, gross, counts, &top);
+/* beyond_run over a rows x cols matrix whose bound is bound[0] (tile 0) or one per aligned
+   tile x tile tile, bound[(i / tile) * ceil(cols / tile) + j / tile]: spread over the columns
+   into row (cols doubles) as each band of tile rows starts, so the loop is the per-element one. */
+CLONES void peat_beyond(const double *err, int64_t rows, int64_t cols, double tau32, const double *bound,
+                        int64_t tile, double *row, uint8_t *over32, uint8_t *gross, int64_t *counts, double *ratio) {
+    int64_t top = 0, found[2], best;
+    if (!tile) {
+        beyond_run(err, rows * cols, tau32, bound, 0, over32, gross, counts, &top);
+    } else {
+        counts[0] = counts[1] = 0;
+        for (int64_t i = 0; i < rows; i++) {
+            if (i % tile == 0) {
+                const double *band = bound + (i / tile) * ((cols + tile - 1) / tile);
+                for (int64_t j = 0; j < cols; j++) row[j] = band[j / tile];
+            }
+            beyond_run(err + i * cols, cols, tau32, row, 1, over32 + i * cols, gross + i * cols, found, &best);
+            counts[0] += found[0];
+            counts[1] += found[1];
+            top = best > top ? best : top;
+        }
+    }
     memcpy(ratio, &top, 8);
 }
 
@@ -409,7 +423,7 @@ _SIGNATURES = {
     "peat_select": ([_P, _I64, ctypes.c_int, _I64, _P, _P], ctypes.c_uint64),
     "peat_top": ([_P, _I64, _I64, _P, _P, _P], _I64),
     "peat_periods": ([_P, _I64, _I64, _P, _P], None),
-    "peat_beyond": ([_P, _I64, ctypes.c_double, _P, ctypes.c_int, *[_P] * 4], None),
+    "peat_beyond": ([_P, _I64, _I64, ctypes.c_double, _P, _I64, *[_P] * 5], None),
     "peat_column_sums": ([_P, *[_I64] * 3, _P, _I64, *[_P] * 3], None),
     "peat_squared_deviation_sum": ([_P, _I64, ctypes.c_double], ctypes.c_double),
     "peat_isolated": ([_P, _I64, _I64, _P], _I64),
@@ -588,21 +602,22 @@ def class_maxima(mass: np.ndarray, kmax: int) -> np.ndarray | None:
     return best
 
 
-def beyond(err: np.ndarray, tau32: float, bound: np.ndarray | float) -> tuple | None:
+def beyond(err: np.ndarray, tau32: float, bound: np.ndarray | float, tile: int = 0) -> tuple | None:
     """(err > tau32, err > bound, the sizes of both, the largest finite err / bound or 0) in one
-    pass; ``err`` a float64 array, ``bound`` a number or an array like it. None without the
+    pass; ``err`` a float64 matrix, ``bound`` a number or (``tile`` > 0) one value per aligned
+    ``tile`` x ``tile`` tile of it, as ``peat.scores.per_tile`` gives them. None without the
     C loop."""
     lib = _library()
     if lib is None:
         return None
     err = np.ascontiguousarray(err, dtype=np.float64)
-    per_element = isinstance(bound, np.ndarray)
     bound = np.ascontiguousarray(bound, dtype=np.float64)
-    if per_element and bound.shape != err.shape:
+    if tile and (err.ndim != 2 or bound.shape != tuple(-(-s // tile) for s in err.shape)):
         return None
+    rows, cols = err.shape if tile else (err.size, 1)
     over32, gross = np.empty(err.shape, dtype=bool), np.empty(err.shape, dtype=bool)
-    counts, ratio = np.zeros(2, dtype=np.int64), np.zeros(1)
-    lib.peat_beyond(err.ctypes.data, err.size, float(tau32), bound.ctypes.data, int(per_element),
+    counts, ratio, row = np.zeros(2, dtype=np.int64), np.zeros(1), np.empty(cols)
+    lib.peat_beyond(err.ctypes.data, rows, cols, float(tau32), bound.ctypes.data, tile, row.ctypes.data,
                     over32.ctypes.data, gross.ctypes.data, counts.ctypes.data, ratio.ctypes.data)
     return over32, gross, int(counts[0]), int(counts[1]), float(ratio[0])
 
