@@ -23,8 +23,8 @@ EPS32 = 2.0 ** -23
 @dataclass(frozen=True)
 class TileBound:
     """A bound per element of a matrix of ``shape`` that is one value per aligned ``tile`` x
-    ``tile`` tile (``tiles``): held so, it is 1/tile² of the per-element array, which was
-    as large as two float32 tensors and alive while every candidate of an output was scored."""
+    ``tile`` tile (``tiles``). Held per element it would be as large as two float32 tensors,
+    alive while every candidate of an output is scored; held so, 1/tile² of that."""
 
     tiles: np.ndarray  # float64, (ceil(rows / tile), ceil(cols / tile))
     tile: int
@@ -60,12 +60,13 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
 
     ``taurp`` is the worst over the tensor; ``local`` holds, for every aligned TILE x TILE tile
     of the matrix view, KRP times the worst fp16/bf16/tf32 error in it (floored at ``tau32``),
-    every element's bound: rounding errors scale with the magnitudes around them (outlier channels, a
-    gradient block much larger than its neighbours). ``footprints`` are the S sets the
-    references themselves have: where, on these inputs, a correct reduced-precision result
-    leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be passed in when known.
-    Without ``footprints``, they are left to ``scored_references``: playback scores the
-    rounded references as candidates and so finds their errors anyway, one at a time.
+    the bound of each of its elements: rounding errors scale with the magnitudes around them
+    (outlier channels, a gradient block much larger than its neighbours). ``footprints`` are
+    the S sets the references themselves have: where, on these inputs, a correct
+    reduced-precision result leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be
+    passed in when known. Without ``footprints``, they are left to ``scored_references``:
+    playback scores the rounded references as candidates and so finds their errors anyway,
+    one at a time.
     """
     gold = Golden.of(golden) if gold is None else gold
     ref = as_matrix(reference)
