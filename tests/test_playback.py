@@ -610,6 +610,40 @@ def test_the_steps_followed_downstream_are_chosen_among_the_replayed_ones(golden
     assert len(replayed) == 5 and len(followed) == 4 and set(followed) <= set(replayed)
 
 
+def test_every_forward_of_the_layer_downstream_is_timed_as_a_kernel_call(golden_run, monkeypatch):
+    """On the way to the later observing points, the layer's own forward in golden's and fp64's
+    runs is a kernel call as much as the references' and the candidates' are: one each per run."""
+    from contextlib import contextmanager
+
+    from peat.propagate import Propagator
+
+    class Counting(playback.Timer):
+        def __init__(self):
+            super().__init__()
+            self.open, self.downstream = [], 0
+
+        @contextmanager
+        def __call__(self, category):
+            self.downstream += category == "kernel" and "propagate" in self.open
+            self.open.append(category)
+            try:
+                with super().__call__(category):
+                    yield
+            finally:
+                self.open.pop()
+
+    timers = []
+    monkeypatch.setattr(playback, "Timer", lambda: timers.append(Counting()) or timers[-1])
+    root, spec, data = golden_run
+    prop = Propagator(context=root / "run" / "context.h5", spec=spec, data=data,
+                      checkpoints=root / "run" / "checkpoints", samples=1)
+    table, _ = replay(root / "run" / "context.h5", "linear", errors=["lane:4", "rv:2"], computations=("forward",),
+                      layers=["transformer.h.0.mlp.c_fc"], propagate=prop)
+    assert table.loc[table["fop"] == "loss", "step"].nunique() == 1
+    # golden, fp64, the fp16/bf16/tf32 references, the kernel, lane:4 and rv:2 (injected into its result)
+    assert timers[-1].downstream == 2 + 3 + 3
+
+
 def test_later_observing_points_see_the_fault_seen_at_the_output(golden_run):
     """Downstream runs repeat each case's injection (same draws, same stale tile) without
     advancing it: the output rows are those of a replay without propagation."""
