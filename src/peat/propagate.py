@@ -131,7 +131,8 @@ class Propagator:
                 seed: int) -> dict[str, torch.Tensor]:
         """Forward one batch; return L's input, the next recorded layer's output and the loss.
 
-        ``replace(input)`` computes L's output instead of the module (a candidate kernel).
+        ``replace(input)`` computes L's output instead of the module (a candidate kernel, or
+        the module's own forward, timed).
         ``prefix`` (a ``Prefix``) records what comes before L in this forward, or, once
         recorded, replays it instead of computing it again (falling back to the whole forward
         when the replay would not be exact).
