@@ -190,7 +190,7 @@ class Propagator:
         prefix = Prefix(model, layer)
 
         def itself(net):  # the layer's own forward in ``net``: a kernel call, timed as the candidates' are
-            forward = dict(net.named_modules())[layer].forward
+            forward = net.get_submodule(layer).forward
 
             def run(a):
                 with timed("kernel"):
