@@ -160,6 +160,16 @@ def test_lanes_are_filled_columns_or_rows_in_one_stride():
     assert evidence._lanes(partial, detect.Rules()) == none  # sparse: 3 of 8 fill no lane
     partial[0, [0, 1, 5]] = True  # wrong elements outside the progression: less than COVER of S in it
     assert evidence._lanes(partial, detect.Rules(), sparse=False)["lane_cover"] == 23 / 26
+    # Filled lanes 24 apart, the lanes between them holding S below FILL of the fullest (a stuck lane
+    # where golden often holds its value, measured on MobileNetV2): the progression of stride 8.
+    stuck = np.zeros((16, 32), dtype=bool)
+    stuck[:, [1, 25]] = True
+    stuck[:6, [9, 17]] = True
+    assert evidence._lanes(stuck, detect.Rules(), sparse=False) == {"lane_cover": 1.0, "lane_stride": 8,
+                                                                    "lane_axis": "col"}
+    stuck[:6, 17] = False  # one of its 4 lanes empty: less than COVER of them; stride 24 holds too little of S
+    assert evidence._lanes(stuck, detect.Rules(), sparse=False) == {"lane_cover": 32 / 38, "lane_stride": 24,
+                                                                    "lane_axis": "col"}
     alone = np.zeros((8, 32), dtype=bool)
     alone[:3, 5] = True  # one lane, 3 of 8 wrong: no fuller lane sets a progression, so it must be filled itself
     assert evidence._lanes(alone, detect.Rules(), sparse=False) == none
@@ -186,6 +196,27 @@ def test_a_lane_stuck_at_zero_in_a_relus_output_is_a_lane(seed):
     lanes = evidence.as_matrix(faulty != golden).sum(0)
     assert 0 < lanes.max() < detect.Rules().fill * len(golden)
     assert classify(faulty, golden, env) == "periodic_lane"
+
+
+def test_a_lane_stuck_on_a_dead_channel_counts_neither_way():
+    """A lane stuck at its first value changes nothing where golden holds that value throughout
+    (a dead channel: seen in MobileNetV2's batch-norm input gradient). The progression's other
+    lanes, 4 of its 5, still make it a lane fault."""
+    fault = errors.parse("lane:16:stuck")
+    distinct = torch.arange(64 * 80, dtype=torch.float32).reshape(64, 80)
+    lanes = (fault.apply(distinct, torch.Generator().manual_seed(0)) != distinct).any(0).nonzero().flatten()
+    assert len(lanes) == 5
+    dead = int(lanes[2])
+
+    def kill(sample):
+        sample["W"][dead] = 0.0  # the output column is the bias throughout
+
+    sample, attrs, golden, ref, env = case("linear", tweak=kill)
+    faulty = fault.apply(golden, torch.Generator().manual_seed(0))
+    assert torch.equal(faulty[:, dead], golden[:, dead]) and not torch.equal(faulty, golden)
+    assert classify(faulty, golden, env) == "periodic_lane"
+    mask = evidence.as_matrix(faulty != golden)  # without golden, the empty lane is one of the five
+    assert evidence._lanes(mask, detect.Rules(), sparse=False)["lane_cover"] == 0.0
 
 
 @pytest.mark.parametrize("computation", ["forward", "weight_grad"])
@@ -260,6 +291,31 @@ def test_a_random_value_where_golden_is_below_the_noise_stays_a_random_value():
     faulty = golden.clone()
     faulty.reshape(-1)[where] = 0.75 * float(flat.abs().max())  # in the tensor's range; bit 29 off makes it tiny
     assert classify(faulty, golden, env) == "random_value"
+
+
+def test_where_golden_is_below_the_noise_its_exponent_is_noise_too():
+    """The noise reaches golden's exponent there, so a value whose exponent is 2 bits from
+    golden's, with another mantissa, is no bit flip (seen: 4 of 146 rv:1 cases of the detector
+    benchmark read as bit_flip); one exponent bit of golden flipped still is one."""
+    def cancel(sample):  # output (0, 0) cancels to rounding noise, as above
+        sample["B"][0] = -(sample["A"][0].double() @ sample["W"][0].double()).float()
+
+    sample, attrs, golden, ref, env = case("linear", tweak=cancel)
+    g = golden.reshape(-1)[:1].clone()
+    assert 0 < float(g.abs()) < env["tau32"] / 10
+    bits = int(g.view(torch.int32))
+    raise_by = [b for b in range(23, 31) if not bits >> b & 1]  # exponent bits that are 0: setting one scales up
+
+    def with_bits(value: int) -> torch.Tensor:
+        faulty = golden.clone()
+        faulty.reshape(-1)[:1] = torch.tensor([value], dtype=torch.int32).view(torch.float32)
+        return faulty
+
+    flipped = with_bits(bits | 1 << raise_by[-1])
+    assert float(flipped.reshape(-1)[0].abs()) > 100 * env["tau32"]
+    assert classify(flipped, golden, env) == "bit_flip"
+    two_off = with_bits((bits | 1 << raise_by[-1] | 1 << raise_by[-2]) ^ 0x2AAAAA)  # and another mantissa
+    assert classify(two_off, golden, env) == "random_value"
 
 
 @pytest.mark.parametrize("op", ["linear", "conv2d"])

@@ -29,15 +29,17 @@ block_structured   >= COVER of S lies in at most MAX_TILES connected tiles (both
                    covering <= BLOCK_AREA of the tensor; or G is too large to be sparse and
                    in no block or lane (one tile: the whole output).
 periodic_lane      >= COVER of S lies in the columns (or rows) of one lane or a whole progression
-                   of stride >= 2, >= COVER of them holding S; the progression is set by its lanes
-                   filled >= FILL (of their length where S is sparse, else of the fullest lane: a
-                   lane stuck at a value golden often holds is wrong only where golden differs; a
-                   lane alone, of its length).
+                   of stride >= 2, >= COVER of them holding S; the progression runs through its
+                   lanes filled >= FILL (of their length where S is sparse, else of the fullest
+                   lane: a lane stuck at a value golden often holds is wrong only where golden
+                   differs; a lane alone, of its length), at their spacing or a stride dividing it;
+                   a lane without S where golden is one value throughout (a dead channel, which
+                   a stuck lane leaves as it is) counts neither way.
 bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
-                   of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch,
-                   or comes back within that noise, with golden's sign and binade, when one of its
-                   bits flips (a kernel's own summation order is a few ULPs off golden, and their
-                   carry runs up the bits).
+                   of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch
+                   (where they stop below golden's exponent), or comes back within that noise,
+                   with golden's sign and binade, when one of its bits flips (a kernel's own
+                   summation order is a few ULPs off golden, and their carry runs up the bits).
 random_zero        S is sparse and >= COVER of it is exactly 0 where golden is not.
 random_value       S is sparse (any other few scattered wrong values).
 reduced_precision  S is unstructured or a precision's footprint, and G is empty: every error

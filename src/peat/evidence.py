@@ -221,7 +221,7 @@ def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules:
         return out
     if n * rules.cover <= rules.block_area * mask.size:  # else no tiles within block_area can explain S
         out |= _blocks(mask, rules)
-    out |= _lanes(mask, rules, out["sparse"])
+    out |= _lanes(mask, rules, out["sparse"], gold.matrix)
     if not out["sparse"]:
         return out
     c, g = masked(candidate, mask).astype(np.float32, copy=False), gold.matrix[mask]
@@ -254,16 +254,20 @@ def _blocks(m: np.ndarray, rules: Rules) -> dict:
             "block_tiles": int(np.count_nonzero(tiles))}
 
 
-def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True) -> dict:
-    """Columns (or rows) of a whole arithmetic progression of stride >= 2 (or one lane) that hold
-    S. The progression is set by its filled lanes: those >= FILL wrong (a single one counts when it
-    holds >= 2 wrong elements; lanes of one wrong element, a vector's or a 2-row view's, need >= 3
-    of them), and >= COVER of its lanes must hold S. Where S is not ``sparse``, a lane of a
-    progression is filled at FILL of the fullest lane: a lane stuck at one value is wrong only
-    where golden differs from it, in a ReLU's output or a trained gradient as little as a fifth of
-    the lane (measured). A sparse S stays with the rules for a few scattered wrong elements, and a
-    lane alone must be filled itself: rounding that leaves the fp32 envelope in one outlier
-    channel, and not in most of it, is no lane fault."""
+def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True, golden: np.ndarray | None = None) -> dict:
+    """Columns (or rows) of a whole arithmetic progression of stride >= 2 (or one lane) that hold S.
+
+    The progression runs through the filled lanes, those >= FILL wrong (a single one counts when
+    it holds >= 2 wrong elements; lanes of one wrong element, a vector's or a 2-row view's, need
+    >= 3 of them), at their spacing or a stride dividing it, and >= COVER of its lanes must hold S.
+
+    Where S is not ``sparse``, a lane is filled at FILL of the fullest lane: a lane stuck at one
+    value is wrong only where golden differs from it, in a ReLU's output or a trained gradient as
+    little as a fifth of the lane (measured). A lane of the progression without S where
+    ``golden`` (the matrix view) is one value throughout, a dead channel, then counts neither
+    way: it cannot show a lane stuck at that value. A sparse S stays with the rules for a few
+    scattered wrong elements, and a lane alone must be filled itself: rounding that leaves the
+    fp32 envelope in one outlier channel, and not in most of it, is no lane fault."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     # Lanes are the columns, then the rows: counts holds each one's wrong elements, of ``length``.
     for axis, counts, length in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
@@ -277,14 +281,33 @@ def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True) -> dict:
             continue
         if len(lanes) == 1 and counts[lanes[0]] < rules.fill * length:
             continue
-        stride = int(np.gcd.reduce(np.diff(lanes))) if len(lanes) > 1 else n_lanes
-        held = counts[lanes[0] % stride::stride] if stride < n_lanes else counts[lanes]
-        if stride < 2 or np.count_nonzero(held) < rules.cover * len(held):
-            continue
-        cover = float(held.sum() / counts.sum())
-        if cover > best["lane_cover"]:
-            best = {"lane_cover": cover, "lane_stride": stride, "lane_axis": axis}
+        watch = golden is not None and not sparse and length > 1  # for dead channels
+        # The coarsest first: a progression may pass through lanes filled less than the fullest's half.
+        strides = _divisors(int(np.gcd.reduce(np.diff(lanes)))) if len(lanes) > 1 else [n_lanes]
+        for stride in strides:
+            index = np.arange(lanes[0] % stride, n_lanes, stride) if stride < n_lanes else lanes
+            held = counts[index]
+            blind = _constant(golden, axis, index[held == 0]) if watch else 0
+            if np.count_nonzero(held) < rules.cover * (len(held) - blind):
+                continue
+            cover = float(held.sum() / counts.sum())
+            if cover > best["lane_cover"]:
+                best = {"lane_cover": cover, "lane_stride": stride, "lane_axis": axis}
     return best
+
+
+def _constant(golden: np.ndarray, axis: str, index: np.ndarray) -> int:
+    """How many of the columns (``axis`` "col") or rows ``index`` of ``golden`` hold one value throughout."""
+    if index.size == 0:
+        return 0
+    lanes = golden[:, index] if axis == "col" else golden[index].T
+    return int(np.count_nonzero(lanes.min(axis=0) == lanes.max(axis=0)))
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` above 1, largest first."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*low, *(n // d for d in low)} - {1}, reverse=True)
 
 
 _FLIPS = (np.uint32(1) << np.arange(32, dtype=np.uint32))  # every single bit of a float32
@@ -295,16 +318,19 @@ def _few_bits(c: np.ndarray, g: np.ndarray, noise) -> np.ndarray:
     ``noise`` envelope can reach (a number, or one per element), or that flipping one bit
     brings back within ``noise`` of golden, with golden's sign and binade (+-1, a carry across
     a power of two): a kernel summing in its own order is a few ULPs off golden, and their carry
-    (0x..3F + 1 = 0x..40) may run through bits far above them. The sign and binade keep a
-    value where golden lies below the noise from counting (one exponent bit makes any value
-    tiny); one bit, not two, as two flips plus the noise's slack reach a third of a binade
-    where the envelope is wide (measured: 1 rv:1 case in 2,631 of the detector benchmark)."""
+    (0x..3F + 1 = 0x..40) may run through bits far above them. Where the noise reaches golden's
+    exponent (golden lies below it), the exponent is noise too and only the second test holds:
+    otherwise any value whose exponent is 1 or 2 bits from golden's counts, whatever its
+    mantissa (measured: 4 of 146 rv:1 cases). The sign and binade keep a value where golden
+    lies below the noise from counting (one exponent bit makes any value tiny); one bit, not
+    two, as two flips plus the noise's slack reach a third of a binade where the envelope is
+    wide (measured: 1 rv:1 case in 2,631 of the detector benchmark)."""
     xor = (c.view(np.int32) ^ g.view(np.int32)).astype(np.int64) & 0xFFFFFFFF
     _, exponent = np.frexp(g)
     ulp = np.ldexp(1.0, exponent.astype(np.int64) - 24)  # g = m 2^e, m in [0.5, 1); float32 keeps 24 bits of m
-    low = np.clip(np.floor(np.log2(noise / ulp)), 0, 23).astype(np.int64)
-    bits = np.bitwise_count(xor & ~((np.int64(1) << low) - 1))
-    found = (bits >= 1) & (bits <= 2)
+    reach = np.floor(np.log2(noise / ulp))  # the bits of g the noise can reach: 23 and up, its exponent
+    bits = np.bitwise_count(xor & ~((np.int64(1) << np.clip(reach, 0, 23).astype(np.int64)) - 1))
+    found = (bits >= 1) & (bits <= 2) & (reach < 23)
     rest = np.flatnonzero(~found)
     if rest.size:  # S is sparse here: a few elements, each tried with every flip
         c, g, binade = c.view(np.uint32)[rest], g[rest].astype(np.float64), exponent[rest]
