@@ -85,14 +85,10 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     optimizer = make_optimizer(model, run.optimizer)
     train_x, train_y = _subset(data.train, run.max_train_samples)
     val_x, val_y = _subset(data.val, run.max_val_samples)
-    step, first_epoch, history = 0, 1, []
     partial = out_dir / ".partial"
     resume = partial / "resume.h5"
-    if resume.exists() and not _same_run(resume, run.meta):
-        # Left by a killed run of other settings (an edited config): resuming would mix the two.
-        print(f"discarding {partial}: left by a run with other settings", flush=True)
-        shutil.rmtree(partial)
-    start = resume if resume.exists() else start
+    start = _resume_point(partial, run.meta) or start
+    step, first_epoch, history = 0, 1, []
     if start is not None:
         state = checkpoint.load(start, model, optimizer)
         step, first_epoch, history = int(state["step"]), int(state["epoch"]) + 1, state["history"]
@@ -107,6 +103,12 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         # Last before the loop: from here on, an interruption closes its file (abandon).
         profiler.attach(model, first_step=step, resuming=start == resume)
     bar = tqdm(total=run.epochs * batches_per_epoch, initial=step, disable=not progress, mininterval=2, desc="train")
+
+    def record(row: dict) -> None:
+        history.append(row)
+        if on_row is not None:
+            on_row(row)
+
     try:
         for epoch in range(first_epoch, run.epochs + 1):
             model.train()
@@ -125,15 +127,11 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
                 if profiler is not None:
                     profiler.end_step()
                 optimizer.step()
-                history.append(_row(step, epoch, "train", loss.item(), counts, data.kind, t0))
-                if on_row is not None:
-                    on_row(history[-1])
+                record(_row(step, epoch, "train", loss.item(), counts, data.kind, t0))
                 step += 1
                 bar.update()
                 bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}", refresh=False)
-            history.append(_evaluate(model, data.kind, val_x, val_y, run, step, epoch, t0))
-            if on_row is not None:
-                on_row(history[-1])
+            record(_evaluate(model, data.kind, val_x, val_y, run, step, epoch, t0))
             save = dict(step=step, epoch=epoch, meta=run.meta, history=history)
             if epoch in run.checkpoint_epochs:
                 checkpoint.save(partial / f"epoch{epoch:03d}.h5", model, optimizer, **save)
@@ -152,25 +150,39 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     if profiler is not None:
         profiler.close()
     metrics = pd.DataFrame(history)
-    (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    for saved in sorted(partial.glob("epoch*.h5")):
-        # Linked, not moved: a job killed before .partial is gone has its outputs deleted by
-        # Snakemake, and its rerun trains only the epochs after the resume point.
-        dest = out_dir / "checkpoints" / saved.name
-        dest.unlink(missing_ok=True)
-        try:
-            os.link(saved, dest)
-        except OSError:  # a file system without hard links
-            shutil.copy2(saved, dest)
+    _publish_checkpoints(partial, out_dir / "checkpoints")
     write_csv(out_dir / "metrics.csv", metrics)
     shutil.rmtree(partial, ignore_errors=True)
     return metrics
 
 
-def _same_run(path: Path, meta: dict) -> bool:
-    """Whether checkpoint ``path`` was written by a run with this ``meta`` (config hash, seed, vendor, ...)."""
-    with open_h5(path) as f:
-        return all(k in f.attrs and f.attrs[k] == v for k, v in meta.items())
+def _resume_point(partial: Path, meta: dict) -> Path | None:
+    """``partial/resume.h5`` when a killed run of these settings (``meta``) left it; the folder is
+    discarded when a run of other settings (an edited config) did: resuming would mix the two."""
+    resume = partial / "resume.h5"
+    if not resume.exists():
+        return None
+    with open_h5(resume) as f:
+        same = all(k in f.attrs and f.attrs[k] == v for k, v in meta.items())
+    if same:
+        return resume
+    print(f"discarding {partial}: left by a run with other settings", flush=True)
+    shutil.rmtree(partial)
+    return None
+
+
+def _publish_checkpoints(partial: Path, dest_dir: Path) -> None:
+    """The epoch checkpoints of ``partial`` in ``dest_dir``, linked, not moved: a job killed before
+    ``partial`` is gone has its outputs deleted by Snakemake, and its rerun trains only the epochs
+    after the resume point."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for saved in sorted(partial.glob("epoch*.h5")):
+        dest = dest_dir / saved.name
+        dest.unlink(missing_ok=True)
+        try:
+            os.link(saved, dest)
+        except OSError:  # a file system without hard links
+            shutil.copy2(saved, dest)
 
 
 def _subset(split, limit):
