@@ -87,7 +87,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     val_x, val_y = _subset(data.val, run.max_val_samples)
     partial = out_dir / ".partial"
     resume = partial / "resume.h5"
-    start = _resume_point(partial, run.meta) or start
+    start = _resume_point(resume, run.meta) or start
     step, first_epoch, history = 0, 1, []
     if start is not None:
         state = checkpoint.load(start, model, optimizer)
@@ -156,18 +156,17 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     return metrics
 
 
-def _resume_point(partial: Path, meta: dict) -> Path | None:
-    """``partial/resume.h5`` when a killed run of these settings (``meta``) left it; the folder is
-    discarded when a run of other settings (an edited config) did: resuming would mix the two."""
-    resume = partial / "resume.h5"
+def _resume_point(resume: Path, meta: dict) -> Path | None:
+    """``resume`` when a killed run of these settings (``meta``) left it; its folder is discarded
+    when a run of other settings (an edited config) did: resuming would mix the two."""
     if not resume.exists():
         return None
     with open_h5(resume) as f:
         same = all(k in f.attrs and f.attrs[k] == v for k, v in meta.items())
     if same:
         return resume
-    print(f"discarding {partial}: left by a run with other settings", flush=True)
-    shutil.rmtree(partial)
+    print(f"discarding {resume.parent}: left by a run with other settings", flush=True)
+    shutil.rmtree(resume.parent)
     return None
 
 
