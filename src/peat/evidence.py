@@ -328,7 +328,7 @@ def _few_bits(c: np.ndarray, g: np.ndarray, noise) -> np.ndarray:
     xor = (c.view(np.int32) ^ g.view(np.int32)).astype(np.int64) & 0xFFFFFFFF
     _, exponent = np.frexp(g)
     ulp = np.ldexp(1.0, exponent.astype(np.int64) - 24)  # g = m 2^e, m in [0.5, 1); float32 keeps 24 bits of m
-    reach = np.floor(np.log2(noise / ulp))  # the bits of g the noise can reach: 23 and up, its exponent
+    reach = np.floor(np.log2(noise / ulp))  # how many low bits of g the noise reaches (23 or more: its exponent)
     bits = np.bitwise_count(xor & ~((np.int64(1) << np.clip(reach, 0, 23).astype(np.int64)) - 1))
     found = (bits >= 1) & (bits <= 2) & (reach < 23)
     rest = np.flatnonzero(~found)
