@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -1000,11 +1001,11 @@ def test_resume_of_a_model_with_dropout_matches_uninterrupted_run(digits, tmp_pa
     assert_bit_identical(tmp_path / "whole" / "final.h5", tmp_path / "resumed" / "final.h5")
 
     # A resume point left by a run of other settings (an edited config) is discarded, not resumed.
-    edited = Run(**{**vars(run), "optimizer": {"name": "sgd", "lr": 0.5}, "meta": {"config_hash": "edited"}})
+    edited = dataclasses.replace(run, optimizer={"name": "sgd", "lr": 0.5}, meta={"config_hash": "edited"})
     with pytest.raises(KeyboardInterrupt):
         fit(build(), ds, edited, tmp_path / "edited", progress=False, before_step=die)
     assert (tmp_path / "edited" / ".partial" / "resume.h5").exists()
-    fit(build(), ds, Run(**{**vars(run), "meta": {"config_hash": "current"}}), tmp_path / "edited", progress=False)
+    fit(build(), ds, dataclasses.replace(run, meta={"config_hash": "current"}), tmp_path / "edited", progress=False)
     assert not (tmp_path / "edited" / ".partial").exists()
     assert_bit_identical(tmp_path / "whole" / "final.h5", tmp_path / "edited" / "final.h5")  # epoch 1 trained again
 

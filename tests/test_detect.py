@@ -276,15 +276,17 @@ def test_a_bit_flip_on_a_reordered_result_is_a_bit_flip(flip):
     assert classify(faulty, golden, env) == "bit_flip"
 
 
+def cancel_first_output(sample):
+    """Linear output (0, 0) cancels to rounding noise: the bias is minus the dot product."""
+    sample["B"][0] = -(sample["A"][0].double() @ sample["W"][0].double()).float()
+
+
 def test_a_random_value_where_golden_is_below_the_noise_stays_a_random_value():
     """Where golden is smaller than the fp32 envelope, any value that flipping its top exponent
     bit makes tiny would come back within noise: the flip must also restore golden's sign and
     binade, as undoing a real upset on a reordered result does (seen: 3 rv:1 cases of the
     detector benchmark read as bit_flip)."""
-    def cancel(sample):  # output (0, 0) cancels to rounding noise: the bias is minus the dot product
-        sample["B"][0] = -(sample["A"][0].double() @ sample["W"][0].double()).float()
-
-    sample, attrs, golden, ref, env = case("linear", tweak=cancel)
+    sample, attrs, golden, ref, env = case("linear", tweak=cancel_first_output)
     flat = golden.reshape(-1)
     where = 0
     assert float(flat[where].abs()) < env["tau32"] / 10
@@ -297,10 +299,7 @@ def test_where_golden_is_below_the_noise_its_exponent_is_noise_too():
     """The noise reaches golden's exponent there, so a value whose exponent is 2 bits from
     golden's, with another mantissa, is no bit flip (seen: 4 of 146 rv:1 cases of the detector
     benchmark read as bit_flip); one exponent bit of golden flipped still is one."""
-    def cancel(sample):  # output (0, 0) cancels to rounding noise, as above
-        sample["B"][0] = -(sample["A"][0].double() @ sample["W"][0].double()).float()
-
-    sample, attrs, golden, ref, env = case("linear", tweak=cancel)
+    sample, attrs, golden, ref, env = case("linear", tweak=cancel_first_output)
     g = golden.reshape(-1)[:1].clone()
     assert 0 < float(g.abs()) < env["tau32"] / 10
     bits = int(g.view(torch.int32))
