@@ -308,53 +308,17 @@ def _each_sample(plan: Plan, timer: Timer, layer: str, computation: str, steps: 
 
 
 def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps: list[int]) -> list:
+    """The rows of one layer and computation at ``steps``: per sample, the references, the cases
+    at the kernel's output and, for a forward, at the later observing points."""
     rows = []
     attrs, _ = read_layer(plan.context, layer, [])  # the layer's attributes alone
     variants = _variants(plan, layer, computation, attrs)  # made once: stateful models see consecutive calls
-    # The kernel case's results are kept for the variants injecting into them (see _injected), until the last.
-    reusing = [case for case, kernel in variants.items() if errors.reuses(kernel, computation, variants["kernel"])]
-    target = kernels.TARGET[computation]
     follow = plan.propagate is not None and computation == "forward"
     # A forward applies wherever the layer ran.
     replayed = sorted(set(steps) & set(recorded_steps(plan.context, layer, ran=True))) if follow else None
     for sample in _each_sample(plan, timer, layer, computation, steps):
-        ref = references(timer, computation, sample, attrs)
-        with timer("score"):
-            base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
-                    "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
-                    "golden_vs_recorded": _recorded_difference(ref["golden"][target], sample.get(target))}
-            # The context holds the running statistics before the step's update only.
-            scored = {tensor: _Scored(plan, base if tensor == target else
-                                      base | {"tensor": tensor, "golden_vs_recorded": float("nan")},
-                                      {name: out[tensor] for name, out in ref.items()}) for tensor in ref["golden"]}
-        del ref  # each case is scored as it comes and dropped: only golden and the envelopes stay
-        failed, own = [], None
-        # Downstream, each case injects what it injects here: copies taken before the kernel's call
-        # (from whose result the variants that inject into results start, see _injected).
-        twins = {case: errors.replica(kernel, computation) for case, kernel in variants.items()} if follow else {}
-        for case, kernel in variants.items():
-            try:
-                if own is not None and case in reusing:
-                    # Injected into the result alone: the statistics it updated are the kernel case's.
-                    out = own | {target: _injected(timer, kernel, computation, own[target], sample, attrs)}
-                else:
-                    if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
-                        twins[case] = errors.replica(kernel, computation)
-                    out = _call(timer, kernel, computation, sample, attrs)
-            except Exception as err:  # a kernel failing later than its probe: a row saying so
-                status = "not_applicable" if isinstance(err, errors.NotApplicable) else "crash"
-                failed.append({**plan.meta, "layer": layer, "step": int(sample["step"]), "computation": computation,
-                               "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
-                twins.pop(case, None)  # no row downstream either: its row is above
-            else:
-                with timer("score"):
-                    for tensor, of_tensor in scored.items():
-                        of_tensor.add(case, out[tensor])
-                if case == "kernel" and reusing and out[target].shape == scored[target].golden.shape:
-                    own = out
-                del out
-            if reusing and case == reusing[-1]:
-                own = None
+        base, scored = _scored_references(plan, timer, layer, computation, sample, attrs)
+        failed, twins = _cases(plan, timer, variants, base, sample, attrs, scored, follow)
         rows += failed  # a failed case's row comes before the scored ones, as the table has always had it
         for of_tensor in scored.values():
             rows += of_tensor.rows
@@ -362,6 +326,61 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps:
             with timer("propagate"):
                 rows += plan.propagate.rows(layer, sample, twins, base, plan.rules, timer, replayed=replayed)
     return rows
+
+
+def _scored_references(plan: Plan, timer: Timer, layer: str, computation: str, sample: dict,
+                       attrs: dict) -> tuple[dict, dict[str, "_Scored"]]:
+    """The sample's row base and a ``_Scored`` per result tensor, its references' rows in it.
+    The references go when this returns: only golden and the envelopes stay."""
+    target = kernels.TARGET[computation]
+    ref = references(timer, computation, sample, attrs)
+    with timer("score"):
+        base = {**plan.meta, "op": attrs["op"], "layer": layer, "step": int(sample["step"]),
+                "epoch": int(sample["epoch"]), "computation": computation, "fop": "output", "tensor": target,
+                "golden_vs_recorded": _recorded_difference(ref["golden"][target], sample.get(target))}
+        # The context holds the running statistics before the step's update only.
+        scored = {tensor: _Scored(plan, base if tensor == target else
+                                  base | {"tensor": tensor, "golden_vs_recorded": float("nan")},
+                                  {name: out[tensor] for name, out in ref.items()}) for tensor in ref["golden"]}
+    return base, scored
+
+
+def _cases(plan: Plan, timer: Timer, variants: dict, base: dict, sample: dict, attrs: dict,
+           scored: dict[str, "_Scored"], follow: bool) -> tuple[list[dict], dict]:
+    """Each variant (the kernel, then each faulty kernel) on ``sample`` (its row ``base``), its
+    results scored into ``scored`` as they come and dropped. Returns the rows of the cases that
+    failed and, where ``follow``, per case a copy of its kernel taken before its call: downstream,
+    each case injects what it injects here (``errors.replica``)."""
+    computation, target = base["computation"], kernels.TARGET[base["computation"]]
+    # The kernel case's results are kept for the variants injecting into them (see _injected), until the last.
+    reusing = [case for case, kernel in variants.items() if errors.reuses(kernel, computation, variants["kernel"])]
+    failed, own = [], None
+    # A variant that injects into the kernel's result does not call it: its copy from the start serves.
+    twins = {case: errors.replica(kernel, computation) for case, kernel in variants.items()} if follow else {}
+    for case, kernel in variants.items():
+        try:
+            if own is not None and case in reusing:
+                # Injected into the result alone: the statistics it updated are the kernel case's.
+                out = own | {target: _injected(timer, kernel, computation, own[target], sample, attrs)}
+            else:
+                if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
+                    twins[case] = errors.replica(kernel, computation)
+                out = _call(timer, kernel, computation, sample, attrs)
+        except Exception as err:  # a kernel failing later than its probe: a row saying so
+            status = "not_applicable" if isinstance(err, errors.NotApplicable) else "crash"
+            failed.append({**plan.meta, "layer": base["layer"], "step": base["step"], "computation": computation,
+                           "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
+            twins.pop(case, None)  # no row downstream either: its row is above
+        else:
+            with timer("score"):
+                for tensor, of_tensor in scored.items():
+                    of_tensor.add(case, out[tensor])
+            if case == "kernel" and reusing and out[target].shape == scored[target].golden.shape:
+                own = out
+            del out
+        if reusing and case == reusing[-1]:
+            own = None
+    return failed, twins
 
 
 class _Scored:
