@@ -117,15 +117,7 @@ def _with_defaults(cls):
 def _cross_check(config: dict, reference_defaulted: bool = False) -> None:
     datasets, models = config["datasets"], config["models"]
     for name, spec in datasets.items():
-        if spec["source"] in ("cifar10", "text"):
-            path = spec.get("path")
-            if path is None:
-                raise PeatError(f"config key 'datasets.{name}.path' is missing (source {spec['source']} reads local files)")
-            if not Path(path).expanduser().exists():
-                raise PeatError(f"config key 'datasets.{name}.path': {path} does not exist")
-        part = spec.get("part")
-        if part and part[0] >= part[1]:  # an empty text failed in data preparation, naming seq_len
-            raise PeatError(f"config key 'datasets.{name}.part': start {part[0]:g} is not below end {part[1]:g}")
+        _check_dataset(name, spec)
     for name, model in models.items():
         if model["dataset"] not in datasets:
             raise PeatError(
@@ -133,28 +125,7 @@ def _cross_check(config: dict, reference_defaulted: bool = False) -> None:
                 f"defined: {', '.join(datasets)}"
             )
         _check_kind(name, model, datasets[model["dataset"]])
-        base = model.get("init_from")
-        if base is not None and base not in models:
-            raise PeatError(f"config key 'models.{name}.init_from': unknown model {base!r}; defined: {', '.join(models)}")
-        if base == name:
-            raise PeatError(f"config key 'models.{name}.init_from': a model cannot start from itself")
-        if base is not None and models[base]["arch"] != model["arch"]:
-            # Its checkpoint would not load: the job would fail only after the base model's training.
-            raise PeatError(f"config key 'models.{name}.init_from': {base!r} is a {models[base]['arch']}, "
-                            f"not a {model['arch']}")
-        if base is not None and model["arch"] not in IMAGE_ARCHS:
-            # Layers the base lacks failed the job after the base's training; other widths were skipped
-            # by the checkpoint load, a fine-tuning that silently started from scratch.
-            own, theirs = language_size(model.get("size")), language_size(models[base].get("size"))
-            if own != theirs:
-                raise PeatError(f"config key 'models.{name}.size': {own} is not the size of init_from model "
-                                f"{base!r} ({theirs}), whose checkpoint it starts from")
-            # One learned position embedding per position: the checkpoint's would not load.
-            lengths = [datasets.get(models[m]["dataset"], {}).get("seq_len") for m in (name, base)]
-            if model["arch"] in ("gpt2", "bert") and None not in lengths and lengths[0] != lengths[1]:
-                raise PeatError(f"config key 'datasets.{model['dataset']}.seq_len': {lengths[0]} is not the seq_len "
-                                f"of init_from model {base!r}'s dataset ({lengths[1]}), whose {model['arch']} "
-                                "position embeddings it starts from")
+        _check_init_from(name, models, datasets)
         _check_schedule(name, model)
         _check_batch(name, model, datasets[model["dataset"]])
         # A glob matching no layer failed the golden training job, which records these layers.
@@ -166,6 +137,46 @@ def _cross_check(config: dict, reference_defaulted: bool = False) -> None:
         raise PeatError(f"config key 'reference_vendor': {ref!r}{default} is not in 'vendors' "
                         f"({', '.join(config['vendors'])}): set it to one of them, whose golden context every "
                         "vendor replays")
+
+
+def _check_dataset(name: str, spec: dict) -> None:
+    if spec["source"] in ("cifar10", "text"):
+        path = spec.get("path")
+        if path is None:
+            raise PeatError(f"config key 'datasets.{name}.path' is missing (source {spec['source']} reads local files)")
+        if not Path(path).expanduser().exists():
+            raise PeatError(f"config key 'datasets.{name}.path': {path} does not exist")
+    part = spec.get("part")
+    if part and part[0] >= part[1]:  # an empty text failed in data preparation, naming seq_len
+        raise PeatError(f"config key 'datasets.{name}.part': start {part[0]:g} is not below end {part[1]:g}")
+
+
+def _check_init_from(name: str, models: dict, datasets: dict) -> None:
+    """A base model whose checkpoint this one can start from: otherwise the job failed, or silently
+    started from scratch, only after the base model's training."""
+    model, base = models[name], models[name].get("init_from")
+    if base is None:
+        return
+    if base not in models:
+        raise PeatError(f"config key 'models.{name}.init_from': unknown model {base!r}; defined: {', '.join(models)}")
+    if base == name:
+        raise PeatError(f"config key 'models.{name}.init_from': a model cannot start from itself")
+    if models[base]["arch"] != model["arch"]:
+        raise PeatError(f"config key 'models.{name}.init_from': {base!r} is a {models[base]['arch']}, "
+                        f"not a {model['arch']}")
+    if model["arch"] in IMAGE_ARCHS:
+        return
+    # Layers the base lacks failed the job; other widths were skipped by the checkpoint load.
+    own, theirs = language_size(model.get("size")), language_size(models[base].get("size"))
+    if own != theirs:
+        raise PeatError(f"config key 'models.{name}.size': {own} is not the size of init_from model "
+                        f"{base!r} ({theirs}), whose checkpoint it starts from")
+    # One learned position embedding per position: the checkpoint's would not load.
+    lengths = [datasets.get(models[m]["dataset"], {}).get("seq_len") for m in (name, base)]
+    if model["arch"] in ("gpt2", "bert") and None not in lengths and lengths[0] != lengths[1]:
+        raise PeatError(f"config key 'datasets.{model['dataset']}.seq_len': {lengths[0]} is not the seq_len "
+                        f"of init_from model {base!r}'s dataset ({lengths[1]}), whose {model['arch']} "
+                        "position embeddings it starts from")
 
 
 def _check_kind(name: str, model: dict, dataset: dict) -> None:
