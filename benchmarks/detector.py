@@ -213,16 +213,20 @@ def figure(confusion: pd.DataFrame, path: Path) -> None:
 
 
 def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: bool = False,
-        rules: detect.Rules = detect.Rules(), layers: list[str] | None = None) -> dict:
+        rules: detect.Rules = detect.Rules(), layers: list[str] | None = None, specs: list[str] | None = None) -> dict:
+    """``specs``: the pseudo-errors injected instead of ``SPECS`` (or the smoke run's)."""
     torch.set_num_threads(1)
     start = time.perf_counter()
     if not contexts:
         raise PeatError("no context files given (--context) and none under results/golden/*/*/context.h5")
-    frame = build_cases(contexts, seeds=seeds, steps=steps, specs=SMOKE_SPECS if smoke else SPECS,
+    specs = list(specs or (SMOKE_SPECS if smoke else SPECS))
+    for spec in specs:  # before any replay: a typo would otherwise fail after the first layers
+        errors.parse(spec)
+    frame = build_cases(contexts, seeds=seeds, steps=steps, specs=specs,
                         alternatives={k: v[:1] for k, v in ALTERNATIVES.items()} if smoke else ALTERNATIVES,
                         rules=rules, layers_per_op=1 if smoke else None, layers=layers)
     return report(frame, out, contexts=[str(c) for c in contexts], seeds=seeds, steps=steps, smoke=smoke,
-                  layers=layers, specs=list(SMOKE_SPECS if smoke else SPECS), wall_s=time.perf_counter() - start)
+                  layers=layers, specs=specs, wall_s=time.perf_counter() - start)
 
 
 def combine(parts, out: str | Path) -> dict:
@@ -270,13 +274,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="reports/benchmarks/detector")
     parser.add_argument("--smoke", action="store_true", help="a few specs, one layer per op (for the tests)")
     parser.add_argument("--layer", action="append", default=None, help="only recorded layers matching this glob")
+    parser.add_argument("--spec", action="append", default=None,
+                        help="a pseudo-error to inject instead of the default grid (repeatable; peat.errors' grammar)")
     parser.add_argument("--combine", action="append", default=None, metavar="DIR",
                         help="report the cases of earlier runs' --out DIRs together (repeatable; runs nothing)")
     args = parser.parse_args(argv)
     contexts = args.context or sorted(glob.glob("results/golden/*/*/context.h5"))
     try:
         summary = combine(args.combine, args.out) if args.combine else \
-            run(contexts, args.out, seeds=args.seeds, steps=args.steps, smoke=args.smoke, layers=args.layer)
+            run(contexts, args.out, seeds=args.seeds, steps=args.steps, smoke=args.smoke, layers=args.layer,
+                specs=args.spec)
     except PeatError as err:
         print(f"detector benchmark: error: {err}", file=sys.stderr)
         return 2

@@ -529,6 +529,25 @@ def test_detector_benchmark_smoke(context, tmp_path):
     assert set(pd.read_csv(tmp_path / "metrics.csv")["method"]) == {"detector", "allclose", "peat_rule_of_thumb"}
 
 
+
+def test_detector_benchmark_injects_the_specs_given(context, tmp_path):
+    """--spec replaces the default grid (the alternatives stay); a spec it cannot parse stops the
+    run with one line before any replay, and nothing is written."""
+    run = [sys.executable, str(REPO / "benchmarks" / "detector.py"), "--smoke", "--seeds", "1", "--context", str(context)]
+    proc = subprocess.run(run + ["--out", str(tmp_path / "a"), "--spec", "rv:2", "--spec", "lane:2:row"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cases = pd.read_csv(tmp_path / "a" / "cases.csv")
+    assert set(cases.loc[~cases["correct_kernel"], "case"]) == {"rv:2", "lane:2:row"}
+    assert set(cases.loc[cases["correct_kernel"], "case"]) == {"kernel:im2col", "kernel:blocked_gemm",
+                                                               "kernel:onepass_norm"}
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["specs"] == ["rv:2", "lane:2:row"]
+    proc = subprocess.run(run + ["--out", str(tmp_path / "b"), "--spec", "rv:2", "--spec", "lane:0"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("detector benchmark: error: error spec 'lane:0': not understood")
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "b").exists()
+
 # -- the workflow ------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.xdist_group("workflow")
