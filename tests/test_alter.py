@@ -650,6 +650,17 @@ def test_h5diff_statistics(tmp_path):
     assert A.diff(a, b)["only_in_a"] == ["/only_a"]
 
 
+def test_h5diff_relative_difference_of_a_zero_whose_sign_flipped_is_zero(tmp_path):
+    """0.0 -> -0.0 gave 0/0: max_rel read nan, hiding the other values' relative differences."""
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    with h5py.File(a, "w") as f:
+        f["x"] = np.array([0.0, 2.0, 4.0], np.float32)
+    with h5py.File(b, "w") as f:
+        f["x"] = np.array([-0.0, 3.0, 4.0], np.float32)
+    row = A.diff(a, b)["datasets"][0]
+    assert row["differing"] == 2 and row["max_rel"] == 0.5 and row["mean_rel"] == 0.25
+
+
 def test_h5diff_summary_counts_only_differing_datasets_with_all(mixed, tmp_path, capsys):
     run_alter(mixed, tmp_path / "o.h5", count=3, select=["model/conv1.weight"])
     for flag in ([], ["--all"]):

@@ -920,7 +920,8 @@ def _diff_row(entry: Entry, ra: np.ndarray, rb: np.ndarray, where: np.ndarray) -
     finite = np.isfinite(va) & np.isfinite(vb)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         delta = np.abs(vb[finite] - va[finite])
-        rel = delta / np.abs(va[finite])  # inf where the old value was zero
+        # inf where the old value was zero; 0 for 0.0 vs -0.0, equal numbers whose 0/0 (NaN) max() would return
+        rel = np.where(delta == 0, 0.0, delta / np.abs(va[finite]))
         scale_ = delta.max() if len(delta) else 0.0  # scaled: squares of flipped float64 overflow
         euclid = scale_ * np.sqrt(((delta / scale_) ** 2).sum()) if scale_ and np.isfinite(scale_) else scale_
     flipped = (ra[where] ^ rb[where]).astype(np.uint64)
