@@ -690,6 +690,18 @@ def test_h5diff_compares_the_datasets_peat_never_alters(tmp_path, capsys):
     assert table[1].split()[:3] == ["/fixed", "string", "1"]
 
 
+def test_h5diff_json_naming_a_compared_file_or_a_directory_fails_with_one_line(mixed, tmp_path, capsys):
+    """--json B.h5 replaced the checkpoint B with the comparison; --json . failed with a traceback."""
+    b = tmp_path / "o.h5"
+    run_alter(mixed, b, count=3)
+    before = sha(b)
+    assert main(["h5diff", str(mixed), str(b), "--json", str(b)]) == 2
+    assert capsys.readouterr().err.strip() == f"peat h5diff: error: --json {b}: that is a compared file; name another file"
+    assert sha(b) == before
+    assert main(["h5diff", str(mixed), str(b), "--json", "."]) == 2
+    assert capsys.readouterr().err.strip() == "peat h5diff: error: --json .: is a directory; name the JSON file"
+
+
 def test_h5diff_positions_without_json_are_printed_as_the_log_writes_them(mixed, tmp_path, capsys):
     """--positions without --json listed the differing elements nowhere."""
     log = tmp_path / "log.json"

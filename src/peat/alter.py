@@ -731,10 +731,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     src = Path(src)
     plan.check()
     out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
-    if log is not None and Path(log).resolve() in {src.resolve(), out.resolve()}:
-        raise PeatError(f"--log {log}: that is the checkpoint itself; name another file")
-    if log is not None and Path(log).is_dir():  # else its rename fails after all the work
-        raise PeatError(f"--log {log}: is a directory; name the log file")
+    if log is not None:
+        _check_json_output("--log", log, [src, out], "the checkpoint itself", "log")
     t0 = time.perf_counter()
     entries = [e for e in scan(src) if not e.fixed]
     if not entries:
@@ -768,6 +766,14 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     timings = {"select": t_select - t0, "copy": t_copy - t_select, "flip": t_flip - t_copy,
                "rename": t_end - t_log, "log": t_log - t_flip, "total": t_end - t0}
     return Result(n, len({e.entry.path for e in edits}), takers, timings, rows)
+
+
+def _check_json_output(option: str, path, files: list, what: str, noun: str) -> None:
+    """One line, before any work, for a JSON output that would replace one of ``files`` or is a directory."""
+    if Path(path).resolve() in {Path(p).resolve() for p in files}:
+        raise PeatError(f"{option} {path}: that is {what}; name another file")
+    if Path(path).is_dir():  # else its rename fails after all the work
+        raise PeatError(f"{option} {path}: is a directory; name the {noun} file")
 
 
 LOG_CHUNK = 50_000  # injection-log rows encoded at a time (about 10 MB of JSON)
@@ -1072,6 +1078,8 @@ def cli_h5diff(argv: list[str]) -> int:
                         "in the JSON with --json, else printed after the table, one JSON object a line")
     p.add_argument("--all", action="store_true", help="show identical datasets in the table too")
     args = p.parse_args(argv)
+    if args.json is not None:
+        _check_json_output("--json", args.json, [args.a, args.b], "a compared file", "JSON")
     result = diff(args.a, args.b, positions=args.positions)
     print(format_table(result, args.all))
     if args.json:
