@@ -585,6 +585,10 @@ def test_fraction_rounds_halves_up(mixed, tmp_path):
         f.create_dataset("w", data=np.arange(1, 6, dtype=np.float32))
     assert run_alter(five, tmp_path / "o.h5", fraction=0.5).flips == 3
     assert run_alter(five, tmp_path / "o.h5", fraction=0.3).flips == 2  # 1.5 -> 2; round() agrees here
+    many = tmp_path / "many.h5"
+    with h5py.File(many, "w") as f:
+        f.create_dataset("w", data=np.ones(1500, np.float32))
+    assert run_alter(many, tmp_path / "o.h5", fraction=0.009).flips == 14  # 13.5, though 0.009 * 1500 < 13.5 in floats
 
 
 def test_no_command_prints_the_usage_as_an_error_and_help_as_an_answer(capsys):

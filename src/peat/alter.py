@@ -30,6 +30,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import h5py
@@ -593,7 +594,9 @@ def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> tuple[li
 
 def _amount(plan: Plan, total: int, rng: np.random.Generator) -> int:
     if plan.fraction is not None:
-        return math.floor(plan.fraction * total + 0.5)  # halves up, as a user reads "round"; round() goes to even
+        # Halves up, as a user reads "round" (round() goes to even), of the fraction as written: the
+        # float 0.009 is just below 0.009, so 0.009 x 1500 = 13.5 computed in floats rounds down.
+        return int((Decimal(repr(float(plan.fraction))) * total).to_integral_value(ROUND_HALF_UP))
     if plan.probability is not None:
         return int(rng.binomial(total, plan.probability))
     return 1 if plan.count is None else plan.count
