@@ -1012,6 +1012,18 @@ def test_a_log_that_flips_a_bit_or_alters_a_value_twice_fails_with_one_line(tmp_
     assert not (tmp_path / "o.h5").exists()
 
 
+@pytest.mark.parametrize("index", [8, -1, 2**70, -(2**70)])
+def test_a_log_index_outside_the_dataset_fails_with_one_line(tmp_path, index):
+    """An index beyond int64 (a hand-written log) failed with numpy's OverflowError and a traceback."""
+    src, log = tmp_path / "in.h5", tmp_path / "log.json"
+    with h5py.File(src, "w") as f:
+        f["x"] = np.ones(8, np.float32)
+    log.write_text(json.dumps({"injections": [{"dataset": "/x", "index": [index], "bit": 1}]}))
+    with pytest.raises(PeatError, match=r"log\.json has an index outside /x of shape \(8,\)$"):
+        A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log)
+    assert not (tmp_path / "o.h5").exists()
+
+
 def test_region_sign_with_no_sign_change_fails_with_one_line_naming_both(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--region", "sign", "--no-sign-change"]) == 2
     assert capsys.readouterr().err.strip() == "peat alter: error: --region sign flips only sign bits: it contradicts --no-sign-change"

@@ -819,9 +819,10 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> tuple
         if any(len(r["index"]) != len(entry.shape) for r in group):
             raise PeatError(f"{source}: log {log} cannot be applied to {name}: its indices do not have the "
                             f"{len(entry.shape)} dimension(s) of shape {entry.shape}")
-        index = np.array([r["index"] for r in group], np.int64).reshape(len(group), len(entry.shape))
-        if entry.shape and ((index < 0) | (index >= np.array(entry.shape))).any():
+        # Checked before numpy holds them: an index beyond int64 would fail there with an OverflowError.
+        if any(not 0 <= i < n for r in group for i, n in zip(r["index"], entry.shape)):
             raise PeatError(f"{source}: log {log} has an index outside {name} of shape {entry.shape}")
+        index = np.array([r["index"] for r in group], np.int64).reshape(len(group), len(entry.shape))
         positions = np.ravel_multi_index(index.T, entry.shape) if entry.shape else np.zeros(len(group), np.int64)
         _, first, seen = np.unique(positions, return_index=True, return_counts=True)
         if (seen > 1).any():  # only the last would be applied, and the log would list both
