@@ -1030,6 +1030,15 @@ def test_region_sign_with_no_sign_change_fails_with_one_line_naming_both(mixed, 
     assert not (tmp_path / "o.h5").exists()
 
 
+@pytest.mark.parametrize("scale", ["-2", "-0"])
+def test_a_negative_scale_with_no_sign_change_fails_with_one_line(mixed, tmp_path, capsys, scale):
+    """--scale -0 passed the check (-0.0 < 0 is false) and turned every positive value into -0.0."""
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--scale", scale, "--no-sign-change"]) == 2
+    assert capsys.readouterr().err.strip() == (f"peat alter: error: --scale {float(scale)} changes every sign: "
+                                               "it contradicts --no-sign-change")
+    assert not (tmp_path / "o.h5").exists()
+
+
 def test_selecting_a_dataset_peat_never_alters_says_why(tmp_path):
     src = tmp_path / "in.h5"
     with h5py.File(src, "w") as f:

@@ -474,7 +474,8 @@ class Plan:
             raise PeatError(f"--scale {self.scale}: must be finite")
         if self.region == "sign" and not self.sign_change:
             raise PeatError("--region sign flips only sign bits: it contradicts --no-sign-change")
-        if self.scale is not None and self.scale < 0 and not self.sign_change:
+        # copysign: -0.0 < 0 is false, yet multiplying by it negates every sign too.
+        if self.scale is not None and math.copysign(1.0, self.scale) < 0 and not self.sign_change:
             raise PeatError(f"--scale {self.scale} changes every sign: it contradicts --no-sign-change")
         for cls in self.classes:
             if cls not in CLASSES:
