@@ -665,6 +665,21 @@ def test_h5diff_relative_difference_of_a_zero_whose_sign_flipped_is_zero(tmp_pat
     assert row["differing"] == 2 and row["max_rel"] == 0.5 and row["mean_rel"] == 0.25
 
 
+
+def test_h5diff_names_the_layouts_of_datasets_it_cannot_compare(tmp_path):
+    """A bf16-tagged uint16 against a plain one, and float32 of the two byte orders: the status
+    said "uint16 vs uint16" and "float32 vs float32"."""
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    with h5py.File(a, "w") as f:
+        f.create_dataset("w", data=np.arange(3, dtype=np.uint16)).attrs["dtype"] = "bfloat16"
+        f["x"] = np.ones(2, "<f4")
+    with h5py.File(b, "w") as f:
+        f["w"] = np.arange(3, dtype=np.uint16)
+        f["x"] = np.ones(2, ">f4")
+    status = {r["dataset"]: r["status"] for r in A.diff(a, b)["datasets"]}
+    assert status == {"/w": "differs in shape/dtype: (3,) bfloat16 (<u2) vs (3,) uint16 (<u2)",
+                      "/x": "differs in shape/dtype: (2,) float32 (<f4) vs (2,) float32 (>f4)"}
+
 def test_h5diff_summary_counts_only_differing_datasets_with_all(mixed, tmp_path, capsys):
     run_alter(mixed, tmp_path / "o.h5", count=3, select=["model/conv1.weight"])
     for flag in ([], ["--all"]):

@@ -905,7 +905,7 @@ def diff(a, b, *, positions: bool = False) -> dict:
             continue
         x, y = ea[name], eb[name]
         if x.shape != y.shape or x.dtype != y.dtype or x.layout != y.layout:
-            rows.append({"dataset": name, "status": f"differs in shape/dtype: {x.shape} {x.dtype} vs {y.shape} {y.dtype}"})
+            rows.append({"dataset": name, "status": f"differs in shape/dtype: {_typed(x)} vs {_typed(y)}"})
             continue
         ra, rb = sa.raw(x), sb.raw(y)
         where = np.flatnonzero(ra != rb)
@@ -919,6 +919,12 @@ def diff(a, b, *, positions: bool = False) -> dict:
     if positions:
         out["positions"] = listing
     return out
+
+
+def _typed(entry: Entry) -> str:
+    # The layout and the stored type: a bf16-tagged uint16 against a plain one, or float32 of the
+    # other byte order, would otherwise read "uint16 vs uint16", "float32 vs float32".
+    return f"{entry.shape} {entry.layout.name} ({np.dtype(entry.dtype).str})"
 
 
 def _diff_row(entry: Entry, ra: np.ndarray, rb: np.ndarray, where: np.ndarray) -> dict:
