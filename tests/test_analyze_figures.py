@@ -98,6 +98,26 @@ def test_a_case_that_made_nan_or_inf_is_named_so_not_drawn_as_an_exact_match(tab
     assert not any(t.get_text() for ax in drawn["heatmap"].axes for t in ax.texts)
 
 
+def test_heatmap_keeps_and_marks_the_kernels_all_nan_results(table, tmp_path, drawn):
+    """A result without a finite element has no score: a layer whose every result of the kernel was
+    all NaN lost its heatmap row, and such a cell beside scored ones lost its "NaN/Inf" (seaborn
+    annotates no cell without a value)."""
+    table = table.assign(nonfinite=0)
+    nan = (table["case"] == "kernel") & (table["layer"] == "b") & (table["computation"] == "forward")
+    table.loc[nan, ["err_top10", "rel_top10"]] = np.nan
+    table.loc[nan, "nonfinite"] = 24
+    analyze.figures(table, tmp_path)
+    heat = [ax for ax in drawn["heatmap"].axes if ax.get_label() != "<colorbar>"][0]
+    rows = [t.get_text() for t in heat.get_yticklabels()]
+    assert "b-forward" in rows
+    marked = [t.get_position() for t in heat.texts if t.get_text() == "NaN/Inf"]
+    assert marked == [(0.5, rows.index("b-forward") + 0.5), (1.5, rows.index("b-forward") + 0.5)]
+    table.loc[nan & (table["step"] == 0), ["err_top10", "rel_top10"]] = 1e-7, 1.0  # one cell scored
+    analyze.figures(table, tmp_path)
+    heat = [ax for ax in drawn["heatmap"].axes if ax.get_label() != "<colorbar>"][0]
+    assert [t.get_text() for t in heat.texts if t.get_position() == (1.5, rows.index("b-forward") + 0.5)] == ["NaN/Inf"]
+
+
 def test_ratio_figures_name_their_floor_and_share_one_x_scale(table, tmp_path, drawn):
     """Ratios are floored at 1e-3 (an exact match has no logarithm): shown as -3 without a word;
     the distributions' panels each had their own x range, forward and backward not comparable."""

@@ -318,8 +318,10 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     if kernel.empty:  # every call of the kernel after its isolated probe failed (rows with an error)
         _empty(path, "no scored rows of the kernel itself: it failed after its first call", dpi, failed)
         return
-    heat = kernel.pivot_table(index=["layer", "computation"], columns="step", values="log10_rel_top10")
-    if heat.empty:  # the pivot drops NaN scores: those of results without a finite element (an all-NaN output)
+    # Not pivot_table: it drops a row whose every score is NaN, so a layer where the kernel's every
+    # result was all NaN (no finite element) vanished, its "NaN/Inf" marks with it.
+    heat = kernel.groupby(["layer", "computation", "step"])["log10_rel_top10"].mean().unstack("step")
+    if heat.isna().to_numpy().all():  # NaN scores: those of results without a finite element (an all-NaN output)
         _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi, failed)
         return
     # At least 3 in tall: the colorbar's label ran off a figure of one to three rows.
@@ -327,9 +329,10 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     # A cell whose result held a NaN or Inf says so: its colour is the finite elements' score alone.
     bad = kernel.pivot_table(index=["layer", "computation"], columns="step", values="nonfinite", aggfunc="max")
     marks = bad.reindex(index=heat.index, columns=heat.columns).fillna(0) > 0
-    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": REL_LABEL},
-                annot=marks.map(lambda b: "NaN/Inf" if b else "") if marks.to_numpy().any() else None, fmt="",
-                annot_kws={"color": "firebrick", "fontsize": 7})
+    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": REL_LABEL})
+    # Not seaborn's annotations: they skip a cell without a score, the very one of an all-NaN result.
+    for row, col in zip(*np.nonzero(marks.to_numpy())):
+        ax.text(col + 0.5, row + 0.5, "NaN/Inf", ha="center", va="center", color="firebrick", fontsize=7)
     ax.set_title("kernel under test: layer x iteration")
     _save(fig, path, dpi, failed)
 
