@@ -60,8 +60,8 @@ def _report_inputs(workdir: Path) -> list[str]:
 
 def _expected_images(workdir: Path) -> list[str]:
     """Every PNG among the report's inputs, plus the candidate-vs-golden figure it draws per
-    candidate training."""
-    return [f for f in _report_inputs(workdir) if f.endswith(".png") or re.search(r"candidate/.*/compare\.csv$", f)]
+    candidate training and RFI case."""
+    return [f for f in _report_inputs(workdir) if f.endswith(".png") or re.search(r"(candidate|rfi)/.*/compare\.csv$", f)]
 
 
 @pytest.mark.xdist_group("workflow")
@@ -395,6 +395,21 @@ def test_a_run_that_stopped_shows_how_far_it_trained_beside_its_outcome(tmp_path
     rows = pd.read_csv(tmp_path / "out/candidate.csv")
     assert list(rows.columns[:5]) == ["model", "vendor", "kernel", "status", "steps_trained"]
     assert rows.loc[0, "steps_trained"] == 2
+
+
+def test_a_runtime_fi_case_shows_its_loss_against_golden_as_a_candidate_run_does(tmp_path):
+    """README: the section shows each candidate and RFI run's training loss against golden; an RFI
+    case's compare.csv was left out, its row in rfi.csv alone."""
+    compare = pd.DataFrame({"step": [0, 1, 2], "split": "train", "loss_golden": [2.0, 1.5, 1.2],
+                            "loss_candidate": [2.0, 1.9, 1.3]})
+    files = [tmp_path / "results/candidate/m/cpu/k/compare.csv", tmp_path / "results/rfi/m/cpu/k/f0.5/compare.csv"]
+    for path in files:
+        path.parent.mkdir(parents=True)
+        compare.to_csv(path, index=False)
+    page = build(files, tmp_path / "out", name="t", models=["m"], vendors=["cpu"]).read_text()
+    assert re.findall(r'<img src="[^"]*" alt="([^"]*)"', page) == [
+        "m / cpu / k / training vs golden", "m / cpu / k / f0.5 / training vs golden"]
+    assert '<h3 id="candidate-m-cpu-k-f0.5">' in page
 
 
 def test_a_diverged_alteration_run_is_not_shown_as_a_cell_not_measured(tmp_path):

@@ -210,8 +210,8 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
         _append(section, "candidate.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel"), parts[2:5]))))
     elif stage == "rfi" and path.name == "outcome.json" and len(parts) == 7:
         _append(section, "rfi.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel", "case"), parts[2:6]))))
-    elif stage == "candidate" and path.name == "compare.csv" and len(parts) == 6:
-        group = tuple(parts[2:5])
+    elif path.name == "compare.csv" and len(parts) == {"candidate": 6, "rfi": 7}.get(stage):  # whether training recovers
+        group = tuple(parts[2:-1])
         section.figures.append(Figure(compare_figure(path, title=" / ".join(group), dpi=dpi),
                                       " / ".join(group) + " / training vs golden", "", group))
     elif key == "sdc" and path.suffix == ".json" and len(parts) == 4:
