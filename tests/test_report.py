@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -282,6 +283,19 @@ def test_page_without_stage_outputs(tmp_path):
     assert "No candidate kernels" in text and "<img" not in text
     for name, columns in TABLES.items():
         assert pd.read_csv(tmp_path / "out" / name).columns.tolist() == columns
+
+
+def test_page_is_utf8_as_it_says_whatever_the_locale(tmp_path):
+    """The page declares charset utf-8 but was written in the locale's encoding: under a locale
+    that is not UTF-8 (here ASCII) a model named in another alphabet stopped the report with a
+    UnicodeEncodeError (under Latin-1, an accented one was written as a byte that is not UTF-8)."""
+    code = ("import sys; from peat.report import build; "
+            "build([], sys.argv[1], name='t', models=['mod\\u00e8le_\\u03bc'], vendors=['cpu'])")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "models mod\u00e8le_\u03bc;" in (tmp_path / "index.html").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("content, message", [

@@ -154,7 +154,7 @@ def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: li
         write_csv(out_dir / csv_name, table)
     page = _render(sections, title or f"peat report - {name}", name, models, vendors)
     with atomic_path(out_dir / "index.html") as tmp:
-        tmp.write_text(page)
+        tmp.write_text(page, encoding="utf-8")  # as the page declares, not the locale's
     return out_dir / "index.html"
 
 
