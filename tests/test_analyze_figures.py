@@ -213,6 +213,16 @@ def test_many_layers_stay_readable_in_bounded_figures(table, tmp_path, drawn):
     assert [len(ax.patches) for ax in dist.axes] == [3, 3, 3]  # one box a case
 
 
+def test_heatmap_of_every_step_of_a_long_training_stays_report_wide(table, tmp_path, drawn):
+    """max_samples_per_layer: null replays every recorded step: half an inch a step made 200 steps a
+    heatmap 5,571 px wide and 269 tall, a strip in the report's 1,200 px. A few steps look as they did."""
+    steps = pd.concat([table[table["step"] == 0].assign(step=s) for s in range(0, 2000, 10)], ignore_index=True)
+    analyze.figures(steps, tmp_path)
+    assert drawn["heatmap"].get_figwidth() < 20
+    analyze.figures(table, tmp_path)
+    assert drawn["heatmap"].get_figwidth() == 2.0 + 0.5 * 2
+
+
 def test_jobs_read_the_list_columns_only_for_the_figures_drawing_them(table, tmp_path, monkeypatch):
     """Both jobs read the whole playback table: its list columns (bits, row_mass, col_mass, map),
     80 % of it in pandas (+3.7 GB a job at 72k rows), which no rule and two figures read."""

@@ -47,6 +47,9 @@ REL_CUT = 12
 # Layers drawn apart: score_vs_iteration took ~1 s a panel and 20 layers made it 4,700 px wide; the
 # distributions packed 20 layers' boxes per case into 3.2 in. Beyond this, see ``_shown_layers``.
 MAX_LAYERS = 6
+# Inches of the heatmap's step columns at most: at half an inch a step, every step of a long training
+# replayed (max_samples_per_layer: null) made it 5,571 px wide at 200 steps, 269 tall, a strip in the report.
+HEAT_WIDTH = 12
 # The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
 COLUMNS = [*KEYS, "step", *SCORES, "error", "status", "map_rows", "map_cols", "nonfinite"]
 
@@ -325,7 +328,8 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
         _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi, failed)
         return
     # At least 3 in tall: the colorbar's label ran off a figure of one to three rows.
-    fig, ax = plt.subplots(figsize=(2.0 + 0.5 * max(1, heat.shape[1]), max(3.0, 0.9 + 0.35 * heat.shape[0])))
+    fig, ax = plt.subplots(figsize=(2.0 + min(HEAT_WIDTH, 0.5 * max(1, heat.shape[1])),
+                                    max(3.0, 0.9 + 0.35 * heat.shape[0])))
     # A cell whose result held a NaN or Inf says so: its colour is the finite elements' score alone.
     bad = kernel.pivot_table(index=["layer", "computation"], columns="step", values="nonfinite", aggfunc="max")
     marks = bad.reindex(index=heat.index, columns=heat.columns).fillna(0) > 0
