@@ -213,12 +213,15 @@ def _log(values: pd.Series, floor: float = 1e-30) -> pd.Series:
 
 def _shown_layers(own: pd.DataFrame) -> tuple[list[str], list[str]]:
     """Layers drawn apart (in table order) and those left out: beyond ``MAX_LAYERS``, those where
-    the kernel's largest top-10 % error over fp32 noise is largest, where a bug shows first."""
+    the kernel's largest top-10 % error over fp32 noise is largest, where a bug shows first; a NaN
+    or Inf where golden is finite is the largest of all."""
     order = list(dict.fromkeys(own["layer"]))
     if len(order) <= MAX_LAYERS:
         return order, []
     kernel = own[own["case"] == "kernel"] if (own["case"] == "kernel").any() else own
-    worst = kernel.groupby("layer")["log10_rel_top10"].max().reindex(order).fillna(-np.inf)
+    # Not the score alone: an all-NaN result has none (NaN), which ranked its layer last.
+    score = kernel["log10_rel_top10"].where(kernel["nonfinite"] == 0, np.inf)
+    worst = score.groupby(kernel["layer"]).max().reindex(order).fillna(-np.inf)
     shown = set(worst.sort_values(ascending=False, kind="stable").index[:MAX_LAYERS])
     return [x for x in order if x in shown], [x for x in order if x not in shown]
 
