@@ -198,10 +198,12 @@ def test_a_lane_stuck_at_zero_in_a_relus_output_is_a_lane(seed):
     assert classify(faulty, golden, env) == "periodic_lane"
 
 
-def test_a_lane_stuck_on_a_dead_channel_counts_neither_way():
+@pytest.mark.parametrize("scale", [0.0, 1e-6])
+def test_a_lane_stuck_on_a_dead_channel_counts_neither_way(scale):
     """A lane stuck at its first value changes nothing where golden holds that value throughout
-    (a dead channel: seen in MobileNetV2's batch-norm input gradient). The progression's other
-    lanes, 4 of its 5, still make it a lane fault."""
+    (a dead channel: seen in MobileNetV2's batch-norm input gradient), nor beyond the noise
+    where golden spans less than it (an input gradient's row of a sample the network gets
+    right: ResNet-18's fc). The progression's other lanes, 4 of its 5, still make it a lane fault."""
     fault = errors.parse("lane:16:stuck")
     distinct = torch.arange(64 * 80, dtype=torch.float32).reshape(64, 80)
     lanes = (fault.apply(distinct, torch.Generator().manual_seed(0)) != distinct).any(0).nonzero().flatten()
@@ -209,14 +211,22 @@ def test_a_lane_stuck_on_a_dead_channel_counts_neither_way():
     dead = int(lanes[2])
 
     def kill(sample):
-        sample["W"][dead] = 0.0  # the output column is the bias throughout
+        sample["W"][dead] *= scale  # the output column is the bias (and, but for 0, a trace of A)
 
     sample, attrs, golden, ref, env = case("linear", tweak=kill)
     faulty = fault.apply(golden, torch.Generator().manual_seed(0))
-    assert torch.equal(faulty[:, dead], golden[:, dead]) and not torch.equal(faulty, golden)
+    spread = float(golden[:, dead].max() - golden[:, dead].min())
+    assert (spread == 0) == (scale == 0) and spread <= env["tau32"] and not torch.equal(faulty, golden)
+    assert float((faulty[:, dead] - golden[:, dead]).abs().max()) <= env["tau32"]  # no S in that lane
     assert classify(faulty, golden, env) == "periodic_lane"
-    mask = evidence.as_matrix(faulty != golden)  # without golden, the empty lane is one of the five
+    mask = evidence.as_matrix((faulty - golden).abs() > env["tau32"])  # S
+    assert evidence._lanes(mask, detect.Rules(), sparse=False, golden=evidence.as_matrix(golden),
+                           noise=env["tau32"])["lane_cover"] == 1.0
+    # Without golden, or where its lane spans more than the noise, the empty lane is one of the five.
     assert evidence._lanes(mask, detect.Rules(), sparse=False)["lane_cover"] == 0.0
+    if spread:
+        assert evidence._lanes(mask, detect.Rules(), sparse=False, golden=evidence.as_matrix(golden),
+                               noise=spread / 2)["lane_cover"] == 0.0
 
 
 @pytest.mark.parametrize("computation", ["forward", "weight_grad"])

@@ -33,8 +33,9 @@ periodic_lane      >= COVER of S lies in the columns (or rows) of one lane or a 
                    lanes filled >= FILL (of their length where S is sparse, else of the fullest
                    lane: a lane stuck at a value golden often holds is wrong only where golden
                    differs; a lane alone, of its length), at their spacing or a stride dividing it;
-                   a lane without S where golden is one value throughout (a dead channel, which
-                   a stuck lane leaves as it is) counts neither way.
+                   a lane without S where golden spans no more than tau32 (a dead channel; an
+                   input gradient's row of a sample the network gets right), which a stuck lane
+                   cannot move beyond it, counts neither way.
 bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
                    of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch
                    (where they stop below golden's exponent), or comes back within that noise,
