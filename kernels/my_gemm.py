@@ -13,7 +13,8 @@ BLOCK = 64
 
 
 def _gemm(a, b):
-    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
+    # On the operands' device: a GPU vendor's run hands the kernel CUDA tensors.
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
     for start in range(0, a.shape[1], BLOCK):
         block = a[:, start:start + BLOCK].double() @ b[start:start + BLOCK].double()
         acc = (acc.double() + block).float()

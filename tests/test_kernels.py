@@ -562,6 +562,17 @@ def test_alternative_is_correct_and_numerically_different(context, impl, op, bou
     assert differs
 
 
+@pytest.mark.parametrize("impl, op", [a[:2] for a in ALTERNATIVES], ids=[f"{a[0].split('.')[-1]}-{a[1]}" for a in ALTERNATIVES])
+def test_alternative_computes_on_the_device_of_its_operands(context, impl, op):
+    """A GPU vendor's run hands kernels CUDA tensors (meta ones stand in here): the example
+    kernels/my_gemm.py made its accumulator on the CPU, and every call of it crashed there."""
+    kernel = kernels.load(impl, op)
+    for layer, attrs, sample, computation in cases(context, op):
+        if computation in kernel.custom:
+            meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in sample.items()}
+            assert kernels.call(kernel, computation, meta, attrs).is_meta, (layer, computation)
+
+
 @pytest.mark.parametrize("impl", ["peat.alt_kernels.onepass_norm", "peat.alt_kernels.welford_norm"])
 def test_alternative_layer_norm_serves_a_weight_without_bias(impl):
     """LayerNorm(bias=False) passes bias None with a weight: the forward added None and crashed."""
