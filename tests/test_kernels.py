@@ -719,10 +719,15 @@ def _huge(*args, **kwargs):
     return torch.empty(2**33)
 
 
+def _numpy(x, weight, bias):  # a prototype written in NumPy: a crash "Weights only load failed" in a child
+    return (x @ weight.t() + bias).numpy()
+
+
 @pytest.mark.parametrize("func, status, message", [
     (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 2 s"),
     (_segfault, "crash", "killed by SIGSEGV"), (_wrong_shape, "shape_mismatch", "returned (6, 47)"),
-    (_nan, "ok", "288 non-finite values"), (_huge, "oom", "allocate")])
+    (_nan, "ok", "288 non-finite values"), (_huge, "oom", "allocate"),
+    (_numpy, "shape_mismatch", "returned ndarray, expected a tensor")])
 def test_run_isolated_records_outcomes(context, func, status, message):
     attrs, samples = read_layer(context, "fc")
     kernel = kernels.Kernel("bad", "linear", func, func, func, custom=kernels.COMPUTATIONS)
@@ -827,7 +832,7 @@ def test_the_child_does_not_outlive_a_parent_killed_while_it_runs(tmp_path):
 
 @pytest.mark.parametrize("func, status, message", [
     (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 1 s"),
-    (_wrong_shape, "shape_mismatch", "returned (6, 47)")])
+    (_wrong_shape, "shape_mismatch", "returned (6, 47)"), (_numpy, "shape_mismatch", "returned ndarray, expected a tensor")])
 def test_inline_runs_used_under_cuda_record_the_same_outcomes(context, func, status, message):
     attrs, samples = read_layer(context, "fc")
     kernel = kernels.Kernel("bad", "linear", func, func, func, custom=kernels.COMPUTATIONS)

@@ -480,7 +480,7 @@ def _child(conn, calls, memory_mb, parent):
 
     _die_with(parent)
     torch.set_num_threads(1)
-    for func, args, kwargs in calls:
+    for func, args, kwargs, expect in calls:
         if memory_mb:
             # The forked child already maps what the parent mapped: allow that much more, per call
             # (only the soft limit, so that the next call can move it).
@@ -489,9 +489,14 @@ def _child(conn, calls, memory_mb, parent):
             resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
         try:
             value = func(*args, **kwargs)
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            payload = ("ok", buf.getvalue())
+            if expect is not None and not torch.is_tensor(value):
+                # Judged here: a NumPy array would not travel back (torch.load with weights_only
+                # refuses it), and became a crash with torch's message instead of this one.
+                payload = ("shape_mismatch", _not_a_tensor(value))
+            else:
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                payload = ("ok", buf.getvalue())
         except BaseException as err:  # anything the kernel raises is its outcome
             payload = _failure(err)
         conn.send(payload)
@@ -588,7 +593,7 @@ def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> l
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     start = time.perf_counter()
-    proc = ctx.Process(target=_child, args=(child, [(c.func, c.args, c.kwargs) for c in calls], memory_mb,
+    proc = ctx.Process(target=_child, args=(child, [(c.func, c.args, c.kwargs, c.expect) for c in calls], memory_mb,
                                             os.getpid()), daemon=True)
     proc.start()
     child.close()
@@ -680,12 +685,16 @@ def _checked(value, expect, seconds) -> Outcome:
     if expect is None:
         return Outcome("ok", value=value, seconds=seconds)
     if not torch.is_tensor(value):
-        return Outcome("shape_mismatch", f"returned {type(value).__name__}, expected a tensor", seconds=seconds)
+        return Outcome("shape_mismatch", _not_a_tensor(value), seconds=seconds)
     if tuple(value.shape) != tuple(expect.shape) or value.dtype != expect.dtype:
         return Outcome("shape_mismatch", f"returned {tuple(value.shape)} {value.dtype}, expected "
                        f"{tuple(expect.shape)} {expect.dtype}", seconds=seconds)
     bad = int((~torch.isfinite(value)).sum())
     return Outcome("ok", f"{bad} non-finite values" if bad else "", value=value, seconds=seconds)
+
+
+def _not_a_tensor(value) -> str:
+    return f"returned {type(value).__name__}, expected a tensor"
 
 
 # -- routing layers through a kernel during training ------------------------------------------
