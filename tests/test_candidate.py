@@ -121,6 +121,21 @@ def test_monitored_scores_a_kernel_that_writes_into_its_inputs_on_the_inputs_it_
     assert rows[0]["changed"] == 0 and rows[0]["max"] == 0
 
 
+def test_monitored_runs_what_a_kernel_leaves_to_golden_as_golden_on_a_transposed_layer():
+    """GPT-2's Conv1D gets x^T dO from PyTorch as its weight gradient; RFI of a kernel defining
+    the forward alone trained on dO^T x there, and calls.csv showed that product's other
+    rounding (an AMD EPYC) as the kernel's weight_grad error."""
+    golden, transposed = kernels.golden("linear"), kernels.golden("linear", {"transposed": True})
+    forward_only = kernels.Kernel("fwd", "linear", golden.forward, golden.input_grad, golden.weight_grad,
+                                  custom=("forward",))
+    rows = []
+    kernel = candidate.monitored(forward_only, "proj", rows.append, {"step": 0, "epoch": 0}, {"transposed": True})
+    torch.manual_seed(0)
+    x, grad_out = torch.randn(37, 48), torch.randn(37, 10)
+    assert torch.equal(kernel.weight_grad(grad_out, x), transposed.weight_grad(grad_out, x))
+    assert rows[0]["changed"] == 0 and rows[0]["max"] == 0
+
+
 def test_monitored_counts_no_error_where_the_kernel_reproduces_golden_nan_or_inf():
     """Once a faulty forward's NaN reached the weights, every later call of every computation had
     NaN inputs: a kernel matching golden bit for bit there (its golden input_grad) showed every

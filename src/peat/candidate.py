@@ -327,7 +327,10 @@ def monitored(kernel: kernels.Kernel, layer: str, on_row: Callable[[dict], None]
               attrs: dict | None = None) -> kernels.Kernel:
     """``kernel`` that also compares each output with golden on the same inputs: ``on_row`` gets one
     row per call. ``attrs``: the layer's (``profiler.hyper_params``)."""
-    golden = kernels.golden(kernel.op, attrs)
+    # Every computation is routed through the kernel here: what it leaves to golden must be
+    # golden as PyTorch computes it on this layer (a transposed one's weight gradient), or
+    # calls.csv showed the other product's rounding as the kernel's error.
+    kernel, golden = kernels.on_layer(kernel, attrs), kernels.golden(kernel.op, attrs)
     counters = dict.fromkeys(kernels.COMPUTATIONS, 0)
 
     def wrap(computation):
