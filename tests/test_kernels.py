@@ -683,13 +683,16 @@ def test_cpp_kernel_compiles_once_and_serves_linear(context):
     assert time.perf_counter() - start < 1.0
 
 
-def test_cpp_compile_error_shows_the_compilers_first_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["bad_kernel.cpp", "bad kernel.cpp"])
+def test_cpp_compile_error_shows_the_compilers_first_error(tmp_path, monkeypatch, name):
+    """A space in the file's name failed the build before compiling, with ninja's "'bad', needed by ..."."""
     monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path / "cache"))
-    path = write(tmp_path, "bad_kernel.cpp", '#include "no_such_header.h"\nint main() { return 0; }\n')
+    path = write(tmp_path, name, '#include "no_such_header.h"\nint main() { return 0; }\n')
     with pytest.raises(PeatError) as err:
         kernels.load(path, "linear")
     message = str(err.value)
-    assert message.startswith(f"{path}: compile failed: ") and "no_such_header.h" in message and "error" in message
+    assert message.startswith(f"{path}: compile failed: {path}:1:") and "no_such_header.h" in message
+    assert "error" in message and str(tmp_path / "cache") not in message
 
 
 # -- isolation -----------------------------------------------------------------------------------

@@ -326,11 +326,29 @@ def compile_cpp(path: Path):
         return sys.modules[name]
     cache = Path(os.environ.get("PEAT_KERNEL_CACHE", Path.home() / ".cache" / "peat" / "kernels")) / name
     cache.mkdir(parents=True, exist_ok=True)
+    built = _spaceless(path, source, cache)
     try:
-        return cpp_extension.load(name=name, sources=[str(path)], build_directory=str(cache),
+        return cpp_extension.load(name=name, sources=[str(built)], build_directory=str(cache),
+                                  extra_include_paths=[str(path.parent)] if built != path else None,
                                   extra_cflags=["-O2"], verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
-        raise PeatError(f"{path}: compile failed: {first_compiler_error(str(err))}") from None
+        error = first_compiler_error(str(err)).replace(str(built), str(path))
+        raise PeatError(f"{path}: compile failed: {error}") from None
+
+
+def _spaceless(path: Path, source: bytes, cache: Path) -> Path:
+    """``path``, or where its name has a space, a copy of ``source`` in ``cache`` under one without
+    (its folder then on the include path, for the headers beside it): torch's build file names the
+    object file after the source unescaped, and ninja failed with "'my', needed by ...", naming
+    neither the file nor the space."""
+    if " " not in path.name:
+        return path
+    copy = cache / f"{cache.name}{path.suffix}"
+    if not copy.exists():  # the cache is by content: an existing copy is this source; rewriting it rebuilt
+        partial = copy.with_name(f"{copy.name}.{os.getpid()}")
+        partial.write_bytes(source)
+        partial.replace(copy)  # whole, for a job building the same kernel at the same time
+    return copy
 
 
 def first_compiler_error(log: str) -> str:
