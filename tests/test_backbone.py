@@ -784,6 +784,20 @@ def test_a_layer_of_width_zero_is_summarised_as_nan_and_refused_for_recording(tm
     assert not list(tmp_path.rglob("other*"))
 
 
+def test_summaries_name_layers_whose_names_are_longer_than_128_bytes(tmp_path):
+    """The summaries' layer column held 128 bytes: a longer name was cut, matching no layer (the
+    analyzer's correlations dropped it), and a cut inside a UTF-8 character did not decode."""
+    from peat import analyze
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    names = ["x" + "ä" * 70, "b" * 130, "fc"]  # 141 and 130 bytes
+    for name, width in zip(names, (4, 3, 3)):
+        model.add_module(name, torch.nn.Linear(width, 3))
+    record_one_step(tmp_path / "context.h5", model, ["*"], torch.randn(5, 4))
+    assert set(analyze.summaries(tmp_path / "context.h5")["layer"]) == set(names)
+
+
 def test_profiler_refuses_layers_as_a_string_and_every_below_one(tmp_path):
     # A string was taken one glob per character ('fc' -> 'f', 'c'), naming a glob the user never
     # wrote; every=0 passed, then the first begin_step divided by zero.

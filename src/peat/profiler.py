@@ -38,8 +38,7 @@ from .io import PeatError, atomic_path, check_int, open_h5, write_json
 from .tensor_stats import stats
 
 SUMMARY_STATS = ("mean", "std", "min", "max", "absmax", "nonfinite")
-SUMMARY_DTYPE = np.dtype([("step", "i8"), ("epoch", "i4"), ("layer", "S128"), ("tensor", "S8")]
-                         + [(s, "f8") for s in SUMMARY_STATS])
+SUMMARY_NAME_BYTES = 128  # the layer column's width, wider where a layer's UTF-8 name needs it
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True)  # the summaries table
 DERIVED = ("O", "dA", "dW", "dB")  # what the golden op computes from A, W, B and dO
 # Recorded tensors: float32 with random low mantissa bits does not compress (gzip level 1 with
@@ -145,6 +144,14 @@ def check_records_a_step(key: str, every: int, epochs, per_epoch: int) -> None:
                         f"({per_epoch} training steps per epoch, from step 0); nothing would be recorded")
 
 
+def summary_dtype(names) -> np.dtype:
+    """The summaries table's row for layers ``names`` (encoded): numpy cuts a longer name to the
+    column's width, and a cut name matches no layer, or fails to decode (a split character)."""
+    width = max([SUMMARY_NAME_BYTES, *map(len, names)])
+    return np.dtype([("step", "i8"), ("epoch", "i4"), ("layer", f"S{width}"), ("tensor", "S8")]
+                    + [(s, "f8") for s in SUMMARY_STATS])
+
+
 def _write_meta(attrs: h5py.AttributeManager, meta: dict) -> None:
     for key, value in meta.items():
         try:
@@ -234,6 +241,7 @@ class Profiler:
         # (layer, tensor) -> six statistics: a numpy row, or a tensor still on the device
         self._pending: dict[tuple[str, str], np.ndarray | torch.Tensor] = {}
         self._names = {name: name.encode() for name in self.all_layers}
+        self._summary_dtype = summary_dtype(self._names.values())
         self._captured: dict[str, dict] = {}
         # Per recorded layer, attributes of this step's sample: whether its input needed a gradient,
         # and a cumulative batch norm's averaging factor (it changes every step).
@@ -259,7 +267,7 @@ class Profiler:
             for name, module in self.targets.items():
                 group = self.file.create_group(f"layers/{name}")
                 group.attrs.update(op=op_of(module), module_type=type(module).__name__, **hyper_params(module))
-            self.file.create_dataset("summaries", shape=(0,), maxshape=(None,), dtype=SUMMARY_DTYPE,
+            self.file.create_dataset("summaries", shape=(0,), maxshape=(None,), dtype=self._summary_dtype,
                                      chunks=(4096,), **COMPRESSION)
             if resuming:
                 self._restore()
@@ -339,7 +347,7 @@ class Profiler:
 
     def _write_rows(self) -> None:
         if self._rows:
-            self._append_summaries(np.array(self._rows, dtype=SUMMARY_DTYPE))
+            self._append_summaries(np.array(self._rows, dtype=self._summary_dtype))
             self._rows.clear()
 
     def _append_summaries(self, rows: np.ndarray) -> None:
