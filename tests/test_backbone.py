@@ -991,6 +991,41 @@ def test_a_run_interrupted_in_this_process_resumes_here(digits, golden_twice, tm
         assert_bit_identical(golden_twice[0] / name, tmp_path / name)
 
 
+def test_a_run_interrupted_saving_its_final_checkpoint_resumes_in_this_process(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while the final checkpoint was written left the Profiler's file open:
+    the rerun failed with 'unable to truncate a file which is already open'."""
+    from peat.train import Run, fit
+
+    g = torch.Generator().manual_seed(0)
+
+    def split(n):
+        return data.Split(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
+
+    ds = data.Dataset("image", split(16), split(4), {})
+    run = Run(epochs=2, batch_size=8, optimizer={"name": "sgd", "lr": 0.1})
+
+    def train(out):
+        torch.manual_seed(0)
+        return fit(torch.nn.Sequential(torch.nn.Linear(4, 3)), ds, run, out, progress=False,
+                   profiler=Profiler(out / "context.h5", ["*"], every=1))
+
+    save = checkpoint.save
+
+    def interrupted(path, *args, **kwargs):
+        if Path(path).name == "final.h5":
+            raise KeyboardInterrupt("Ctrl-C")
+        save(path, *args, **kwargs)
+
+    train(tmp_path / "whole")
+    monkeypatch.setattr(checkpoint, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "resumed")
+    monkeypatch.setattr(checkpoint, "save", save)
+    train(tmp_path / "resumed")
+    for name in ("final.h5", "context.h5"):
+        assert_bit_identical(tmp_path / "whole" / name, tmp_path / "resumed" / name)
+
+
 def test_resume_of_a_model_with_dropout_matches_uninterrupted_run(digits, tmp_path):
     """The generator's state is not in the checkpoint: a resumed mobilenet_v2 (dropout before its
     classifier) drew other masks than the uninterrupted run and ended with other weights."""

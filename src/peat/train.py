@@ -141,14 +141,17 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
                 if profiler is not None:
                     profiler.snapshot()
                 checkpoint.save(resume, model, optimizer, **save)
+        bar.close()
+        # Guarded too: a failure here (a full disk, Ctrl-C) must close the Profiler's file, or a rerun in
+        # this process cannot create it anew.
+        checkpoint.save(out_dir / "final.h5", model, optimizer, step=step, epoch=run.epochs, meta=run.meta,
+                        history=history)
+        if profiler is not None:
+            profiler.close()
     except BaseException:
         if profiler is not None:
             profiler.abandon()
         raise
-    bar.close()
-    checkpoint.save(out_dir / "final.h5", model, optimizer, step=step, epoch=run.epochs, meta=run.meta, history=history)
-    if profiler is not None:
-        profiler.close()
     metrics = pd.DataFrame(history)
     _publish_checkpoints(partial, out_dir / "checkpoints")
     write_csv(out_dir / "metrics.csv", metrics)
