@@ -585,6 +585,28 @@ def test_a_module_called_twice_in_a_step_records_its_first_call(tmp_path, derive
     assert not torch.allclose(sample["dW"], fc.weight.grad)
 
 
+@pytest.mark.parametrize("derived", [False, True])
+def test_a_step_with_several_backward_passes_records_their_summed_output_gradient(tmp_path, derived):
+    """Two losses, each with its own backward (retain_graph=True): dO held the last one's gradient
+    alone, while the layer's gradient (and its weight's .grad, stored as dW) summed both."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.fc = torch.nn.Linear(4, 3)
+    prof = Profiler(tmp_path / "context.h5", ["fc"], every=1, derived=derived)
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    x = torch.randn(5, 4)
+    out = model(x)
+    out.retain_grad()
+    out.square().sum().backward(retain_graph=True)
+    out.sum().backward()
+    prof.end_step()
+    prof.close()
+    _, [sample] = read_layer(tmp_path / "context.h5", "fc")
+    assert torch.equal(sample["dO"], out.grad)
+    torch.testing.assert_close(sample["dW"], model.fc.weight.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_a_batch_norm_in_eval_mode_without_running_statistics_records_batch_statistics(tmp_path):
     """A frozen batch norm (eval mode during training) that tracks no running statistics
     normalises with the batch's, as in training mode: it was recorded as training=False, and

@@ -476,7 +476,9 @@ class Profiler:
 
     def _store(self, name: str, key: str):
         def hook(grad):
-            self._captured[name][key] = grad.detach().clone()
+            cap, grad = self._captured[name], grad.detach()
+            # Each backward of the step (several losses, retain_graph=True) brings its share, as .grad sums them.
+            cap[key] = cap[key] + grad if key in cap else grad.clone()
         return hook
 
     @staticmethod
