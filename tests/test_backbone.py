@@ -607,6 +607,28 @@ def test_a_step_with_several_backward_passes_records_their_summed_output_gradien
     torch.testing.assert_close(sample["dW"], model.fc.weight.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_gradients_accumulated_over_steps_leave_each_stored_weight_gradient_its_steps_own(tmp_path):
+    """Gradient accumulation (an optimizer step every few steps): a derived context stored .grad as
+    the second step's dW and dB, the sum of both steps' gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    prof = Profiler(tmp_path / "context.h5", ["0"], every=1, derived=True)
+    prof.attach(model)
+    for step in range(3):
+        prof.begin_step(step, 1)
+        if step == 2:  # as peat's training zeroes them, after begin_step
+            model.zero_grad(set_to_none=True)
+        model(torch.randn(5, 4)).square().sum().backward()
+        prof.end_step()
+    prof.close()
+    attrs, samples = read_layer(tmp_path / "context.h5", "0", derive=False)
+    for sample in samples:
+        derived = derive_outputs(sample, attrs)
+        for key in ("dW", "dB"):
+            torch.testing.assert_close(sample[key], derived[key], rtol=1e-5, atol=1e-6)
+    assert torch.equal(samples[2]["dW"], model[0].weight.grad)  # a step's own .grad is still autograd's
+
+
 def test_a_batch_norm_in_eval_mode_without_running_statistics_records_batch_statistics(tmp_path):
     """A frozen batch norm (eval mode during training) that tracks no running statistics
     normalises with the batch's, as in training mode: it was recorded as training=False, and

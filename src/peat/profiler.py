@@ -179,6 +179,12 @@ def _weight(module: nn.Module) -> torch.Tensor | None:
             m.training = mode
 
 
+def _holds_grad(module: nn.Module) -> bool:
+    """Whether the weight or bias of ``module`` has a gradient (read before the step's backward:
+    one that earlier steps left, which this step's adds to)."""
+    return any(getattr(p, "grad", None) is not None for p in (_weight(module), getattr(module, "bias", None)))
+
+
 def layer_input(label: str, op: str, args: tuple, kwargs: dict, how: str) -> torch.Tensor | None:
     """A recorded or routed layer's one input, given by position or keyword (``fc(input=x)``); a
     conv2d's must be batched: golden's gradients need the batch dimension. ``label`` names the
@@ -307,6 +313,7 @@ class Profiler:
         self._input_hooks = []
         self._repeated = set()  # targets called more than once this step: their first call is recorded
         self._graded = set()  # targets whose recorded call this step produced an output needing a gradient
+        self._carried = set()  # targets whose weight or bias has a .grad before their first call this step
         if self.recording:
             for name, module in self.targets.items():
                 self._captured[name] = self._before(module)
@@ -428,6 +435,8 @@ class Profiler:
                 if not self._records(name, module) or ("A" in cap and not out.requires_grad):
                     self._repeated.add(name)  # a later call (weights reused in one step): A, O, dO stay
                     return                    # the recorded call's
+                if self.derived and "A" not in cap and _holds_grad(module):  # accumulating over steps
+                    self._carried.add(name)
                 # Clones: later in-place code (ResNet's `out += identity`) may change these.
                 same = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
                 if same not in self._inputs:  # x is kept too, so no other tensor gets its memory this step
@@ -492,15 +501,16 @@ class Profiler:
         return cap
 
     def _write(self, name: str, module: nn.Module, cap: dict) -> None:
-        # A tied weight's .grad, or that of a module called twice, sums several uses, and a frozen or
-        # computed (parametrized) weight has none: the recorded call's own follows from its A and dO.
+        # A tied weight's .grad, or that of a module called twice or accumulated over steps, sums several
+        # uses, and a frozen or computed (parametrized) weight has none: the recorded call's own follows
+        # from its A and dO.
         attrs = hyper_params(module) | {"op": op_of(module)}
         weight, bias = _weight(module), getattr(module, "bias", None)
         if self.derived and weight is not None and "dO" in cap:
-            own = weight.grad is not None and name not in self._tied and name not in self._repeated
+            own = weight.grad is not None and name not in self._tied | self._repeated | self._carried
             cap["dW"] = _as_linear(module, weight.grad) if own else _golden("weight_grad", cap, attrs)
         if self.derived and bias is not None and "dO" in cap:
-            own = bias.grad is not None and name not in self._repeated
+            own = bias.grad is not None and name not in self._repeated | self._carried
             cap["dB"] = bias.grad if own else _bias_grad(attrs["op"], cap["dO"], attrs)
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
         # A batch norm without running statistics normalises with the batch's even in eval mode.
