@@ -676,6 +676,24 @@ def test_audit_after_freezing_a_layer_once_the_guard_was_built(one_rank):
     assert guard.alarms == []
 
 
+def test_audit_with_gradients_zeroed_in_place(one_rank):
+    # zero_grad(set_to_none=False) accumulates into zeros: autograd's -0.0 (a zero input times a negative
+    # output gradient) became 0 + -0.0 = +0.0 in .grad but stayed -0.0 in the replay, so every audit
+    # after the first step failed (an audit alarm at each audit step of a healthy run).
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(3, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+    loss = lambda module: (module(torch.tensor([[1.0, 0.0, 2.0]])) * torch.tensor([1.0, -1.0])).sum()  # noqa: E731
+    for step in range(2):
+        guard.begin_step(step)
+        model.zero_grad(set_to_none=False)
+        loss(guard.ddp).backward()
+        assert guard.check_gradients(replay=lambda r: loss(guard.module))
+        guard.check_weights()
+    assert guard.alarms == []
+
+
 def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
     # Policy log without events used to skip the step without a word.
     from torch.nn.parallel import DistributedDataParallel

@@ -118,6 +118,9 @@ def norms(tensors) -> torch.Tensor:
 
 def gradient_fingerprint(grads) -> torch.Tensor:
     """``[checksums..., norms...]`` of a list of gradients: what the ring audit compares."""
+    # -0.0 and +0.0 as one: a gradient accumulated into a zeroed .grad (zero_grad(set_to_none=False))
+    # turns autograd's -0.0 into 0 + -0.0 = +0.0, which the replay's fresh gradient keeps as -0.0.
+    grads = [g.detach() + 0.0 for g in grads]
     return torch.cat([checksum(grads), norms(grads)])
 
 
@@ -278,7 +281,7 @@ class Guard:
         t0 = time.perf_counter()
         grad = param.grad.detach()
         if self._auditing:
-            self._reported[self._index[id(param)]] = (checksum([grad])[0], norms([grad])[0])
+            self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
         if grad.numel():
             self._bad = _mark_nonfinite(grad, self._bad)
         self._hook_time += time.perf_counter() - t0
