@@ -650,6 +650,24 @@ def test_accumulation_without_no_sync_is_one_line(one_rank):
         guard.ddp(torch.ones(1, 4))
 
 
+def test_two_forwards_before_one_backward_are_one_all_reduce(one_rank):
+    # A siamese or contrastive loss calls the model twice and backpropagates once: one all-reduce, as DDP
+    # allows. The guard refused it as gradient accumulation without no_sync.
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+    x = torch.randn(3, 4)
+    loss = lambda module: (module(x) - module(x.flip(0))).square().sum()  # noqa: E731
+    guard.begin_step(0)
+    loss(guard.ddp).backward()
+    assert guard.check_gradients(replay=lambda r: loss(guard.module))
+    guard.check_weights()
+    guard.finish()
+    assert guard.alarms == []
+
+
 def test_audit_step_without_a_replay_is_one_line(one_rank):
     # The audit was skipped without a word: a user who set audit_every believed it ran.
     with pytest.raises(PeatError, match=r"^sdc.Guard: step 0 is an audit step \(audit_every=2\) but check_gradients\(\) "

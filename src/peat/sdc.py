@@ -241,7 +241,7 @@ class Guard:
     def begin_step(self, step: int) -> None:
         self._require_checks(f"begin_step({step})")
         self.step, self._fired, self._checked, self._weights_due = step, 0, False, False
-        self._synced_forward = False
+        self._synced_at = None  # gradient hook calls at the step's last forward with gradient sync
         self._reported: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # This rank's non-finite flag: a bool on CPU, a device tensor elsewhere (no host sync in backward).
         self._bad = False if self.device.type == "cpu" else torch.zeros((), dtype=torch.bool, device=self.device)
@@ -256,13 +256,14 @@ class Guard:
     def _on_forward(self, module, args) -> None:
         # DDP all-reduces in the backward of each forward made with gradient sync: a second one in a step
         # adds its local gradients to already reduced ones, so every audit failed on every rank and a NaN
-        # reached every rank's local check (an unlocalized alarm, the faulty rank unnamed).
+        # reached every rank's local check (an unlocalized alarm, the faulty rank unnamed). Forwards with
+        # no gradient between them (a siamese or contrastive loss: two calls, one backward) are one all-reduce.
         if self._fired is None or self._checked or not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
             return
-        if self._synced_forward:
+        if self._synced_at is not None and self._fired > self._synced_at:
             raise PeatError(f"sdc.Guard: a second DDP forward with gradient sync in step {self.step}: accumulate "
                             "micro-batches under ddp.no_sync(), all but the last")
-        self._synced_forward = True
+        self._synced_at = self._fired
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """This rank's own gradient of ``param``, before it is shared: fingerprint it for the audit,
