@@ -712,6 +712,27 @@ def test_audit_with_gradients_zeroed_in_place(one_rank):
     assert guard.alarms == []
 
 
+def test_sparse_gradients_are_audited_and_checked(one_rank):
+    # nn.Embedding(sparse=True): every audit failed with "reshape is not implemented for sparse tensors",
+    # and a non-finite sparse gradient crashed its rank (isfinite has no sparse kernel) instead of an alarm.
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+    loss = lambda module: module(torch.tensor([1, 2, 2])).sum()  # noqa: E731
+    for step in range(2):
+        if step == 1:
+            model[0].weight.register_hook(lambda g: g * float("nan"))
+        guard.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        loss(guard.ddp).backward()
+        assert guard.check_gradients(replay=lambda r: loss(guard.module)) is (step == 0)
+        guard.check_weights()
+    (alarm,) = guard.alarms
+    assert (alarm.step, alarm.check, alarm.detail["flags"]) == (1, "nonfinite", [1])
+
+
 def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
     # Policy log without events used to skip the step without a word.
     from torch.nn.parallel import DistributedDataParallel

@@ -118,10 +118,16 @@ def norms(tensors) -> torch.Tensor:
 
 def gradient_fingerprint(grads) -> torch.Tensor:
     """``[checksums..., norms...]`` of a list of gradients: what the ring audit compares."""
+    grads = [_canonical(g.detach()) for g in grads]
+    return torch.cat([checksum(grads), norms(grads)])
+
+
+def _canonical(grad: torch.Tensor) -> torch.Tensor:
+    if grad.is_sparse:  # nn.Embedding(sparse=True): as dense, its repeated rows summed in one order
+        grad = grad.coalesce().to_dense()
     # -0.0 and +0.0 as one: a gradient accumulated into a zeroed .grad (zero_grad(set_to_none=False))
     # turns autograd's -0.0 into 0 + -0.0 = +0.0, which the replay's fresh gradient keeps as -0.0.
-    grads = [g.detach() + 0.0 for g in grads]
-    return torch.cat([checksum(grads), norms(grads)])
+    return grad + 0.0
 
 
 def fingerprints_match(a: torch.Tensor, b: torch.Tensor, tolerance: float = 0.0) -> bool:
@@ -283,8 +289,7 @@ class Guard:
         grad = param.grad.detach()
         if self._auditing:
             self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
-        if grad.numel():
-            self._bad = _mark_nonfinite(grad, self._bad)
+        self._bad = _mark_nonfinite(grad, self._bad)
         self._hook_time += time.perf_counter() - t0
 
     def check_gradients(self, replay: Callable[[int], torch.Tensor] | None = None) -> bool:
@@ -327,12 +332,10 @@ class Guard:
     def _reduced_marked(self) -> bool:
         """Whether the first element of any all-reduced gradient is non-finite (NaN marks a rank's
         non-finite local gradient; ``_on_gradient``)."""
-        firsts = [g[(0,) * g.dim()] for g in (p.grad for p in self.params) if g is not None and g.numel()]
-        if not firsts:
-            return False
+        firsts = [_marks(p.grad) for p in self.params if p.grad is not None]
         if len({f.dtype for f in firsts}) > 1:
             firsts = [f.double() for f in firsts]  # every float type fits: no spurious overflow
-        return not bool(torch.isfinite(torch.stack(firsts)).all())
+        return bool(firsts) and not bool(torch.isfinite(torch.cat(firsts)).all())
 
     def _localize_nonfinite(self) -> None:
         local = torch.as_tensor(self._bad, device=self.device).to(torch.int64).reshape(1)
@@ -524,11 +527,23 @@ def first_line(err: BaseException) -> str:
 
 
 def _mark_nonfinite(grad: torch.Tensor, bad):
-    """Check one local gradient; a non-finite one gets NaN at its first element. Returns the flag
-    ``bad`` or'ed with this gradient's verdict."""
+    """Check one local gradient; a non-finite one gets NaN at its first element (a sparse one's first
+    value). Returns the flag ``bad`` or'ed with this gradient's verdict."""
+    if grad.is_sparse:
+        grad = grad._values()  # a view: the mark reaches the gradient
+    if not grad.numel():
+        return bad
     if grad.device.type == "cpu":
         return _mark_nonfinite_host(grad, bad)
     return _mark_nonfinite_on_device(grad, bad)
+
+
+def _marks(grad: torch.Tensor) -> torch.Tensor:
+    """The elements of an all-reduced gradient that hold a rank's mark: its first one, or every value
+    of a sparse gradient (the reduction sums and reorders the ranks' rows)."""
+    if grad.is_sparse:
+        return grad._values().reshape(-1)
+    return grad[(0,) * grad.dim()].reshape(1) if grad.numel() else grad.reshape(0)
 
 
 def _mark_nonfinite_host(grad: torch.Tensor, bad: bool) -> bool:
