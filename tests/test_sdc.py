@@ -733,6 +733,26 @@ def test_sparse_gradients_are_audited_and_checked(one_rank):
     assert (alarm.step, alarm.check, alarm.detail["flags"]) == (1, "nonfinite", [1])
 
 
+def test_guard_rebuilt_after_unfreezing_replaces_the_last_one(one_rank):
+    # Unfreezing a layer needs a new DDP and a new guard: the first guard's hooks, still on the
+    # parameters, refused the new guard's first backward ("a gradient arrived after check_gradients()").
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    x = torch.randn(5, 4)
+    for step in range(2):
+        model[0].requires_grad_(step == 1)
+        guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+        guard.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        guard.ddp(x).sum().backward()
+        assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
+        guard.check_weights()
+        guard.finish()
+        assert guard.alarms == []
+
+
 def test_alarm_is_printed_without_an_events_file(one_rank, capsys):
     # Policy log without events used to skip the step without a word.
     from torch.nn.parallel import DistributedDataParallel

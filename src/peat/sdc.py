@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ EXIT_SDC_UNLOCALIZED = 65
 POLICIES = ("raise", "log", "stop")
 CHECKS = ("nonfinite", "audit", "fingerprint")
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GUARDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(model) -> the guard that checks it
 
 
 class SDCError(RuntimeError):
@@ -239,8 +241,23 @@ class Guard:
         # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
         # bucket for the all-reduce: DDP keeps its fused C++ path (no Python comm hook, and the
         # comm hook stays free for the user).
+        self._take_over()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
         self._hooks.append(ddp.register_forward_pre_hook(self._on_forward))
+
+    def _take_over(self) -> None:
+        # A guard rebuilt for the same model (with a new DDP after unfreezing layers) replaces the last
+        # one: that one's hooks, left on the parameters, refused the first backward as coming after its
+        # own last step.
+        previous = _GUARDS.get(id(self.module))
+        if previous is not None and previous.module is self.module:
+            previous._remove_hooks()
+        _GUARDS[id(self.module)] = self
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # - per step -
 
