@@ -65,6 +65,23 @@ def test_casts_act_on_operands_in_faulty_kernels():
     assert torch.equal(got, torch.nn.functional.linear(x.double(), w.double(), b.double()).float())
 
 
+def bn_operands():
+    x = torch.randn(4, 3, 5, 5, generator=gen(12))
+    w, b = torch.rand(3, generator=gen(13)) + 0.5, torch.randn(3, generator=gen(14))
+    return x, w, b, [torch.randn(3, generator=gen(15)), torch.rand(3, generator=gen(16)) + 0.5]
+
+
+def test_fp64_batch_norm_in_training_updates_its_running_statistics_in_float64():
+    x, w, b, stats = bn_operands()
+    mean, var = (s.clone() for s in stats)
+    out = errors.faulty(kernels.golden("batch_norm"), "fp64").forward(
+        x, w, b, running_mean=mean, running_var=var, training=True, momentum=0.1, eps=1e-5)
+    wide = [s.double() for s in stats]
+    want = torch.nn.functional.batch_norm(x.double(), *wide, w.double(), b.double(), True, 0.1, 1e-5)
+    assert out.dtype == torch.float32 and torch.equal(out, want.float())
+    assert torch.equal(mean, wide[0].float()) and torch.equal(var, wide[1].float())
+
+
 # -- element errors ----------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 3, 7])
 def test_rv_changes_exactly_n_positions(t, n):

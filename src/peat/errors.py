@@ -356,9 +356,14 @@ def _cast_call(func, precision: str, args, kwargs):
     # they stay float32 buffers (nn.BatchNorm's, under autocast too). Rounding them would widen the
     # envelope of the updated statistics by the rounding of the old ones (200x: 0.7 % of running_var).
     state = ("running_mean", "running_var") if kwargs.get("training") else ()
-    new = {k: v if k in state else cast(v) for k, v in kwargs.items()}
+    new = {k: _unrounded(v, precision) if k in state else cast(v) for k, v in kwargs.items()}
     out = func(*map(cast, args), **new)
     for key, value in kwargs.items():  # running statistics are updated in place: write them back
         if torch.is_tensor(value) and value.is_floating_point():
             value.copy_(new[key])
     return out.to(dtype)
+
+
+def _unrounded(value, precision: str):
+    # fp64's op refuses float32 statistics beside float64 operands: a float64 copy, exact, written back above.
+    return value.double() if precision == "fp64" and torch.is_tensor(value) else value
