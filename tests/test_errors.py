@@ -82,6 +82,18 @@ def test_fp64_batch_norm_in_training_updates_its_running_statistics_in_float64()
     assert torch.equal(mean, wide[0].float()) and torch.equal(var, wide[1].float())
 
 
+def test_casts_leave_the_running_statistics_an_eval_batch_norm_only_reads():
+    x, w, b, stats = bn_operands()
+    for spec in errors.CASTS:
+        mean, var = (s.clone() for s in stats)
+        out = errors.faulty(kernels.golden("batch_norm"), spec).forward(
+            x, w, b, running_mean=mean, running_var=var, training=False, momentum=0.1, eps=1e-5)
+        assert torch.equal(mean, stats[0]) and torch.equal(var, stats[1])
+        rounded = (errors.round_to(a, spec) for a in (x, *stats, w, b))
+        want = torch.nn.functional.batch_norm(*rounded, False, 0.1, 1e-5)
+        assert torch.equal(out, want.to(torch.float32))
+
+
 # -- element errors ----------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 3, 7])
 def test_rv_changes_exactly_n_positions(t, n):

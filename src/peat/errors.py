@@ -358,12 +358,14 @@ def _cast_call(func, precision: str, args, kwargs):
     state = ("running_mean", "running_var") if kwargs.get("training") else ()
     new = {k: _unrounded(v, precision) if k in state else cast(v) for k, v in kwargs.items()}
     out = func(*map(cast, args), **new)
-    for key, value in kwargs.items():  # running statistics are updated in place: write them back
-        if torch.is_tensor(value) and value.is_floating_point():
-            value.copy_(new[key])
+    # Statistics a training call updates in place, under fp64 in a copy: written back. Elsewhere they are
+    # only read, and writing back their rounded copy rounded the layer's buffers for good.
+    for key in state:
+        if new.get(key) is not kwargs.get(key):
+            kwargs[key].copy_(new[key])
     return out.to(dtype)
 
 
 def _unrounded(value, precision: str):
-    # fp64's op refuses float32 statistics beside float64 operands: a float64 copy, exact, written back above.
+    # fp64's op refuses float32 statistics beside float64 operands: a float64 copy, exact.
     return value.double() if precision == "fp64" and torch.is_tensor(value) else value
