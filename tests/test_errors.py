@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -118,6 +119,11 @@ def test_nan_and_inf_exact_counts_and_signs(t):
     mask = out.isinf()
     assert int(mask.sum()) == 6 and int(changed(out, t).sum()) == 6
     assert torch.equal(out[mask].sign(), t[mask].sign())
+
+
+def test_inf_keeps_the_sign_of_a_negative_zero():
+    t = torch.tensor([-0.0, 0.0] * 3)
+    assert errors.parse("inf:6").apply(t, gen()).tolist() == [-math.inf, math.inf] * 3
 
 
 def test_apply_never_changes_its_input(t):

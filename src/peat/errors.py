@@ -158,7 +158,8 @@ def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     if model.kind == "nan":
         flat[idx] = float("nan")
     elif model.kind == "inf":
-        flat[idx] = torch.where(flat[idx] < 0, -math.inf, math.inf).to(flat.dtype)
+        # The sign bit, not < 0: a negative zero (a ReLU's gradient, an underflow) is negative too.
+        flat[idx] = torch.where(torch.signbit(flat[idx]), -math.inf, math.inf).to(flat.dtype)
     else:
         mean, std = _finite_stats(t)
         values = (mean + std * torch.randn(len(idx), generator=generator, dtype=torch.float64)).to(flat.dtype).to(flat.device)
