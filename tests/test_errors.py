@@ -106,6 +106,13 @@ def test_rv_changes_exactly_n_positions(t, n):
     assert ((moved - t.mean()).abs() < 6 * t.std()).all()
 
 
+@pytest.mark.parametrize("t", [(torch.randn(1000, generator=gen(1)) * 0.5 + 300).bfloat16(),  # spaced by 2
+                               torch.full((1000,), 1e8)])  # spaced by 8, std taken as 1
+def test_rv_changes_n_positions_where_one_std_is_below_the_dtypes_spacing(t):
+    out = errors.parse("rv:50").apply(t, gen())
+    assert int((out != t).sum()) == 50
+
+
 def test_rz_zeroes_exactly_n_nonzero_positions(t):
     out = errors.parse("rz:5").apply(t, gen())
     mask = changed(out, t)

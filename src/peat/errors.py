@@ -164,9 +164,17 @@ def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
         mean, std = _finite_stats(t)
         values = (mean + std * torch.randn(len(idx), generator=generator, dtype=torch.float64)).to(flat.dtype).to(flat.device)
         # A draw equal to the old value would change nothing: nudge it by one std.
-        values = torch.where(values == flat[idx], values + std, values)
+        values = torch.where(values == flat[idx], _nudged(values, std), values)
         flat[idx] = values
     return out
+
+
+def _nudged(values: torch.Tensor, std: float) -> torch.Tensor:
+    up = values + std
+    if not values.is_floating_point():
+        return up
+    # One std below the dtype's spacing rounds back (bf16 near 300 is spaced by 2): the next value up.
+    return torch.where(up == values, torch.nextafter(values, torch.full_like(values, math.inf)), up)
 
 
 def _flat_copy(t: torch.Tensor) -> torch.Tensor:
