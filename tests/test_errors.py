@@ -225,6 +225,13 @@ def test_lane_stuck_rows_and_nchw_channels(t):
     assert changed(out, x)[:, channels].all()
 
 
+@pytest.mark.parametrize("spec", ["lane:4", "lane:4:stuck:row", "tile:4", "tile:4:zero"])
+@pytest.mark.parametrize("shape", [(0,), (5, 0), (0, 5), (0, 3, 2, 2), (2, 0, 2, 2)])
+def test_structured_errors_leave_an_empty_output_empty(spec, shape):
+    t = torch.zeros(shape)
+    assert errors.parse(spec).apply(t, gen()).shape == t.shape
+
+
 # -- tiles -----------------------------------------------------------------------------------
 def tile_of(mask, size):
     rows, cols = mask.any(1).nonzero().view(-1), mask.any(0).nonzero().view(-1)

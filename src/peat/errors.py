@@ -226,7 +226,9 @@ def _int32(value: int) -> int:
 def matrix(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
     """``t`` as a matrix: channels as columns for NCHW tensors, else the last dimension. A copy,
     unless ``copy`` is False (then a view where the layout allows one)."""
-    m = t.movedim(1, -1).reshape(-1, t.shape[1]) if t.dim() == 4 else t.reshape(-1, t.shape[-1] if t.dim() else 1)
+    t = t.movedim(1, -1) if t.dim() == 4 else t if t.dim() else t.reshape(1)
+    # Rows counted, not -1: a reshape cannot infer them beside an empty tensor's 0 columns.
+    m = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
     return m.clone() if copy else m
 
 
@@ -242,7 +244,8 @@ def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     if model.axis == "row":
         m = m.t()
     period = model.count
-    lane = int(torch.randint(min(period, m.shape[1]), (1,), generator=generator))
+    # At least one lane to draw: an empty tensor's selects nothing.
+    lane = int(torch.randint(max(1, min(period, m.shape[1])), (1,), generator=generator))
     cols = m[:, lane::period]
     if model.mode == "stuck":
         m[:, lane::period] = cols[:1].expand_as(cols)
@@ -254,7 +257,8 @@ def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
 def _tile(model: ErrorModel, t: torch.Tensor, generator, operands) -> torch.Tensor:
     size = model.count
     m = matrix(t.detach())
-    grid = (math.ceil(m.shape[0] / size), math.ceil(m.shape[1] / size))
+    # At least one tile each way: an empty tensor's selects nothing.
+    grid = tuple(max(1, math.ceil(n / size)) for n in m.shape)
     pick = int(torch.randint(grid[0] * grid[1], (1,), generator=generator))
     rows = slice((pick // grid[1]) * size, (pick // grid[1] + 1) * size)
     cols = slice((pick % grid[1]) * size, (pick % grid[1] + 1) * size)
