@@ -54,6 +54,15 @@ def test_tf32_keeps_10_mantissa_bits_rounding_to_nearest_even(t):
     assert bits(errors.round_to(special, "tf32")).tolist() == bits(special).tolist()
 
 
+@pytest.mark.parametrize("spec, ulp", [("fp16", 2**-10), ("bf16", 2**-7), ("tf32", 2**-10)])
+def test_float64_is_rounded_once_to_nearest_even(spec, ulp):
+    """Just past a halfway point by less than float32 resolves: through float32 it became a tie, then went down."""
+    past = 1 + ulp / 2 + 2**-40
+    t = torch.tensor([past, -past, 1 + ulp / 2, 1e300, 2.0**-140], dtype=torch.float64)
+    want = [1 + ulp, -1 - ulp, 1.0, math.inf, 0.0]
+    assert errors.round_to(t, spec).tolist() == want
+
+
 def test_casts_act_on_operands_in_faulty_kernels():
     x, w, b = torch.randn(5, 33, generator=gen(2)), torch.randn(7, 33, generator=gen(3)), torch.randn(7, generator=gen(4))
     golden = kernels.golden("linear")

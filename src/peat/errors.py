@@ -119,18 +119,32 @@ def parse(spec: str) -> ErrorModel:
 def round_to(t: torch.Tensor, precision: str) -> torch.Tensor:
     """``t`` rounded to fp16, bf16 or tf32 (10 mantissa bits, nearest-even), kept in its dtype."""
     if precision == "fp16":
-        return t.half().to(t.dtype)
+        return _single(t).half().to(t.dtype)
     if precision == "bf16":
-        return t.bfloat16().to(t.dtype)
+        return _single(t).bfloat16().to(t.dtype)
     if precision == "tf32":
-        bits = t.float().view(torch.int32)
+        single = _single(t)
+        bits = single.view(torch.int32)
         # Round-to-nearest-even at bit 13, then clear the 13 low mantissa bits.
         rounded = (bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF
-        out = torch.where(torch.isfinite(t.float()), rounded, bits).view(torch.float32)
+        out = torch.where(torch.isfinite(single), rounded, bits).view(torch.float32)
         return out.to(t.dtype)
     if precision == "fp64":
         return t.double()
     raise PeatError(f"unknown precision {precision!r}; allowed: {', '.join(CASTS)}")
+
+
+def _single(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32 to round again, float64 rounded to odd (as ``alter._f32_round_to_odd``): rounding
+    to nearest twice turns a float64 just past a halfway point into a float32 tie, then the wrong way."""
+    single = t.float()
+    if t.dtype != torch.float64:
+        return single
+    back = single.double()
+    inexact = torch.isfinite(t) & (back != t)
+    bits = single.view(torch.int32)
+    bits = torch.where(inexact & (back.abs() > t.abs()), bits - 1, bits)  # towards zero
+    return torch.where(inexact, bits | 1, bits).view(torch.float32)
 
 
 # -- element errors ------------------------------------------------------------------------
