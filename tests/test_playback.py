@@ -97,9 +97,9 @@ def test_a_verdict_on_nothing_replayed_says_why(context, tmp_path):
     assert "(0)" in got["evidence"]["reason"] and "no sample" in got["evidence"]["reason"]
 
 
-def test_steps_at_which_a_layer_did_not_run_are_not_replayed(tmp_path):
-    """A recorded layer on a conditional branch: the Profiler keeps its weights at every
-    recorded step, its inputs only where it ran."""
+def branchy_context(path):
+    """A recorded layer on a conditional branch: of steps 0, 1 and 2, ``b`` runs at 1 only. The
+    Profiler keeps its weights at every recorded step, its inputs only where it ran."""
 
     class Branchy(nn.Module):
         def __init__(self):
@@ -110,7 +110,7 @@ def test_steps_at_which_a_layer_did_not_run_are_not_replayed(tmp_path):
             return self.b(self.a(x)) if use_b else self.a(x)
 
     torch.manual_seed(0)
-    model, path = Branchy(), tmp_path / "context.h5"
+    model = Branchy()
     prof = Profiler(path, ["a", "b"], every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
     prof.attach(model)
     for step in range(3):
@@ -119,9 +119,23 @@ def test_steps_at_which_a_layer_did_not_run_are_not_replayed(tmp_path):
         model(torch.randn(3, 8), use_b=step == 1).sum().backward()
         prof.end_step()
     prof.close()
-    table, _ = replay(path, "linear", errors=["rv:1"])
+    return path
+
+
+def test_steps_at_which_a_layer_did_not_run_are_not_replayed(tmp_path):
+    table, _ = replay(branchy_context(tmp_path / "context.h5"), "linear", errors=["rv:1"])
     assert sorted(set(table.loc[table["layer"] == "b", "step"])) == [1]
     assert sorted(set(table.loc[table["layer"] == "a", "step"])) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("max_samples", [1, 2])
+def test_the_steps_replayed_are_spaced_over_those_at_which_the_layer_ran(tmp_path, max_samples):
+    """Spaced over every recorded step, b's were 0 (and 2), where it did not run: nothing was
+    replayed, and a faulty kernel passed as not applicable."""
+    table, record = replay(branchy_context(tmp_path / "context.h5"), "linear", errors=[], layers=["b"],
+                           max_samples=max_samples, kernel=errors.faulty(kernels.golden("linear"), "rv:2"))
+    assert sorted(set(table["step"])) == [1]
+    assert detect.judge(table, record)["verdict"] == "fail"
 
 
 def test_replay_reads_one_recorded_step_at_a_time(context, monkeypatch):

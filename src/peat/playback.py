@@ -139,6 +139,13 @@ def subsample(samples: list, limit: int | None) -> list:
     return [samples[i] for i in idx]
 
 
+def replayed_steps(plan: Plan, layer: str) -> list[int]:
+    """The steps of ``layer`` replayed: ``max_samples`` of those at which it ran. Spaced over every
+    recorded step, a layer on a conditional branch (an idle expert) could get only steps holding
+    its weights alone, and then nothing was replayed, which passed as not applicable."""
+    return subsample(recorded_steps(plan.context, layer, ran=True), plan.max_samples)
+
+
 def case_seed(seed: int, *parts) -> int:
     """A seed per (layer, computation, spec): stable across runs and independent of job order."""
     blob = ":".join(map(str, (seed, *parts))).encode()
@@ -224,7 +231,7 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     probed = probe(plan, timer, layers)
     rows = []
     for layer in layers:
-        steps = subsample(recorded_steps(plan.context, layer), plan.max_samples)
+        steps = replayed_steps(plan, layer)
         for computation in plan.computations:
             if (layer, computation) in probed and probed[layer, computation].ok:
                 rows += _replay_layer(plan, timer, layer, computation, steps)
@@ -245,7 +252,7 @@ def _samples(plan: Plan, timer: Timer, layer: str, steps: list[int] | None = Non
     """The layer's attributes and the samples replayed (on the plan's device); of ``steps`` alone
     when given."""
     if steps is None:
-        steps = subsample(recorded_steps(plan.context, layer), plan.max_samples)
+        steps = replayed_steps(plan, layer)
     with timer("io"):  # only the steps replayed are read; golden is computed below anyway, so not derived here
         attrs, samples = read_layer(plan.context, layer, steps, derive=False)
     # A step at which the layer did not run (a conditional branch, an idle expert) holds its weights only.
@@ -260,7 +267,7 @@ def probe(plan: Plan, timer: Timer, layers: list[str]) -> dict[tuple[str, str], 
     first = {}
     for layer in layers:
         found = {}  # read step by step until each computation has a sample: usually the first serves all
-        for step in subsample(recorded_steps(plan.context, layer), plan.max_samples):
+        for step in replayed_steps(plan, layer):
             attrs, samples = _samples(plan, timer, layer, [step])
             for computation in plan.computations:
                 if samples and computation not in found and kernels.applies(computation, samples[0]):
@@ -314,8 +321,6 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps:
     attrs, _ = read_layer(plan.context, layer, [])  # the layer's attributes alone
     variants = _variants(plan, layer, computation, attrs)  # made once: stateful models see consecutive calls
     follow = plan.propagate is not None and computation == "forward"
-    # A forward applies wherever the layer ran.
-    replayed = sorted(set(steps) & set(recorded_steps(plan.context, layer, ran=True))) if follow else None
     for sample in _each_sample(plan, timer, layer, computation, steps):
         base, scored = _scored_references(plan, timer, layer, computation, sample, attrs)
         failed, twins = _cases(plan, timer, variants, base, sample, attrs, scored, follow)
@@ -324,7 +329,7 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps:
             rows += of_tensor.rows
         if follow:
             with timer("propagate"):
-                rows += plan.propagate.rows(layer, sample, twins, base, plan.rules, timer, replayed=replayed)
+                rows += plan.propagate.rows(layer, sample, twins, base, plan.rules, timer, replayed=steps)
     return rows
 
 
