@@ -1008,6 +1008,29 @@ def test_float64_reference_runs_from_the_layer_on_the_golden_input():
     assert not torch.equal(got, model64(x.double()))  # not the whole network in float64
 
 
+def test_float64_reference_after_a_random_draw_still_starts_from_the_golden_input():
+    """Dropout before L (MobileNetV2's classifier): the replay check fails and the float64 twin
+    runs the whole network, drawing golden's masks, but L still takes golden's input, cast."""
+    import copy
+    from types import SimpleNamespace
+
+    from peat.propagate import Prefix, Propagator
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4)).train()
+    model64 = copy.deepcopy(model).double()
+    x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+    prop = Propagator.__new__(Propagator)
+    prop.dataset = SimpleNamespace(kind="image")
+    prefix = Prefix(model, "2")
+    gold = prop.observe(model, "2", "4", x, y, prefix=prefix, seed=3)
+    ref = prop.observe(model64, "2", "4", x.double(), y, prefix=prefix.on(model64, torch.float64), seed=3)
+    assert torch.equal(ref["A"], gold["A"].double())
+    torch.manual_seed(3)
+    model64[:2](x.double())  # the draws before L
+    assert torch.equal(ref["next"], model64[2:](gold["A"].double()))  # and after it, golden's masks
+
+
 @pytest.mark.parametrize("size, conv", [
     (1, dict(kernel_size=3, padding=1)),                    # 1x1 maps: one GEMM over the batch
     (4, dict(kernel_size=3, stride=2, padding=1, bias=False)),

@@ -14,9 +14,9 @@ step being replayed, honestly and cheaply:
 Golden float32 and reduced-precision runs of this rebuilt network and one run per candidate
 (the kernel, or a faulty kernel, computing layer L's forward on L's live input) differ only in
 layer L, so the downstream error is the kernel's alone. The float64 reference runs from L on,
-on the same input of L (the golden prefix, replayed; the whole network in float64 where the
-replay check fails): as at the kernel's own output, the yardstick is float32's rounding noise
-from the injecting to the observing point. How faithful the
+on the same input of L (the golden prefix, replayed; where the replay check fails, the whole
+network in float64 with L fed golden's input): as at the kernel's own output, the yardstick is
+float32's rounding noise from the injecting to the observing point. How faithful the
 rebuilt network is appears as ``recon_error``: the max relative difference between L's live
 input and the input recorded at that step (0 when the rebuilt state is exact).
 """
@@ -159,7 +159,8 @@ class Propagator:
             hooks.append(modules[nxt].register_forward_hook(at_next))
         try:
             torch.manual_seed(seed)  # the same dropout masks in every run
-            with torch.no_grad(), _computed_by(modules[layer], replace):
+            with torch.no_grad(), _computed_by(modules[layer], replace), \
+                    prefix.feeding() if prefix is not None else nullcontext():
                 loss, _ = loss_and_metrics(model, self.dataset.kind, x, y)
         finally:
             for h in hooks:
@@ -392,6 +393,31 @@ class Prefix:
         for frame in frames if started else []:  # L's callers are still open: kept calls lie in each
             for name, index, output in frame["kept"]:
                 self.outputs.setdefault(name, {})[index] = output
+
+    @contextmanager
+    def feeding(self):
+        """A whole forward (the replay check failed: a module before L drew random numbers) with L
+        given golden's input, as a replay gives it: the float64 twin's own prefix made L's input
+        differ from golden's by float32's rounding of every module before L, which the reference's
+        noise at the later observing points then held (3-160x float32's from L on at MobileNetV2's
+        classifier, after its dropout). The prefix still runs: its draws are golden's. A float32
+        forward computes golden's input anyway (and may write into it: it is not copied), so
+        only a twin (``on``) is fed."""
+        if self.dtype is None or self.input is None:
+            yield
+            return
+        fed = []
+
+        def feed(module, inputs):
+            if not fed:  # L's first call, the one recorded
+                fed.append(True)
+                return (self._replayed(self.input), *inputs[1:])
+
+        hook = self.modules[self.layer].register_forward_pre_hook(feed, prepend=True)
+        try:
+            yield
+        finally:
+            hook.remove()
 
     @contextmanager
     def replaying(self):
