@@ -407,6 +407,18 @@ def test_baselines():
     assert detect.rules_from({"k32": 4, "benchmark_seeds": 3}) == detect.Rules(k32=4)
 
 
+def test_a_kernel_whose_probe_timed_out_keeps_that_outcome_beside_a_later_crash():
+    """Its weight gradient timed out in the probe, its forward crashed at a later step: the
+    verdict named the crash, and the timeout was in no field but the list of outcomes."""
+    import pandas as pd
+
+    table = pd.DataFrame([{"layer": "4", "step": 1, "computation": "forward", "case": "kernel", "fop": "output",
+                           "status": "crash", "error": "ValueError: step two"}])
+    outcome = {"status": "timeout", "message": "4 weight_grad: no result after 2 s (killed)"}
+    got = detect.judge(table, {"outcome": outcome, "outcomes": []})
+    assert got["verdict"] == "fail" and got["error_model"] == "timeout" and got["evidence"]["outcome"] == outcome
+
+
 def test_json_safe_replaces_nan():
     assert detect.json_safe({"a": [float("nan"), 1.0, np.float32(2)], "b": np.int64(3)}) == {"a": [None, 1.0, 2.0],
                                                                                             "b": 3}

@@ -248,7 +248,7 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules = Rules()) -> dict:
         # A pseudo-error model that cannot act on this op (tile:T:splitk on a norm) says
         # nothing about the kernel; any other failure, in whichever case it came, is its own.
         own = table[table["error"].notna() & (table["status"] != "not_applicable")]
-        if len(own):
+        if len(own) and outcome.get("status", "ok") == "ok":  # a failed probe's outcome stays the kernel's
             bad = own.iloc[0]
             outcome = {"status": bad.get("status") or "crash",
                        "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
