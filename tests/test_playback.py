@@ -1244,12 +1244,13 @@ def test_envelopes_share_the_noise_and_footprints_come_from_the_references_score
             assert sizes[0] > 0  # the cases reach the footprints' sets
 
 
-def test_an_empty_output_is_scored():
-    """A tensor with no elements (a zero-size batch or layer) gets its rows, as an exact one:
-    nothing differs, nothing is wrong."""
+@pytest.mark.parametrize("shape", [(0, 4), (0,), (4, 0), (2, 0, 3, 3)])
+def test_an_empty_output_is_scored(shape):
+    """A tensor with no elements (a zero-size batch or layer, also one of no columns: a 1-d
+    tensor, a layer of width 0) gets its rows, as an exact one: nothing differs, nothing is wrong."""
     from peat import evidence
 
-    golden = torch.randn(0, 4)
+    golden = torch.randn(shape)
     scored = playback._Scored(playback.Plan(context=Path("-"), kernel=None, rules=detect.Rules()), {"tensor": "O"},
                               {"golden": golden, "fp64": golden.double(), **{p: golden for p in evidence.PRECISIONS}})
     scored.add("kernel", golden.clone())

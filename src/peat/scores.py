@@ -265,7 +265,8 @@ def spatial(m, top: float | None = None) -> dict:
     # Row-major whatever the layout (abs_error's of an N = 1 NCHW tensor is column-major): numpy's sums
     # down and across the matrix round alike then, and as tensor_stats.column_sums does.
     m = np.ascontiguousarray(m, dtype=np.float64)
-    m = m.reshape(-1, m.shape[-1] if m.ndim else 1)
+    # Rows counted, not -1: a reshape cannot infer them beside an empty tensor's 0 columns.
+    m = m.reshape(math.prod(m.shape[:-1]), m.shape[-1]) if m.ndim else m.reshape(1, 1)
     if not math.isfinite(m.max(initial=0.0) if top is None else top):
         m = np.nan_to_num(m, nan=0.0, posinf=0.0)
     cols, bands, blocks = _down_columns(m)
