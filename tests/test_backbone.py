@@ -141,6 +141,9 @@ BAD_CONFIGS = [
     (lambda c: c["datasets"]["pydoc"].update(part=[0.5, 0.2]), "datasets.pydoc.part", "start 0.5 is not below end 0.2"),
     (lambda c: c["datasets"]["pydoc"].update(part=[0.0, 0.01]), "datasets.pydoc.part",
      "[0, 0.01] selects none of the"),
+    # No fraction and no every-N case: the rfi kernels got no RFI job, and no word.
+    (lambda c: c["rfi"].update(fractions=[]), "rfi.fractions",
+     "[] and rfi.every [] leave rfi kernel 'lane_fc' no RFI case"),
 ]
 
 

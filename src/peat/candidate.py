@@ -96,6 +96,9 @@ def check(config: dict) -> None:
         if name not in config.get("kernels", {}):
             raise PeatError(f"config key 'rfi.kernels': unknown kernel {name!r}; defined: "
                             f"{', '.join(config.get('kernels', {})) or 'none'}")
+        if not rfi_cases(config["rfi"]):  # it would get no RFI job, and no word
+            raise PeatError(f"config key 'rfi.fractions': [] and rfi.every [] leave rfi kernel {name!r} no RFI case; "
+                            "give a fraction or an every-N step, or remove it from rfi.kernels")
         applies = models_for(config, name)
         if chosen and not set(applies) & set(chosen):  # it would get no RFI job, and no word
             raise PeatError(f"config key 'rfi.models': none of them runs rfi kernel {name!r} "
