@@ -141,6 +141,11 @@ BAD_CONFIGS = [
     (lambda c: c["datasets"]["pydoc"].update(part=[0.5, 0.2]), "datasets.pydoc.part", "start 0.5 is not below end 0.2"),
     (lambda c: c["datasets"]["pydoc"].update(part=[0.0, 0.01]), "datasets.pydoc.part",
      "[0, 0.01] selects none of the"),
+    # Settings the source does not read: the whole corpus was used, the labels stayed the next bytes.
+    (lambda c: c["datasets"].update(corpus={"source": "text", "path": str(REPO / "README.md"), "part": [0.0, 0.5]}),
+     "datasets.corpus.part", "source text does not read it (part applies to pydoc)"),
+    (lambda c: c["datasets"]["pydoc"].update(labels="parity"), "datasets.pydoc.labels",
+     "source pydoc does not read it (labels applies to digits, cifar10)"),
     # No fraction and no every-N case: the rfi kernels got no RFI job, and no word.
     (lambda c: c["rfi"].update(fractions=[]), "rfi.fractions",
      "[] and rfi.every [] leave rfi kernel 'lane_fc' no RFI case"),

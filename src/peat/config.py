@@ -16,6 +16,9 @@ from .profiler import check_records_a_step, match_names
 
 # Sources prepared as images (peat.data.prepare); the others are byte-level text.
 IMAGE_SOURCES = ("digits", "cifar10")
+# The dataset settings each source reads (peat.data); source, val_fraction and seed apply to all.
+SOURCE_KEYS = {"path": ("cifar10", "text"), "labels": IMAGE_SOURCES, "image_size": IMAGE_SOURCES,
+               "seq_len": ("pydoc", "text"), "part": ("pydoc",)}
 
 
 def _key(path) -> str:
@@ -60,7 +63,7 @@ def validate(config: dict, schema_path: str | Path) -> dict:
     errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: (len(e.absolute_path), e.path))
     if errors:
         raise PeatError(_message(jsonschema.exceptions.best_match(errors)))
-    _cross_check(config, defaulted)
+    _cross_check(config, defaulted, schema["properties"]["datasets"]["additionalProperties"]["properties"])
     return config
 
 
@@ -114,10 +117,10 @@ def _with_defaults(cls):
     return jsonschema.validators.extend(cls, {"properties": set_defaults}, type_checker=integers)
 
 
-def _cross_check(config: dict, reference_defaulted: bool = False) -> None:
+def _cross_check(config: dict, reference_defaulted: bool = False, dataset_keys: dict | None = None) -> None:
     datasets, models = config["datasets"], config["models"]
     for name, spec in datasets.items():
-        _check_dataset(name, spec)
+        _check_dataset(name, spec, dataset_keys or {})
     for name, model in models.items():
         if model["dataset"] not in datasets:
             raise PeatError(
@@ -139,7 +142,13 @@ def _cross_check(config: dict, reference_defaulted: bool = False) -> None:
                         "vendor replays")
 
 
-def _check_dataset(name: str, spec: dict) -> None:
+def _check_dataset(name: str, spec: dict, keys: dict) -> None:
+    # A setting the source does not read was dropped without a word (part of a text corpus: the
+    # whole corpus). The schema's default, which validation writes in, changes nothing and passes.
+    for key, sources in SOURCE_KEYS.items():
+        if key in spec and spec["source"] not in sources and spec[key] != keys.get(key, {}).get("default"):
+            raise PeatError(f"config key 'datasets.{name}.{key}': source {spec['source']} does not read it "
+                            f"({key} applies to {', '.join(sources)})")
     if spec["source"] in ("cifar10", "text"):
         path = spec.get("path")
         if path is None:
