@@ -146,6 +146,9 @@ BAD_CONFIGS = [
      "datasets.corpus.part", "source text does not read it (part applies to pydoc)"),
     (lambda c: c["datasets"]["pydoc"].update(labels="parity"), "datasets.pydoc.labels",
      "source pydoc does not read it (labels applies to digits, cifar10)"),
+    # A drill's fault has no kernel operands to split: the injected rank failed at the injection step.
+    (lambda c: c["sdc"].update(faults={"lane_fault": "tile:4:splitk"}), "sdc.faults.lane_fault",
+     "'tile:4:splitk': split-K needs a kernel's operands, which a drill's fault does not have"),
     # No fraction and no every-N case: the rfi kernels got no RFI job, and no word.
     (lambda c: c["rfi"].update(fractions=[]), "rfi.fractions",
      "[] and rfi.every [] leave rfi kernel 'lane_fc' no RFI case"),

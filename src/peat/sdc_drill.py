@@ -404,9 +404,12 @@ def check_config(config: dict) -> None:
         raise PeatError(f"config key 'sdc.injection_step': {cfg['injection_step']} is not below sdc.steps ({cfg['steps']})")
     for drill, spec in cfg["faults"].items():
         try:
-            errors.parse(spec)
+            model = errors.parse(spec)
         except PeatError as err:
             raise PeatError(f"config key 'sdc.faults.{drill}': {err}") from None
+        if model.mode == "splitk":  # Fault applies it to a tensor alone: the injected rank failed at the injection step
+            raise PeatError(f"config key 'sdc.faults.{drill}': {spec!r}: split-K needs a kernel's operands, which a "
+                            "drill's fault does not have; use tile:T, tile:T:stale or tile:T:zero")
 
 
 def _check_batch(config: dict, model: str) -> None:
