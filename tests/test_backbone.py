@@ -191,6 +191,19 @@ def test_a_target_after_configfile_is_named_as_not_a_config(tmp_path):
     empty.write_text("{}\n")
     assert snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(empty), configfile=None).returncode == 0
 
+
+def test_a_target_sharing_a_config_key_is_named_as_not_a_config(tmp_path):
+    """A drill's JSON has a "seed", a playback record "errors": one key in common with the config
+    passed the check, and the line named only the other keys ('<top level>': ... unexpected)."""
+    target = tmp_path / "results/sdc/gpt2/clean.json"
+    target.parent.mkdir(parents=True)
+    target.write_text('{"outcome": "completed", "drill": "clean", "world_size": 3, "detected": false, "seed": 0}')
+    proc = snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(target), configfile=None, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"peat: {target}: not a peat config") and "before --configfile" in lines[0]
+
+
 def test_reordered_config_keys_rerun_nothing(tmp_path):
     """Snakemake compares params as text: the same dataset spec with its keys in another order
     (or a default written out) reran data preparation, golden training and everything after it."""

@@ -81,8 +81,10 @@ def check_is_config(path: str | Path, schema_path: str | Path) -> None:
     if content is None or content == {}:  # an empty overlay (the SLURM test's, say) changes nothing
         return
     known = yaml.safe_load(Path(schema_path).read_text())["properties"]
-    if not isinstance(content, dict) or not content.keys() & known.keys():
-        raise PeatError(f"{path}: not a peat config (no config key at its top level); --configfile reads "
+    # A result may share a key with the config (a drill's JSON its "seed", a playback record its
+    # "errors"): a config's top-level keys are mostly config keys, a result's mostly not.
+    if not isinstance(content, dict) or len(content.keys() & known.keys()) < len(content.keys() - known.keys()):
+        raise PeatError(f"{path}: not a peat config (few or no config keys at its top level); --configfile reads "
                         "every path after it, so name targets before --configfile")
 
 
