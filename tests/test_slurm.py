@@ -317,6 +317,16 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
         slurm.check_sizes([job("g", 1, mem_mb=9000)], largest)
 
 
+
+def test_local_rules_are_not_checked_against_the_cluster():
+    """golden_curves and collate_report run on the login node (localrules), yet their default
+    mem_mb was checked against the default partition's nodes: a run whose jobs all go to named
+    partitions stopped, naming a rule that never reaches sbatch."""
+    local = SimpleNamespace(rule=SimpleNamespace(name="golden_curves"), threads=1, is_local=True,
+                            resources={"mem_mb": 8000})
+    slurm.check_sizes([local], {"": (4, 4000), "short": (4, 8000)})
+
+
 def test_gpu_vendor_without_gpu_request_is_one_line():
     config = {"vendors": ["cpu", "amd"], "slurm": {"vendors": {"amd": {"partition": "mi250"}}}}
     with pytest.raises(PeatError, match=r"^config key 'slurm.vendors.amd.gres' is missing: amd jobs need a GPU"):

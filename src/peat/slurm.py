@@ -88,6 +88,8 @@ def check_sizes(jobs, largest: dict[str, tuple[int, int]]) -> None:
     """Fail on the first job that asks for more CPUs or memory than any node of its partition has:
     sbatch refuses such memory, but such CPUs pend forever (squeue's reason PartitionConfig)."""
     for job in jobs:
+        if getattr(job, "is_local", False):  # localrules (plots, the report) run here, never through sbatch
+            continue
         partition = job.resources.get("slurm_partition") or ""
         if partition not in largest:  # no such partition (check_partitions), or no default one
             continue
