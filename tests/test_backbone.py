@@ -177,31 +177,29 @@ def test_a_key_given_twice_stops_with_one_line(tmp_path):
     assert "config key 'kernels.im2col' is given twice" in lines[0]
 
 
-def test_a_target_after_configfile_is_named_as_not_a_config(tmp_path):
+@pytest.mark.parametrize("path, content", [
+    ("results/detect/resnet18/cpu/im2col.json", '{"verdict": "pass", "error_model": "none"}'),
+    # One key in common with the config (a drill's "seed", a playback record's "errors") passed the check.
+    ("results/sdc/gpt2/clean.json",
+     '{"outcome": "completed", "drill": "clean", "world_size": 3, "detected": false, "seed": 0}'),
+])
+def test_a_target_after_configfile_is_named_as_not_a_config(tmp_path, path, content):
     """``--configfile`` takes every path after it: an existing target named after it was read as a
     config, and the one line named only its keys ('<top level>': 'verdict' ... unexpected)."""
-    target = tmp_path / "results/detect/resnet18/cpu/im2col.json"
+    target = tmp_path / path
     target.parent.mkdir(parents=True)
-    target.write_text('{"verdict": "pass", "error_model": "none"}')
+    target.write_text(content)
     proc = snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(target), configfile=None, check=False)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"peat: {target}: not a peat config") and "before --configfile" in lines[0]
-    empty = tmp_path / "overlay.yaml"  # an empty overlay config is still a config: it changes nothing
+
+
+def test_an_empty_overlay_config_is_still_a_config(tmp_path):
+    """It changes nothing (the SLURM test's overlay, say)."""
+    empty = tmp_path / "overlay.yaml"
     empty.write_text("{}\n")
     assert snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(empty), configfile=None).returncode == 0
-
-
-def test_a_target_sharing_a_config_key_is_named_as_not_a_config(tmp_path):
-    """A drill's JSON has a "seed", a playback record "errors": one key in common with the config
-    passed the check, and the line named only the other keys ('<top level>': ... unexpected)."""
-    target = tmp_path / "results/sdc/gpt2/clean.json"
-    target.parent.mkdir(parents=True)
-    target.write_text('{"outcome": "completed", "drill": "clean", "world_size": 3, "detected": false, "seed": 0}')
-    proc = snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(target), configfile=None, check=False)
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"peat: {target}: not a peat config") and "before --configfile" in lines[0]
 
 
 def test_reordered_config_keys_rerun_nothing(tmp_path):

@@ -269,9 +269,9 @@ def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True, golden: np.ndarray 
     counts neither way: it cannot show a lane stuck at one of its values. Such are a dead
     channel (one value throughout) and, in an input gradient, the row of a sample the network
     already gets right, near 0 throughout (measured: 5 of 16 stuck row lanes of ResNet-18's
-    fc). A sparse S stays with the rules for a few
-    scattered wrong elements, and a lane alone must be filled itself: rounding that leaves the
-    fp32 envelope in one outlier channel, and not in most of it, is no lane fault."""
+    fc). A sparse S stays with the rules for a few scattered wrong elements, and a lane alone
+    must be filled itself: rounding that leaves the fp32 envelope in one outlier channel, and not
+    in most of it, is no lane fault."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     # Lanes are the columns, then the rows: counts holds each one's wrong elements, of ``length``.
     for axis, counts, length in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
