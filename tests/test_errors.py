@@ -115,8 +115,12 @@ def test_rv_changes_exactly_n_positions(t, n):
     assert ((moved - t.mean()).abs() < 6 * t.std()).all()
 
 
-@pytest.mark.parametrize("t", [(torch.randn(1000, generator=gen(1)) * 0.5 + 300).bfloat16(),  # spaced by 2
-                               torch.full((1000,), 1e8)])  # spaced by 8, std taken as 1
+# One std below the dtype's spacing: an offset of one std rounds back.
+SPACED = [(torch.randn(1000, generator=gen(1)) * 0.5 + 300).bfloat16(),  # spaced by 2
+          torch.full((1000,), 1e8)]  # spaced by 8, std taken as 1
+
+
+@pytest.mark.parametrize("t", SPACED)
 def test_rv_changes_n_positions_where_one_std_is_below_the_dtypes_spacing(t):
     out = errors.parse("rv:50").apply(t, gen())
     assert int((out != t).sum()) == 50
@@ -216,6 +220,17 @@ def test_lane_offsets_every_kth_column(t):
     assert len(cols) == 5 and cols == list(range(cols[0], 40, 8)) and cols[0] < 8
     delta = (out - t)[:, cols]
     assert torch.allclose(delta, torch.full_like(delta, float(t.double().std())), rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", SPACED)
+@pytest.mark.parametrize("axis", ["col", "row"])
+def test_lane_offsets_every_element_of_its_lanes_where_one_std_is_below_the_dtypes_spacing(t, axis):
+    t = t.reshape(25, 40)
+    dim = 0 if axis == "col" else 1
+    out = errors.parse(f"lane:8:{axis}").apply(t, gen())
+    lanes = (out != t).any(dim).nonzero().view(-1).tolist()
+    assert lanes and lanes == list(range(lanes[0], t.shape[1 - dim], 8))
+    assert (out != t).all(dim)[lanes].all() and (out >= t).all()
 
 
 def test_lane_stuck_rows_and_nchw_channels(t):

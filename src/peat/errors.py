@@ -11,7 +11,8 @@ Spec grammar (also the schema's pattern, see ``SPEC_PATTERN``):
                                        the float32 pattern; WHERE is sign|exponent|mantissa|any or a bit 0-31
                                        (the burst starts there and runs towards the sign bit)
     lane:K[:offset|stuck][:col|row]    every K-th column (or row), from a random lane l < K, offset by the
-                                       tensor's std (default) or stuck at the lane's first value
+                                       tensor's std (default; at least to the next value up) or stuck at
+                                       the lane's first value
     tile:T[:stale|zero|splitk]         one random TxT tile keeps the previous call's values (stale, zeros on
                                        the first call), is zeroed, or misses one split-K partial sum
                                        (K chunks of T; GEMM-like computations via ``faulty`` only)
@@ -264,7 +265,8 @@ def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     if model.mode == "stuck":
         m[:, lane::period] = cols[:1].expand_as(cols)
     else:
-        m[:, lane::period] = cols + _finite_stats(t)[1]
+        # Where one std is below the dtype's spacing (bf16 near 300), the lane would round back, unchanged.
+        m[:, lane::period] = _nudged(cols, _finite_stats(t)[1])
     return unmatrix(m.t() if model.axis == "row" else m, t)
 
 
