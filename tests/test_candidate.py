@@ -94,6 +94,17 @@ def test_schedules():
     assert candidate.rfi_cases({"fractions": [0.25, 0.5], "every": [4]}) == ["f0.25", "f0.5", "every4"]
 
 
+def test_a_fraction_schedule_rounds_halves_up_of_the_fraction_as_written():
+    """round() went to even (f0.25 of 10 steps routed 2) and multiplied the float, just below 0.7."""
+    def routed(case, total):
+        state = {"step": 0}
+        active = candidate.schedule_predicate(case, state, total)
+        return [s for s in range(total) if (state.update(step=s), active())[1]]
+
+    assert routed("f0.25", 10) == [0, 1, 2] and routed("f0.25", 6) == [0, 1]
+    assert len(routed("f0.7", 45)) == 32 and routed("f1e-05", 10) == [0]
+
+
 def test_monitored_kernel_scores_every_call_against_golden():
     rows, state = [], {"step": 7, "epoch": 2}
     kernel = candidate.monitored(errors.faulty(kernels.golden("linear"), "rz:3"), "fc", rows.append, state)

@@ -19,6 +19,7 @@ import fnmatch
 import math
 import re
 import shutil
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Callable
 
@@ -322,7 +323,9 @@ def schedule_predicate(schedule: str, state: dict, total_steps: int):
     if schedule.startswith("every"):
         period = int(schedule[5:])
         return lambda: state["step"] % period == 0
-    last = max(1, round(float(schedule[1:]) * total_steps))
+    # Halves up, as a user reads "round" (round() goes to even: f0.25 of 10 steps routed 2), of the
+    # fraction as written: the float 0.7 is just below 0.7, so 0.7 x 45 = 31.5 in floats rounded down.
+    last = max(1, int((Decimal(schedule[1:]) * total_steps).to_integral_value(ROUND_HALF_UP)))
     return lambda: state["step"] < last
 
 
