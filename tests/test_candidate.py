@@ -417,6 +417,14 @@ def test_config_names_models_that_would_silently_get_no_jobs():
     bad["kernels"]["im2col"]["models"] = ["resnet18", "gpt2"]
     with pytest.raises(PeatError, match=r"config key 'kernels\.im2col\.models': model 'gpt2' \(gpt2\) has no conv2d layer"):
         candidate.check(bad)
+    # The case name is the schedule: f0.1234567 and f0.1234568 were one job, f0.123457.
+    bad = copy.deepcopy(config)
+    bad["rfi"]["fractions"] = [0.5, 0.1234567, 0.1234568]
+    with pytest.raises(PeatError, match=r"^config key 'rfi\.fractions': 0\.1234567 has more than 6 significant digits; "
+                                        r"its case f0\.123457 would run 0\.123457$"):
+        candidate.check(bad)
+    bad["rfi"]["fractions"] = [1, 0.123457, 5e-05]
+    candidate.check(bad)
 
 
 # -- the test workflow -------------------------------------------------------------------------

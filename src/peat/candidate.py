@@ -93,6 +93,7 @@ def check(config: dict) -> None:
         _parse(spec, f"errors.{i}")
     chosen = config.get("rfi", {}).get("models") or []
     _known_models(config, chosen, "rfi.models")
+    _check_fractions(config.get("rfi", {}).get("fractions", []))
     for name in config.get("rfi", {}).get("kernels", []):
         if name not in config.get("kernels", {}):
             raise PeatError(f"config key 'rfi.kernels': unknown kernel {name!r}; defined: "
@@ -104,6 +105,15 @@ def check(config: dict) -> None:
         if chosen and not set(applies) & set(chosen):  # it would get no RFI job, and no word
             raise PeatError(f"config key 'rfi.models': none of them runs rfi kernel {name!r} "
                             f"(it applies to {', '.join(applies) or 'no model'})")
+
+
+def _check_fractions(fractions) -> None:
+    """The job runs the fraction its case name spells (``rfi_cases``, 6 significant digits): one
+    with more ran another fraction, and two that shared a name made one job, without a word."""
+    for fraction in fractions:
+        if float(f"{fraction:g}") != fraction:
+            raise PeatError(f"config key 'rfi.fractions': {fraction!r} has more than 6 significant digits; its case "
+                            f"f{fraction:g} would run {fraction:g}")
 
 
 def _parsed(path: str, key: str) -> ast.Module:
