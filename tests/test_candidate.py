@@ -417,6 +417,15 @@ def test_config_names_models_that_would_silently_get_no_jobs():
     bad["kernels"]["im2col"]["models"] = ["resnet18", "gpt2"]
     with pytest.raises(PeatError, match=r"config key 'kernels\.im2col\.models': model 'gpt2' \(gpt2\) has no conv2d layer"):
         candidate.check(bad)
+    bad = copy.deepcopy(config)
+    bad["kernels"]["bn_all"] = {"op": "batch_norm"}  # every model by default, but GPT-2 has none
+    del bad["models"]["resnet18"], bad["models"]["resnet18_parity"]
+    for name in ("im2col", "lane_fc"):
+        del bad["kernels"][name]
+    bad["rfi"]["kernels"] = []
+    with pytest.raises(PeatError, match=r"^config key 'kernels\.bn_all\.op': no model has a batch_norm layer "
+                                        r"\(gpt2 \(gpt2\)\); the kernel would run no job$"):
+        candidate.check(bad)
     # The case name is the schedule: f0.1234567 and f0.1234568 were one job, f0.123457.
     bad = copy.deepcopy(config)
     bad["rfi"]["fractions"] = [0.5, 0.1234567, 0.1234568]

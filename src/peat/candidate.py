@@ -52,6 +52,10 @@ def models_for(config: dict, name: str) -> list[str]:
     if spec.get("models") and lacking:  # named on purpose: such a model would silently get no job
         raise PeatError(f"config key 'kernels.{name}.models': model {lacking[0]!r} "
                         f"({config['models'][lacking[0]]['arch']}) has no {spec['op']} layer")
+    if not applies:  # by default: no candidate, RFI or playback job, and no word
+        archs = ", ".join(f"{m} ({config['models'][m]['arch']})" for m in wanted)
+        raise PeatError(f"config key 'kernels.{name}.op': no model has a {spec['op']} layer ({archs or 'no model'}); "
+                        "the kernel would run no job")
     return applies
 
 
@@ -104,7 +108,7 @@ def check(config: dict) -> None:
         applies = models_for(config, name)
         if chosen and not set(applies) & set(chosen):  # it would get no RFI job, and no word
             raise PeatError(f"config key 'rfi.models': none of them runs rfi kernel {name!r} "
-                            f"(it applies to {', '.join(applies) or 'no model'})")
+                            f"(it applies to {', '.join(applies)})")
 
 
 def _check_fractions(fractions) -> None:
