@@ -8,6 +8,9 @@ import dataclasses
 import errno
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -802,35 +805,84 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _stopped(pids: list[int], within: float = 5.0) -> bool:
+    """Whether all of ``pids`` are gone within ``within`` seconds; any left are killed here."""
+    deadline = time.monotonic() + within
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in pids if not _gone(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return not alive
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_the_child_does_not_outlive_a_parent_killed_while_it_runs(tmp_path):
-    """A playback job killed (SIGTERM) while a probe hangs leaves no child running on, holding its memory."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    told = tmp_path / "child.pid"
-    script = ("import os, time, pathlib\nfrom peat import kernels\n"
-              "def hang():\n    pathlib.Path(os.environ['TOLD']).write_text(str(os.getpid()))\n    time.sleep(60)\n"
+    """A playback job killed (SIGTERM) while a probe hangs leaves no child running on, holding its
+    memory, nor a worker process the kernel started."""
+    told = tmp_path / "pids"
+    script = ("import multiprocessing, os, time, pathlib\nfrom peat import kernels\n"
+              "def hang():\n"
+              "    worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))\n"
+              "    worker.start()\n"
+              "    pathlib.Path(os.environ['TOLD']).write_text(f'{os.getpid()} {worker.pid}')\n"
+              "    time.sleep(60)\n"
               "kernels.run_isolated_many([kernels.Call(hang)], timeout=60)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], env=os.environ | {"TOLD": str(told)})
     try:
         deadline = time.monotonic() + 60
-        while not (told.exists() and told.read_text()) and time.monotonic() < deadline:
+        while not (told.exists() and told.read_text()) and parent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        child = int(told.read_text())
+        pids = [int(pid) for pid in told.read_text().split()]
         parent.send_signal(signal.SIGTERM)
         parent.wait(10)
-        deadline = time.monotonic() + 5
-        while not _gone(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        alive = not _gone(child)
     finally:
         parent.kill()
-    if alive:
-        os.kill(child, signal.SIGKILL)
-    assert not alive
+    assert _stopped(pids)
+
+
+def _square(v):
+    return v * v
+
+
+def _pooled(*values):
+    """A kernel computing its reference on a worker pool that it keeps from call to call."""
+    import concurrent.futures
+    import multiprocessing
+
+    if not hasattr(_pooled, "pool"):
+        _pooled.pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"))
+    print(f"pooled {values}")
+    return torch.tensor(list(_pooled.pool.map(_square, values)))
+
+
+def test_a_kernel_may_run_a_worker_pool_of_its_own(capfd):
+    """The child was daemonic, which multiprocessing allows no children: a kernel using a pool was a
+    crash, "daemonic processes are not allowed to have children"."""
+    start = time.monotonic()
+    outcomes = kernels.run_isolated_many([kernels.Call(_pooled, (1, 2, 3)), kernels.Call(_pooled, (4,))], timeout=20)
+    assert [(o.status, o.message) for o in outcomes] == [("ok", ""), ("ok", "")]
+    assert [o.value.tolist() for o in outcomes] == [[1, 4, 9], [16]]
+    assert time.monotonic() - start < 10  # the pool it keeps does not hold the child past its last result
+    assert "pooled (4,)" in capfd.readouterr().out  # printed in the child, which is killed, not left to exit
+
+
+def _hang_with_workers(told):
+    """A kernel that starts a worker process and a program, says their ids, and hangs."""
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    worker.start()
+    program = subprocess.Popen(["sleep", "60"])
+    Path(told).write_text(f"{worker.pid} {program.pid}")
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_kernel_timed_out_takes_the_processes_it_started_with_it(tmp_path):
+    outcome = kernels.run_isolated(_hang_with_workers, str(tmp_path / "pids"), timeout=2)
+    assert outcome.status == "timeout"
+    assert _stopped([int(pid) for pid in (tmp_path / "pids").read_text().split()])
 
 
 @pytest.mark.parametrize("func, status, message", [

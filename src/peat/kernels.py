@@ -28,6 +28,7 @@ several ops defines a namespace per op instead (``class linear: forward = ...``)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -497,6 +498,7 @@ def _child(conn, calls, memory_mb, parent):
     import resource
 
     _die_with(parent)
+    _own_group()
     torch.set_num_threads(1)
     for func, args, kwargs, expect in calls:
         if memory_mb:
@@ -517,6 +519,7 @@ def _child(conn, calls, memory_mb, parent):
                 payload = ("ok", buf.getvalue())
         except BaseException as err:  # anything the kernel raises is its outcome
             payload = _failure(err)
+        _flush_output()
         conn.send(payload)
     conn.close()
 
@@ -532,6 +535,31 @@ def _die_with(parent: int) -> None:
         return
     if os.getppid() != parent:  # it went before that
         os._exit(1)
+
+
+def _own_group() -> None:
+    """Lead a process group of its own, so that one signal kills the child with every process the
+    kernel started (a worker pool for a CPU reference, a compiler): at a timeout, or once its last
+    result is in. And tie each process forked below it to the one that forked it, as the child is
+    tied to the job (``_die_with``): a job killed while a kernel's pool runs leaves none of it
+    running. (A forked process dies when the *thread* that forked it ends, as Linux has it.)"""
+    os.setpgid(0, 0)
+    forker = os.getpid()
+
+    def die_with_forker():
+        nonlocal forker
+        _die_with(forker)
+        forker = os.getpid()  # the one that its own forks die with
+
+    os.register_at_fork(after_in_child=die_with_forker)
+
+
+def _flush_output() -> None:
+    """Write out what the kernel printed so far: the child is killed, not left to exit, after its
+    last result (a pool the kernel keeps would hold its exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # none, or closed by the kernel
+            stream.flush()
 
 
 # A full disk (candidate training writes its curve and final weights in the child) is no
@@ -579,6 +607,7 @@ class Call:
 def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | None = None,
                  expect: torch.Tensor | None = None, **kwargs) -> Outcome:
     """Call ``func(*args, **kwargs)`` in a forked child, so a crash, hang or leak cannot take us down.
+    It may start processes of its own (a worker pool): they are killed with the child.
 
     ``expect`` (a tensor) makes a result of another shape or dtype a ``shape_mismatch``. The
     result travels back through ``torch.load(weights_only=True)``: tensors and plain containers.
@@ -611,11 +640,13 @@ def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> l
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     start = time.perf_counter()
+    # Not daemonic: multiprocessing refuses a daemonic process children, and a kernel starting a
+    # worker pool was a crash. _kill and _own_group stand in for what daemonic would give.
     proc = ctx.Process(target=_child, args=(child, [(c.func, c.args, c.kwargs, c.expect) for c in calls], memory_mb,
-                                            os.getpid()), daemon=True)
+                                            os.getpid()))
     proc.start()
     child.close()
-    outcomes, whole = [], False
+    outcomes = []
     try:
         for call in calls:
             payload, status = _receive(parent, proc, timeout)
@@ -625,18 +656,21 @@ def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> l
                 break
             if payload is None:  # the child died inside this call: its exit code says how
                 proc.join(timeout)
-                whole = not proc.is_alive()
                 outcomes.append(_died(proc.exitcode, seconds))
                 break
             outcomes.append(_read_back(payload, call.expect, seconds))
-        else:
-            whole = True
     finally:
-        if not whole:
-            proc.kill()
+        _kill(proc)
         proc.join()
         parent.close()
     return outcomes
+
+
+def _kill(proc) -> None:
+    """Kill the child and what the kernel started: the child's process group (``_own_group``)."""
+    with contextlib.suppress(ProcessLookupError):  # all gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()  # a kernel may have moved it out of its group
 
 
 def _receive(conn, proc, timeout: float) -> tuple[object, str]:
