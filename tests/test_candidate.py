@@ -334,20 +334,25 @@ def test_a_run_that_dies_keeps_its_curve_up_to_where_it_stopped(digits, tmp_path
             [step, computation] for step in (0, 1) for computation in ("forward", "input_grad", "weight_grad")]
 
 
-def test_rfi_reports_a_wrong_shape_as_shape_mismatch(digits, tmp_path):
+@pytest.mark.parametrize("result, returned", [
+    ("x[:, :3]", "forward returned (32, 3) torch.float32, expected (32, 10)"),
+    ("F.linear(x, weight, bias).to('meta')",  # a CPU result from a CUDA layer, say
+     "forward returned (32, 10) torch.float32 on meta, expected (32, 10) torch.float32 on cpu")])
+def test_rfi_reports_a_wrong_shape_or_device_as_shape_mismatch(digits, tmp_path, result, returned):
     """Under RFI the per-call error score ran before the router's shape check: a result of another
-    shape was a broadcasting 'crash' instead of a shape_mismatch."""
+    shape was a broadcasting 'crash' instead of a shape_mismatch, one on another device torch's
+    device error."""
     golden = tmp_path / "golden"
     golden.mkdir()
     pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
                   "perplexity": [float("nan")], "wall_time": [0.0]}).to_csv(golden / "metrics.csv", index=False)
     path = tmp_path / "narrow.py"
-    path.write_text("def forward(x, weight, bias):\n    return x[:, :3]\n")
+    path.write_text(f"import torch.nn.functional as F\n\ndef forward(x, weight, bias):\n    return {result}\n")
     spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
     record = candidate.train_candidate("resnet18", spec, "narrow", {"op": "linear", "impl": str(path), "layers": ["fc"]},
                                        digits, golden, tmp_path / "out", seed=0, schedule="f0.5")
     assert record["status"] == "shape_mismatch", record["message"]
-    assert "forward returned (32, 3) torch.float32, expected (32, 10)" in record["message"]
+    assert returned in record["message"]
 
 
 def test_config_cross_checks():

@@ -325,6 +325,19 @@ def test_a_routed_kernel_gets_a_contiguous_input_as_playback_does():
     assert {args[1 if c == "weight_grad" else 0] for _, c, args in seen} == {((5, 3), (3, 1)), ((5, 4), (4, 1))}
 
 
+@pytest.mark.parametrize("computation, shape", [("forward", "(6, 2)"), ("input_grad", "(6, 4)")])
+def test_a_routed_kernel_returning_its_result_on_another_device_fails_naming_it(computation, shape):
+    """A CUDA layer's kernel returning a CPU tensor (meta here) trained on into torch's device error at
+    the next op, or autograd's, a crash naming neither kernel nor layer."""
+    own = {computation: lambda *args, **kw: kernels.GOLDEN["linear"][computation](*args, **kw).to("meta")}
+    kernel = kernels.Kernel("elsewhere", "linear", **(kernels.GOLDEN["linear"] | own), custom=(computation,))
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    kernels.route(model, kernel, ["2"])
+    message = f"kernel 'elsewhere' {computation} returned {shape} torch.float32 on meta, expected {shape} torch.float32 on cpu"
+    with pytest.raises(kernels.ShapeMismatch, match=f"^{re.escape(message)}$"):
+        model(torch.randn(6, 8)).sum().backward()
+
+
 def buffered(key) -> kernels.Kernel:
     """Golden linear whose forward returns one buffer per ``key(x, weight)``, written as C++ writes
     it (no version bump for autograd to notice)."""
@@ -729,11 +742,18 @@ def _numpy(x, weight, bias):  # a prototype written in NumPy: a crash "Weights o
     return (x @ weight.t() + bias).numpy()
 
 
+def _elsewhere(x, weight, bias):  # a CPU result from CUDA operands, say (meta stands in for the other device)
+    return (x @ weight.t() + bias).to("meta")
+
+
+ON_META = "returned (6, 48) torch.float32 on meta, expected (6, 48) torch.float32 on cpu"
+
+
 @pytest.mark.parametrize("func, status, message", [
     (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 2 s"),
     (_segfault, "crash", "killed by SIGSEGV"), (_wrong_shape, "shape_mismatch", "returned (6, 47)"),
     (_nan, "ok", "288 non-finite values"), (_huge, "oom", "allocate"),
-    (_numpy, "shape_mismatch", "returned ndarray, expected a tensor")])
+    (_numpy, "shape_mismatch", "returned ndarray, expected a tensor"), (_elsewhere, "shape_mismatch", ON_META)])
 def test_run_isolated_records_outcomes(context, func, status, message):
     attrs, samples = read_layer(context, "fc")
     kernel = kernels.Kernel("bad", "linear", func, func, func, custom=kernels.COMPUTATIONS)
@@ -742,6 +762,18 @@ def test_run_isolated_records_outcomes(context, func, status, message):
     assert outcome.status == status and message in outcome.message
     assert set(outcome.record()) == {"status", "message", "seconds"}
     assert outcome.seconds < 10
+
+
+def test_a_result_on_another_device_than_its_operands_is_a_shape_mismatch_unrecorded_too(context):
+    """Where the context holds no result (record.derived: false), the result is expected on meta
+    tensors: a result on another device than the operands passed as ok (a CPU one from a CUDA
+    kernel was then moved to the CPU and scored)."""
+    attrs, samples = read_layer(context, "fc", derive=False)
+    sample = next(s for s in samples if s.get("A") is not None)
+    kernel = kernels.Kernel("elsewhere", "linear", _elsewhere, _elsewhere, _elsewhere, custom=kernels.COMPUTATIONS)
+    outcome = kernels.run_isolated(kernels.call, kernel, "forward", sample, attrs, timeout=10,
+                                   expect=kernels.expected("forward", sample, attrs))
+    assert "O" not in sample and (outcome.status, outcome.message) == ("shape_mismatch", ON_META)
 
 
 def test_run_isolated_returns_the_value(context):
@@ -887,7 +919,8 @@ def test_a_kernel_timed_out_takes_the_processes_it_started_with_it(tmp_path):
 
 @pytest.mark.parametrize("func, status, message", [
     (_raise, "crash", "ValueError: kernel bug at tile 3"), (_hang, "timeout", "no result after 1 s"),
-    (_wrong_shape, "shape_mismatch", "returned (6, 47)"), (_numpy, "shape_mismatch", "returned ndarray, expected a tensor")])
+    (_wrong_shape, "shape_mismatch", "returned (6, 47)"), (_numpy, "shape_mismatch", "returned ndarray, expected a tensor"),
+    (_elsewhere, "shape_mismatch", ON_META)])
 def test_inline_runs_used_under_cuda_record_the_same_outcomes(context, func, status, message):
     attrs, samples = read_layer(context, "fc")
     kernel = kernels.Kernel("bad", "linear", func, func, func, custom=kernels.COMPUTATIONS)

@@ -463,13 +463,15 @@ def applies(computation: str, sample: dict) -> bool:
 
 
 def expected(computation: str, sample: dict, attrs: dict | None = None) -> torch.Tensor:
-    """A tensor of the shape and dtype of golden's result of ``computation`` on this sample: the
-    recorded result, else golden's on meta tensors (no data, nothing computed; needs ``attrs``)."""
+    """A tensor of the shape, dtype and device of golden's result of ``computation`` on this sample:
+    the recorded result, else golden's shape on meta tensors (nothing computed; needs ``attrs``),
+    as one element expanded, on the device of the operands."""
     target = TARGET[computation]
     if target in sample:
         return sample[target]
     shapes = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in sample.items()}
-    return call(golden(attrs["op"], attrs), computation, shapes, attrs)
+    shape = call(golden(attrs["op"], attrs), computation, shapes, attrs)
+    return torch.empty((), dtype=shape.dtype, device=sample["A"].device).expand(shape.shape)
 
 
 # -- running a kernel in a child process -------------------------------------------------------
@@ -609,7 +611,7 @@ def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | 
     """Call ``func(*args, **kwargs)`` in a forked child, so a crash, hang or leak cannot take us down.
     It may start processes of its own (a worker pool): they are killed with the child.
 
-    ``expect`` (a tensor) makes a result of another shape or dtype a ``shape_mismatch``. The
+    ``expect`` (a tensor) makes a result of another shape, dtype or device a ``shape_mismatch``. The
     result travels back through ``torch.load(weights_only=True)``: tensors and plain containers.
     CUDA cannot be used in a child forked after CUDA started, so then the call runs in this
     process, with the timeout as an alarm (a hang inside native code or a segfault is not caught).
@@ -738,15 +740,28 @@ def _checked(value, expect, seconds) -> Outcome:
         return Outcome("ok", value=value, seconds=seconds)
     if not torch.is_tensor(value):
         return Outcome("shape_mismatch", _not_a_tensor(value), seconds=seconds)
-    if tuple(value.shape) != tuple(expect.shape) or value.dtype != expect.dtype:
-        return Outcome("shape_mismatch", f"returned {tuple(value.shape)} {value.dtype}, expected "
-                       f"{tuple(expect.shape)} {expect.dtype}", seconds=seconds)
+    if mismatch := _mismatch(value, expect.shape, expect.dtype, expect.device):
+        return Outcome("shape_mismatch", mismatch, seconds=seconds)
     bad = int((~torch.isfinite(value)).sum())
     return Outcome("ok", f"{bad} non-finite values" if bad else "", value=value, seconds=seconds)
 
 
 def _not_a_tensor(value) -> str:
     return f"returned {type(value).__name__}, expected a tensor"
+
+
+def _mismatch(value: torch.Tensor, shape, dtype, device) -> str:
+    """What ``value`` returned where it is not of ``shape`` and ``dtype`` on ``device``, else "".
+
+    The device is named where it differs: a result on another device than the operands' (a CPU
+    one from a CUDA layer) passed playback, which moves results to the CPU to score them, and
+    training then stopped at the next op with torch's error, naming neither kernel nor layer."""
+    if tuple(value.shape) == tuple(shape) and value.dtype == dtype and value.device == device:
+        return ""
+    got, want = f"{tuple(value.shape)} {value.dtype}", f"{tuple(shape)} {dtype}"
+    if value.device != device:
+        got, want = f"{got} on {value.device}", f"{want} on {device}"
+    return f"returned {got}, expected {want}"
 
 
 # -- routing layers through a kernel during training ------------------------------------------
@@ -935,7 +950,7 @@ def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
     # parameter itself: a transposed layer's is a non-contiguous view, and playback lays it out so too.
     out = _checked_result(plan.kernel, "forward", _untouched(plan, "forward", {"A": x.contiguous(), "W": weight,
                                                                                 "B": bias, **state}),
-                          output_shape(plan.kernel.op, x, weight, plan.attrs), x.dtype)
+                          output_shape(plan.kernel.op, x, weight, plan.attrs), x.dtype, x.device)
     # The model's code after the layer may view it (GPT-2's Conv1D does), as PyTorch's own ops give
     # contiguous outputs: a correct result in another layout (a column-major GEMM's) is laid out so.
     return out.contiguous()
@@ -944,7 +959,8 @@ def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
 def _kernel_grad(plan: _Plan, state: dict, computation: str, grad_out, x, weight) -> torch.Tensor:
     sample = {"A": x.contiguous(), "W": weight, "dO": grad_out.contiguous(), **state}
     like = x if computation == "input_grad" else weight
-    return _checked_result(plan.kernel, computation, _untouched(plan, computation, sample), like.shape, like.dtype)
+    return _checked_result(plan.kernel, computation, _untouched(plan, computation, sample), like.shape, like.dtype,
+                           like.device)
 
 
 class WroteInput(PeatError):
@@ -973,7 +989,7 @@ def _untouched(plan: _Plan, computation: str, sample: dict):
 
 
 class ShapeMismatch(PeatError):
-    """A kernel returned a result of the wrong shape or dtype (outcome ``shape_mismatch``)."""
+    """A kernel returned a result of the wrong shape, dtype or device (outcome ``shape_mismatch``)."""
 
 
 def output_shape(op: str, x: torch.Tensor, weight: torch.Tensor, attrs: dict) -> tuple[int, ...]:
@@ -988,10 +1004,12 @@ def output_shape(op: str, x: torch.Tensor, weight: torch.Tensor, attrs: dict) ->
     return tuple(x.shape)
 
 
-def _checked_result(kernel: Kernel, computation: str, value, shape, dtype) -> torch.Tensor:
-    if not torch.is_tensor(value) or tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-        got = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
-        raise ShapeMismatch(f"kernel {kernel.name!r} {computation} returned {got}, expected {tuple(shape)} {dtype}")
+def _checked_result(kernel: Kernel, computation: str, value, shape, dtype, device) -> torch.Tensor:
+    if not torch.is_tensor(value):
+        raise ShapeMismatch(f"kernel {kernel.name!r} {computation} returned {type(value).__name__}, expected "
+                            f"{tuple(shape)} {dtype}")
+    if mismatch := _mismatch(value, shape, dtype, device):
+        raise ShapeMismatch(f"kernel {kernel.name!r} {computation} {mismatch}")
     return value
 
 

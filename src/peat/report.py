@@ -29,7 +29,7 @@ SECTIONS = {
         "pass/fail; <b>error model</b> is the kind of error the kernel's errors look most like "
         "(none and reduced_precision pass; random_value, random_zero, bit_flip, periodic_lane, "
         "block_structured, non_finite fail; crash, oom and timeout mean the kernel did not finish, "
-        "shape_mismatch that it returned a result of the wrong shape or dtype; "
+        "shape_mismatch that it returned a result of the wrong shape, dtype or device; "
         "not_applicable: the model records no layer of the kernel's op, so nothing was replayed); "
         "<b>confidence</b> (0..1) is how consistently the tensors of the failing layers point to "
         "that error model. <b>injected</b> names the error a test kernel injects on purpose (config "
