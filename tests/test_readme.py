@@ -157,3 +157,14 @@ def test_own_kernel_recipe_of_the_quick_start_plans_its_verdict(tmp_path):
     model = command.group(1).split("/")[2]
     assert f"results/playback/{model}/cpu/{name}.parquet" in proc.stdout
     assert f"wildcards: model={model}, vendor=cpu, kernel={name}" in proc.stdout
+
+
+def test_layout_names_every_top_level_item_and_only_existing_ones():
+    """The Layout section's table names each top-level item git holds, and nothing that is not there."""
+    layout = README[README.index("## Layout\n"):]
+    named = {m.rstrip("/") for row in re.findall(r"^\| (.*?) \|", layout, re.M) for m in re.findall(r"`([^`]+)`", row)}
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/")[0] for line in tracked.splitlines()} - {"README.md", ".gitignore"}
+    assert top - {n.split("/")[0] for n in named} == set(), "top-level items the Layout section leaves out"
+    assert {n for n in named if not (REPO / n).exists()} == set(), "named in Layout but absent"
+
