@@ -168,3 +168,13 @@ def test_layout_names_every_top_level_item_and_only_existing_ones():
     assert top - {n.split("/")[0] for n in named} == set(), "top-level items the Layout section leaves out"
     assert {n for n in named if not (REPO / n).exists()} == set(), "named in Layout but absent"
 
+
+def test_sdc_config_example_holds_the_schema_defaults():
+    """The drill stage's `sdc:` block is a valid config section with the schema's defaults (bar the
+    models it drills), so a reader copying it gets what leaving it out gives."""
+    from peat.config import validate
+
+    sdc = yaml.safe_load(example("yaml", "bench_steps:"))["sdc"]
+    config, schema = yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml"
+    defaults = validate({**config, "sdc": {"models": sdc["models"]}}, schema)["sdc"]
+    assert validate({**config, "sdc": sdc}, schema)["sdc"] == defaults
