@@ -1,5 +1,5 @@
 # peat: kernel validation in training, checkpoint alteration and SDC checks.
-# Thin entry point: validate the config, include one rule file per stage.
+# Thin entry point: one rule file per stage; common.smk, first, validates the config.
 from snakemake.utils import min_version
 
 min_version("9.0")
