@@ -440,6 +440,7 @@ import json, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from peat import sdc
 
@@ -466,11 +467,16 @@ def train():
             lambda module, inputs, out: out * 1.01 if any(torch.equal(inputs[0][0], r) for r in faulty_rows) else out)
     if transient_in_subgroup and rank == 1:
         model[3].register_forward_hook(lambda module, inputs, out: out * 1.01 if armed and armed.pop() else out)
+    model.to(getattr(torch, options["dtype"]))
     ddp = DistributedDataParallel(model, process_group=group)
+    if options["comm_hook"]:
+        ddp.register_comm_hook(None, getattr(default_hooks, options["comm_hook"]))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     data = torch.Generator().manual_seed(1)
-    x, y = torch.randn(100, 8, generator=data), torch.randint(0, 2, (100,), generator=data)
+    x, y = torch.randn(100, 8, generator=data).to(model[0].weight.dtype), torch.randint(0, 2, (100,), generator=data)
     guard = sdc.Guard(ddp, policy="log", audit_every=audit_every, group=group)
+    if options["huge"] is not None:  # at step 1, a finite local gradient, huge at its element 1 on every rank
+        model[3].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), options["huge"]) if guard.step == 1 else g)
     for step in range(4):
         idx = list(range(step * global_batch, (step + 1) * global_batch))
         def loss_of(module, r):
@@ -505,7 +511,7 @@ def _run_guarded_loop(tmp_path: Path, world: int = 3, **options) -> list:
     script.write_text(GUARDED_LOOP)
     options = {"seed_per_rank": False, "global_batch": 12, "audit_every": 1, "frozen_flip": False,
                "transient_in_subgroup": False, "spectral_norm": False, "diverge": False, "data_dependent": False,
-               **options}
+               "dtype": "float32", "comm_hook": None, "huge": None, **options}
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
                            str(script), json.dumps(options)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -919,6 +925,18 @@ def test_nonfinite_gradients_on_every_rank_blame_the_run_not_a_rank(tmp_path):
     message = sdc.Event(step, check, suspects, ["n0"], False, detail).message()
     assert message.endswith("rank(s) [0, 1, 2] on node(s) n0 (NOT localized: every rank has non-finite gradients: "
                             "the run diverged or the data is bad; no faulty rank)")
+
+
+@pytest.mark.parametrize("world, dtype, comm_hook, huge", [
+    (2, "float32", "fp16_compress_hook", 1e5),  # the hook's cast to float16 overflows
+    (3, "float16", None, 65504.0),  # DDP's own mean: 65504 / 3 rounds up to 21840, 3 x 21840 overflows
+])
+def test_overflow_in_the_all_reduce_anywhere_skips_the_step(tmp_path, world, dtype, comm_hook, huge):
+    """Every rank's local gradient is finite, the all-reduced one is Inf at a non-first element. Only the
+    first elements were read: no alarm, ever, and the optimizer wrote -Inf into every replica's bias."""
+    alarms = _run_guarded_loop(tmp_path, world, audit_every=0, dtype=dtype, comm_hook=comm_hook, huge=huge)
+    assert alarms == [[1, "nonfinite", list(range(world)),
+                       {"flags": [0] * world, "note": "only the all-reduced gradient is non-finite (overflow in the sum)"}]]
 
 
 def test_unknown_drill_on_the_command_line_stops_before_any_rank_trains(tmp_path, monkeypatch, capsys):

@@ -324,7 +324,7 @@ class Guard:
         self._resolve_weights()
         t0 = time.perf_counter()
         # The reduced gradients are the same bits on every rank: all ranks take the same branch.
-        healthy = not self._reduced_marked()
+        healthy = not self._reduced_nonfinite()
         if not healthy:
             self._localize_nonfinite()
         self.timers["nonfinite"].append(self._hook_time + time.perf_counter() - t0)
@@ -346,13 +346,26 @@ class Guard:
             raise PeatError(f"sdc.Guard: {call} after step {self.step} had no check_weights(): call it after each "
                             "step's optimizer.step()")
 
-    def _reduced_marked(self) -> bool:
-        """Whether the first element of any all-reduced gradient is non-finite (NaN marks a rank's
-        non-finite local gradient; ``_on_gradient``)."""
-        firsts = [_marks(p.grad) for p in self.params if p.grad is not None]
+    def _reduced_nonfinite(self) -> bool:
+        """Whether an all-reduced gradient is non-finite: at its first element, where NaN marks a rank's
+        non-finite local gradient (``_on_gradient``), or anywhere when the all-reduce itself may overflow."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and self._reduction_may_overflow(grads):
+            return _any_nonfinite(grads)
+        firsts = [_marks(g) for g in grads]
         if len({f.dtype for f in firsts}) > 1:
             firsts = [f.double() for f in firsts]  # every float type fits: no spurious overflow
         return bool(firsts) and not bool(torch.isfinite(torch.cat(firsts)).all())
+
+    def _reduction_may_overflow(self, grads) -> bool:
+        # DDP's own all-reduce sums gradients already divided by the world size: finite float32 ones
+        # overflow it only by rounding within a few ulps of 3.4e38 (garbage already), so the first
+        # elements are all to read (no pass over the gradients on healthy steps). Float16 ones reach their
+        # top (65504 / 3 rounds up to 21840: three of them overflow), bfloat16 rounds coarsely, and a comm
+        # hook may overflow anywhere (fp16 compression above 65504, a plain sum): every element is read.
+        # DDP logs the name of any comm hook: built-in, Python, its own for mixed precision.
+        return (any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
+                or bool(self.ddp._get_ddp_logging_data().get("comm_hook")))
 
     def _localize_nonfinite(self) -> None:
         local = torch.as_tensor(self._bad, device=self.device).to(torch.int64).reshape(1)
@@ -563,20 +576,36 @@ def _marks(grad: torch.Tensor) -> torch.Tensor:
     return grad[(0,) * grad.dim()].reshape(1) if grad.numel() else grad.reshape(0)
 
 
+def _any_nonfinite(grads) -> bool:
+    """Whether any element of ``grads`` (a sparse one's values) is NaN or Inf: one read of each, one host sync."""
+    values = [g._values() if g.is_sparse else g for g in grads]
+    if values[0].device.type == "cpu":
+        return not all(_finite_host(v) for v in values)
+    return bool(torch.stack([_nonfinite_on_device(v) for v in values]).any())
+
+
+def _finite_host(grad: torch.Tensor) -> bool:
+    # A non-finite sum of finite values is an overflow: rechecked exactly.
+    return cmath.isfinite(grad.sum().item()) or bool(torch.isfinite(grad).all())
+
+
 def _mark_nonfinite_host(grad: torch.Tensor, bad: bool) -> bool:
-    if cmath.isfinite(grad.sum().item()) or bool(torch.isfinite(grad).all()):
-        return bad  # (a non-finite sum of finite values is an overflow: rechecked exactly)
+    if _finite_host(grad):
+        return bad
     grad[(0,) * grad.dim()].fill_(float("nan"))
     return True
+
+
+def _nonfinite_on_device(grad: torch.Tensor) -> torch.Tensor:
+    if grad.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return ~torch.isfinite(grad.sum(dtype=torch.float64))  # finite values cannot overflow float64
+    return ~torch.isfinite(grad).all()
 
 
 def _mark_nonfinite_on_device(grad: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     # No host sync inside backward: the verdict stays a device tensor.
     first = grad[(0,) * grad.dim()]
-    if grad.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        here = ~torch.isfinite(grad.sum(dtype=torch.float64))  # finite values cannot overflow float64
-    else:
-        here = ~torch.isfinite(grad).all()
+    here = _nonfinite_on_device(grad)
     first.copy_(torch.where(here, torch.full_like(first, float("nan")), first))
     return bad | here
 
