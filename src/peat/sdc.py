@@ -363,9 +363,11 @@ class Guard:
         # elements are all to read (no pass over the gradients on healthy steps). Float16 ones reach their
         # top (65504 / 3 rounds up to 21840: three of them overflow), bfloat16 rounds coarsely, and a comm
         # hook may overflow anywhere (fp16 compression above 65504, a plain sum): every element is read.
-        # DDP logs the name of any comm hook: built-in, Python, its own for mixed precision.
+        # DDP logs the name of any comm hook: built-in, Python, its own for mixed precision. That log
+        # is a prototype API: where a torch lacks it, any hook is assumed (one pass more, no miss).
+        logged = getattr(self.ddp, "_get_ddp_logging_data", None)
         return (any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
-                or bool(self.ddp._get_ddp_logging_data().get("comm_hook")))
+                or logged is None or bool(logged().get("comm_hook")))
 
     def _localize_nonfinite(self) -> None:
         local = torch.as_tensor(self._bad, device=self.device).to(torch.int64).reshape(1)
