@@ -230,6 +230,10 @@ def _check_schedule(name: str, model: dict) -> None:
     hidden, heads = size["hidden"], size["heads"]
     if model["arch"] not in IMAGE_ARCHS and hidden % heads:
         raise PeatError(f"config key 'models.{name}.size.heads': {heads} heads do not divide the hidden size {hidden}")
+    # Rotary embeddings turn pairs of a head's dimensions: an odd width failed at the first training step.
+    if model["arch"] == "llama" and hidden // heads % 2:
+        raise PeatError(f"config key 'models.{name}.size.heads': {heads} heads of the hidden size {hidden} are "
+                        f"{hidden // heads} wide; llama's rotary position embedding needs an even head width")
     optimizer = model.get("optimizer") or {}
     if optimizer.get("name") == "adamw" and "momentum" in optimizer:
         raise PeatError(f"config key 'models.{name}.optimizer.momentum': adamw takes no momentum (sgd does)")
