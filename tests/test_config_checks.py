@@ -64,6 +64,19 @@ def test_dataset_sizes_are_those_prepare_writes(tmp_path):
         assert data.sizes(name, spec) == (len(prepared.train.y), len(prepared.val.y)), name
 
 
+def test_a_text_folder_is_read_for_its_text_files_only(tmp_path):
+    """A folder named like a text file (and a dangling link) matched *.txt: the config check counted
+    the folder's own size and data preparation failed with IsADirectoryError."""
+    corpus = tmp_path / "corpus"
+    (corpus / "notes.txt").mkdir(parents=True)
+    (corpus / "notes.txt" / "a.txt").write_bytes(b"x" * 500)
+    (corpus / "gone.txt").symlink_to(tmp_path / "missing")
+    spec = {"source": "text", "path": str(corpus), "seq_len": 16, "val_fraction": 0.25}
+    data.prepare("corpus", spec, tmp_path / "corpus.h5")
+    prepared = data.load(tmp_path / "corpus.h5")
+    assert data.sizes("corpus", spec) == (len(prepared.train.y), len(prepared.val.y)) == (23, 8)
+
+
 KERNEL_SOURCES = {
     # Read, never run: the exit would end the config check.
     "conv.py": ('import sys\nOP = "conv2d"\nsys.exit(1)\ndef forward(x, weight, bias):\n    return x\n', "conv2d"),

@@ -164,7 +164,8 @@ def _text_length(name: str, spec: dict) -> int:
 
 def _text_files(name: str, spec: dict) -> list[Path]:
     root = _local_path(name, spec)
-    files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
+    # Files only: a folder named like one (or a dangling link) failed data preparation, its size counted.
+    files = sorted(f for f in root.rglob("*.txt") if f.is_file()) if root.is_dir() else [root]
     if not files:
         raise PeatError(f"config key 'datasets.{name}.path': no .txt files under {root}")
     return files
