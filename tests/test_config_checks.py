@@ -51,6 +51,21 @@ def test_the_layer_cache_override_works_where_the_home_is_unknown(tmp_path, monk
     assert "layer1.0.conv1" in models.layer_ops(TEST["models"]["resnet18"])
 
 
+def test_a_failed_layout_cache_write_leaves_no_file(tmp_path, monkeypatch):
+    """A full disk (a home over its quota) left a partial temporary file in the cache at every
+    config check; the check itself still runs."""
+    def full(path, text):
+        with open(path, "w") as f:
+            f.write(text[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("PEAT_LAYOUT_CACHE", str(tmp_path / "layouts"))
+    monkeypatch.setattr(models, "_LAYOUTS", {})
+    monkeypatch.setattr(models.Path, "write_text", full)
+    assert "layer1.0.conv1" in models.layer_ops(TEST["models"]["resnet18"])
+    assert not (tmp_path / "layouts").exists() or not list((tmp_path / "layouts").iterdir())
+
+
 def test_dataset_sizes_are_those_prepare_writes(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_bytes(b"x" * 1000)

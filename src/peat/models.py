@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .io import atomic_path
+
 IMAGE_ARCHS = ("resnet18", "resnet34", "resnet50", "mobilenet_v2", "efficientnet_b0")
 
 
@@ -93,12 +95,11 @@ def _built_layout(spec: dict) -> dict[str, str]:
 
 def _remember(path: Path, layout: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent parses each rename a whole file
-        tmp.write_text(json.dumps(layout))
-        os.replace(tmp, path)
+        # Concurrent parses each rename a whole file; a failed write (a home over its quota) leaves none.
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(layout))
     except OSError:
-        pass  # a read-only home: the checks still run, each parse builds the model again
+        pass  # a read-only or full home: the checks still run, each parse builds the model again
 
 
 def language_size(size: dict | None) -> dict[str, int]:
