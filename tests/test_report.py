@@ -17,7 +17,7 @@ import yaml
 from conftest import BIN, REPO, TEST_CONFIG, snakemake
 from peat import alter_study
 from peat.io import PeatError
-from peat.report import TABLES, build, loss_scale, training_curves
+from peat.report import SECTIONS, TABLES, build, loss_scale, training_curves
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 REPORT = Path("reports/test")
@@ -363,6 +363,15 @@ def test_sdc_caption_names_the_columns_of_its_table(tmp_path):
     caption = page.split('<section id="sdc-section">', 1)[1].split("</p>", 1)[0]
     named = set(re.findall(r"<b>(\w+)</b>", caption))
     assert named and named <= set(pd.read_csv(tmp_path / "out/sdc.csv").columns), named
+
+
+def test_sdc_caption_says_what_localized_and_the_clean_drill_show():
+    """It said localized was whether the faulty rank was named correctly (that is right_rank: an alarm
+    naming a healthy rank is localized too) and that the clean drill must not be detected, which
+    it never is (detected counts alarms from the injection on): a false alarm shows in false_alarms."""
+    caption = SECTIONS["sdc"][1]
+    assert "<b>right_rank</b> whether it named the faulty rank" in caption
+    assert "<b>false_alarms</b> must be 0" in caption and "must not be detected" not in caption
 
 
 def test_a_kernel_with_nothing_to_replay_is_not_a_green_pass(tmp_path):

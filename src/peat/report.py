@@ -66,9 +66,11 @@ SECTIONS = {
         "NaN loss (a run that diverged); a blank cell was not measured.")),
     "sdc": ("Silent data corruption drills", (
         "Each drill injects one fault into distributed data-parallel training and checks that "
-        "the SDC checks catch it: <b>detected</b> says whether it was caught, <b>localized</b> "
-        "whether the faulty rank was named correctly, <b>detection_step</b> at which step. A drill without an "
-        "injected fault is the false-alarm control and must not be detected.")),
+        "the SDC checks catch it: <b>detected</b> says whether an alarm came at or after the injection, "
+        "<b>detection_step</b> at which step, <b>localized</b> whether that alarm named suspect ranks and "
+        "<b>right_rank</b> whether it named the faulty rank alone; <b>false_alarms</b> counts alarms naming a "
+        "healthy rank or raised before the injection. The drill without an injected fault (clean) is the "
+        "false-alarm control: its <b>false_alarms</b> must be 0.")),
     "benchmarks": ("Benchmarks", (
         "From <code>make bench</code>: each benchmark is a ratio of two things measured in the same "
         "run (<b>measured_as</b> says which, for example playback time over retraining time). In "
