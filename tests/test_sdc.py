@@ -390,9 +390,21 @@ def test_unexpected_end_of_a_drill_is_one_line(tmp_path, drill, policy, ends, ex
         write_json(tmp_path / f"{drill}.json", {"outcome": "stopped", "exit_code": 75})
         (tmp_path / f"{drill}.stop.h5").touch()
     with pytest.raises(PeatError) as err:
-        drill_end(drill, "resnet18", cfg, ends, tmp_path)
+        drill_end(drill, "resnet18", cfg, ends, tmp_path, seed=0)
     assert f"sdc drill {drill!r} of model 'resnet18': unexpected end: {expected}" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_drill_that_ends_its_launch_says_where_it_came_from(tmp_path):
+    """A dead or hung rank's record, written by the launcher, lacked the provenance every drill JSON
+    has (docs/reliability.md: torch_version, backend, hosts, seed), which rank 0 writes for the others."""
+    cfg = make_config()["sdc"]
+    peer = f"peat sdc drill: error: rank 0: collective 'x' failed: {PEER_FAILED}"
+    record = drill_end("dead", "resnet18", cfg, [RankEnd(EXIT_PEER, peer), RankEnd(13, ""), RankEnd(EXIT_PEER, peer)],
+                       tmp_path, seed=7)
+    assert record["outcome"] == "peers_failed" and record["seed"] == 7 and record["backend"] == "gloo"
+    assert record["hosts"] == [sdc.node_name()] * 3 and record["torch_version"] == str(torch.__version__)
+    assert record["provenance"]["vendor"] == "cpu"
 
 
 # The drill worker, with rank 1 out of GPU memory in its training forward at step 1.

@@ -91,7 +91,8 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
             if current is None:
                 raise PeatError(f"sdc drill of model {model!r}: every drill completed but the rank exit codes are "
                                 f"{[end.code for end in ends]} (see the log above)")
-            write_json(out_dir / f"{current}.json", drill_end(current, model, sdc_cfg, ends, out_dir))
+            write_json(out_dir / f"{current}.json",
+                       drill_end(current, model, sdc_cfg, ends, out_dir, seed=config["seed"]))
             remaining = remaining[remaining.index(current) + 1:]
     finally:
         plan.unlink(missing_ok=True)
@@ -236,7 +237,7 @@ class Tee(threading.Thread):
         return "".join(self.lines)
 
 
-def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: Path) -> dict:
+def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: Path, *, seed: int) -> dict:
     """The record of a drill that ended its launch, if it ended the documented way; else PeatError.
 
     Policy stop: every rank exits with the code rank 0 recorded (75 localized, 65 not) and the stop
@@ -256,8 +257,11 @@ def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: P
         peers = [end for rank, end in enumerate(ends) if rank != injected]
         if codes[injected] == own and all(end.code == EXIT_PEER and PEER_FAILED in end.output for end in peers):
             errors = [next(ln for ln in end.output.splitlines() if PEER_FAILED in ln) for end in peers]
+            # The launcher's ranks are local: this node's, with the backend they resolved as it does.
+            backend = "nccl" if _uses_cuda(cfg["backend"]) else "gloo"
             return drill_fields(drill, model, len(ends), injected, cfg) | {
-                "outcome": "peers_failed", "detected": True, "exit_codes": codes, "peer_errors": errors}
+                "outcome": "peers_failed", "detected": True, "exit_codes": codes, "peer_errors": errors,
+            } | origin(backend, [sdc.node_name()] * len(ends), seed)
         expected = (f"rank {injected} {'exits 13' if own else 'hangs'}, every other rank {EXIT_PEER} "
                     f"('{PEER_FAILED}')")
     else:
@@ -302,7 +306,7 @@ def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.de
         env.setdefault("MASTER_PORT", "29500")
     if "RANK" not in env:
         raise PeatError("not launched by torchrun or srun (RANK and SLURM_PROCID are unset)")
-    use_cuda = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+    use_cuda = _uses_cuda(backend)
     device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda and device.index >= torch.cuda.device_count():  # else CUDA's own traceback from every rank
         raise PeatError(f"config key 'sdc.backend': {backend} needs one GPU per rank of a node; local rank "
@@ -311,6 +315,10 @@ def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.de
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _uses_cuda(backend: str) -> bool:
+    return backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,9 +498,14 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
         stopped = stop.code
     injected = None if drill == "clean" else cfg["injected_rank"]
     outcome = {"outcome": "completed"} if stopped is None else {"outcome": "stopped", "exit_code": stopped}
-    return summarize(drill, model_name, world, injected, cfg, guard, plain) | outcome | {
-        "backend": dist.get_backend(), "hosts": guard.hosts, "seed": seed, "torch_version": str(torch.__version__),
-        "provenance": stamp(vendor="nvidia" if dist.get_backend() == "nccl" else "cpu")}
+    return (summarize(drill, model_name, world, injected, cfg, guard, plain) | outcome
+            | origin(dist.get_backend(), guard.hosts, seed))
+
+
+def origin(backend: str, hosts: list[str], seed: int) -> dict:
+    """Where a drill's record came from (docs/reliability.md), whether rank 0 or the launcher writes it."""
+    return {"backend": backend, "hosts": hosts, "seed": seed, "torch_version": str(torch.__version__),
+            "provenance": stamp(vendor="nvidia" if backend == "nccl" else "cpu")}
 
 
 def _drill_step(trainer: Trainer, guard: sdc.Guard, fault: "Fault | None", step: int) -> float:
