@@ -218,6 +218,22 @@ def test_reordered_config_keys_rerun_nothing(tmp_path):
     assert "Nothing to be done" in snakemake(tmp_path, "-n", target, configfile=reordered).stdout
 
 
+def test_an_edited_or_added_text_file_prepares_the_dataset_again(tmp_path):
+    """Only the dataset's path (a setting) was tracked: after an edit to the corpus, or a file added
+    to its folder, the old prepared text stayed and golden training went on with it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text to learn from. " * 40)
+    config = write_config(tmp_path, lambda c: c["datasets"].update(
+        corpus={"source": "text", "path": str(corpus), "seq_len": 16}))
+    target = "results/data/corpus.h5"
+    snakemake(tmp_path, target, configfile=config)
+    assert "Nothing to be done" in snakemake(tmp_path, "-n", target, configfile=config).stdout
+    (corpus / "b.txt").write_text("more text. " * 40)
+    dry = snakemake(tmp_path, "-n", target, configfile=config).stdout
+    assert "Nothing to be done" not in dry and str(corpus / "b.txt") in dry  # the reason names the new input
+
+
 def test_model_and_dataset_names_with_regex_characters(tmp_path):
     """Names went into the wildcard constraints as regular expressions: a model "gpt2+ln" or a
     dataset "py+doc" matched no path and the dry run died with MissingInputException."""

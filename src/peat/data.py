@@ -74,6 +74,17 @@ def sizes(name: str, spec: dict) -> tuple[int, int]:
     return n - n_val, n_val
 
 
+def local_files(name: str, spec: dict) -> list[Path]:
+    """The files ``prepare`` reads from ``path`` (none for the sets that ship with packages): the
+    workflow's inputs, so that editing or adding one prepares the dataset again; only the path, a
+    setting, was tracked, and golden training went on with the old text."""
+    if spec["source"] == "text":
+        return _text_files(name, spec)
+    if spec["source"] == "cifar10":
+        return [_cifar10_root(name, spec) / "cifar-10-batches-py" / f for f in CIFAR10_FILES]
+    return []
+
+
 def _val_count(n: int, fraction: float) -> int:
     return max(1, int(round(n * fraction)))
 

@@ -11,6 +11,7 @@ import peat.report
 import peat.slurm
 from peat.candidate import check as check_kernels, models_for, rfi_cases
 from peat.config import check_is_config, check_unique_keys, config_hash, validate
+from peat.data import local_files
 from peat.io import PeatError
 from peat.kernels import source_files
 from peat.sdc_drill import check_config as check_sdc, drill_config
@@ -111,6 +112,10 @@ def alter_path(model, vendor, name):
 # --- Inputs and parameters computed from wildcards.
 def dataset_file(wildcards):
     return f"results/data/{config['models'][wildcards.model]['dataset']}.h5"
+
+
+def dataset_sources(wildcards):
+    return local_files(wildcards.dataset, config["datasets"][wildcards.dataset])
 
 
 def init_checkpoint(wildcards):

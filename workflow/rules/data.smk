@@ -1,4 +1,6 @@
 rule prepare_dataset:
+    input:
+        dataset_sources,
     output:
         "results/data/{dataset}.h5",
     log:
