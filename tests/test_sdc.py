@@ -913,7 +913,12 @@ def test_a_share_too_small_for_batch_norm_fails_with_one_line_naming_the_batch(d
     (_ends(2, 2, 2, output="x\npeat sdc drill: error: bad\n"), "what: bad"),
     ([RankEnd(2, "peat sdc drill: error: local rank 0 sees 0 GPU(s)"), RankEnd(2, "usage: ...\nprog: error: no --out")],
      "what: rank 0: local rank 0 sees 0 GPU(s); rank 1: prog: error: no --out"),
-    (_ends(2, 2, 3, output="peat sdc drill: error: bad"), None),  # a drill's end, checked as such
+    # Uneven shards of sdc.batch_size 4 on 3 ranks (1, 1, 2): batch norm refuses the two of one example
+    # at the first step, and the third fails as their peer; the line was 'unexpected end ... [2, 2, 3]'.
+    ([*_ends(2, 2, output="peat sdc drill: error: config key 'sdc.batch_size': batches of 1 leave"),
+      RankEnd(EXIT_PEER, f"peat sdc drill: error: rank 2: collective 'x' failed: {PEER_FAILED}")],
+     "what: config key 'sdc.batch_size': batches of 1 leave"),
+    (_ends(2, 1, 3, output="peat sdc drill: error: bad"), None),  # a crash among them: a drill's end, checked as such
 ])
 def test_refusal_to_start_is_read_from_every_rank(ends, expected):
     from peat.sdc_drill import _check_started

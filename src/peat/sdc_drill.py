@@ -99,14 +99,17 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
 
 
 def _check_started(what: str, ends: list[RankEnd]) -> None:
-    """PeatError with the ranks' own error if every rank refused to start (exit 2: a config, data or
-    command-line error). Read as the end of the first drill, it showed only the exit codes."""
-    if any(end.code != EXIT_USAGE for end in ends):
+    """PeatError with the ranks' own error if ranks refused to start (exit 2: a config, data or
+    command-line error, or a share of the batch too small for batch norm at the first step) and the
+    others, if any, failed only as their peers (exit 3: uneven shares leave some ranks one example).
+    Read as the end of the first drill, it showed only the exit codes."""
+    refused = {rank: end for rank, end in enumerate(ends) if end.code == EXIT_USAGE}
+    if not refused or any(end.code not in (EXIT_USAGE, EXIT_PEER) for end in ends):
         return
-    errors = [_last_line(end.output).removeprefix(ERROR) for end in ends]
-    if len(set(errors)) == 1:
-        raise PeatError(f"{what}: {errors[0]}")
-    raise PeatError(f"{what}: " + "; ".join(f"rank {rank}: {error}" for rank, error in enumerate(errors)))
+    errors = {rank: _last_line(end.output).removeprefix(ERROR) for rank, end in refused.items()}
+    if len(set(errors.values())) == 1:
+        raise PeatError(f"{what}: {next(iter(errors.values()))}")
+    raise PeatError(f"{what}: " + "; ".join(f"rank {rank}: {error}" for rank, error in errors.items()))
 
 
 def _last_line(text: str) -> str:
