@@ -187,3 +187,42 @@ def test_scoring_memory_script_scores_the_references_and_one_candidate(tmp_path)
     assert result["shape"] == [8, 16, 32, 32] and result["tensor_mb"] == 0.5 and result["rows"] == 5
     assert result["peak_above_inputs_mb"] >= 0  # both rounded to 0.1 from the same peak:
     assert abs(result["peak_over_tensor"] * 0.5 - result["peak_above_inputs_mb"]) <= 0.1
+
+
+def test_detector_benchmark_metrics_on_a_hand_made_example():
+    """Eight cases counted by hand: four bugs (one misclassified but failed, one passed), four
+    should-pass ones (two of them correct kernels, one failed by each baseline)."""
+    columns = ["case", "truth", "detector", "detector_verdict", "peat_rule_of_thumb", "allclose", "correct_kernel"]
+    frame = pd.DataFrame([
+        ("rv:3", "random_value", "random_value", "fail", "fail", "fail", False),
+        ("bit_flip:30", "bit_flip", "random_value", "fail", "pass", "fail", False),
+        ("rz:3", "random_zero", "none", "pass", "pass", "fail", False),
+        ("nan:1", "non_finite", "non_finite", "fail", "fail", "fail", False),
+        ("rz:1", "none", "none", "pass", "pass", "pass", False),  # an injection that changed nothing
+        ("fp16", "reduced_precision", "reduced_precision", "pass", "pass", "fail", False),
+        ("kernel:im2col", "none", "reduced_precision", "pass", "fail", "fail", True),
+        ("kernel:tf32", "reduced_precision", "none", "pass", "pass", "fail", True),
+    ], columns=columns)
+    confusion, per_class, summary = detector.metrics(frame)
+    expected = {"detector": (3 / 4, 0 / 4, 0), "peat_rule_of_thumb": (2 / 4, 1 / 4, 1), "allclose": (4 / 4, 3 / 4, 2)}
+    for method, (detection, false_alarms, on_correct) in expected.items():
+        got = summary[method]
+        assert (got["bug_cases"], got["should_pass_cases"]) == (4, 4)
+        assert (got["binary_detection"], got["false_alarm_rate"]) == (detection, false_alarms)
+        assert got["false_alarms_on_correct_kernels"] == on_correct  # the correct kernels' alarms are false alarms too
+    # A correct kernel passing with either passing class is classed right; a pseudo-error is not.
+    assert summary["detector"]["class_accuracy"] == 6 / 8
+    assert summary["targets"]["met"] == {"binary_detection": False, "false_alarms_on_correct_kernels": True,
+                                         "class_accuracy": False}
+    cells = confusion.set_index(["method", "truth", "predicted"])["count"]
+    assert cells["detector", "bit_flip", "random_value"] == 1 and cells["detector", "none", "reduced_precision"] == 1
+    assert cells["allclose", "reduced_precision", "fail"] == 2 and cells["peat_rule_of_thumb", "none", "fail"] == 1
+    assert all(confusion.groupby("method")["count"].sum() == len(frame))
+    rows = per_class.set_index(["method", "class"])
+    for cls, precision, recall in [("random_value", 1 / 2, 1.0), ("none", 1 / 3, 1 / 2),
+                                   ("reduced_precision", 1 / 2, 1 / 2), ("non_finite", 1.0, 1.0)]:
+        assert (rows.loc[("detector", cls), "precision"], rows.loc[("detector", cls), "recall"]) == (precision, recall)
+    assert math.isnan(rows.loc[("detector", "bit_flip"), "precision"]) and rows.loc[("detector", "bit_flip"), "recall"] == 0
+    # The baselines say pass or fail: "recall" is the share of each class they judge as it should be.
+    assert rows.loc[("peat_rule_of_thumb", "none"), "recall"] == 1 / 2
+    assert rows.loc[("allclose", "reduced_precision"), "recall"] == 0.0
