@@ -544,6 +544,23 @@ def test_detector_benchmark_smoke(context, tmp_path):
 
 
 
+def test_detector_benchmark_judges_by_the_rules_given(context, tmp_path, monkeypatch):
+    """With detect.accept_reduced_precision false the Detector fails reduced_precision, as it
+    should there: the fp16 pseudo-error and the bf16/fp16/tf32 kernels count as detected bugs,
+    not as false alarms (on correct kernels or at all)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import detector
+
+    summary = detector.run([context], tmp_path, seeds=1, steps=1, layers=["4"], specs=["fp16", "rv:2"],
+                           rules=detect.Rules(accept_reduced_precision=False))
+    cases = pd.read_csv(tmp_path / "cases.csv")
+    assert (cases.loc[cases["case"] == "fp16", "detector_verdict"] == "fail").all()
+    assert summary["detector"]["false_alarm_rate"] == 0 and summary["detector"]["false_alarms_on_correct_kernels"] == 0
+    assert summary["detector"]["bug_cases"] == (cases["truth"] != "none").sum() == 15  # 3 computations x 5
+    assert (cases["should_pass"] == (cases["truth"] == "none")).all()
+    assert summary["allclose"]["false_alarm_rate"] == (cases.loc[cases["should_pass"], "allclose"] == "fail").mean()
+    assert detector.combine([tmp_path], tmp_path / "again")["detector"] == summary["detector"]  # kept in cases.csv
+
 def test_detector_benchmark_injects_the_specs_given(context, tmp_path):
     """--spec replaces the default grid (the alternatives stay); a spec it cannot parse stops the
     run with one line before any replay, and nothing is written."""
