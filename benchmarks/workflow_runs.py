@@ -7,6 +7,7 @@ default config (quick: config/test.yaml).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,7 +84,9 @@ def full_run(settings) -> tuple[Path, Path, float]:
     key = config_path(settings).name
     if key not in settings.workflow_runs:
         workdir = settings.workdir / "workflow" / config_path(settings).stem
-        workdir.mkdir(parents=True, exist_ok=True)
+        # A reused --workdir holds an earlier session's run: snakemake would find it (mostly) done.
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
         configfile = private_config(config_path(settings), workdir)
         if not settings.quick and settings.results is None:
             settings.results = workdir / "results"  # context_storage reads the golden runs that finish

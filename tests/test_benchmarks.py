@@ -226,3 +226,19 @@ def test_detector_benchmark_metrics_on_a_hand_made_example():
     # The baselines say pass or fail: "recall" is the share of each class they judge as it should be.
     assert rows.loc[("peat_rule_of_thumb", "none"), "recall"] == 1 / 2
     assert rows.loc[("allclose", "reduced_precision"), "recall"] == 0.0
+
+
+def test_full_workflow_run_starts_from_scratch_in_a_reused_workdir(tmp_path, monkeypatch):
+    """--workdir may hold an earlier session's workflow run: end_to_end must not time snakemake
+    finding most of it done (and incremental_rerun must not divide by that)."""
+    import workflow_runs
+
+    settings = bench_run.Settings(quick=True, repeats=1, workdir=tmp_path)
+    stale = tmp_path / "workflow" / "test" / "results" / "golden" / "done.txt"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("an earlier session's output\n")
+    seen = []
+    monkeypatch.setattr(workflow_runs, "snakemake", lambda workdir, *a, **k: seen.append(stale.exists()) or 1.0)
+    workdir, configfile, seconds = workflow_runs.full_run(settings)
+    assert seen == [False] and seconds == 1.0
+    assert workdir == stale.parents[2] and configfile.is_file()  # the private config is written after the cleanup
