@@ -250,12 +250,15 @@ def digits(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def drills(digits, tmp_path_factory) -> dict:
-    """All five drills, one torchrun launch of 3 gloo ranks (resnet18: BatchNorm buffers, convs)."""
+    """All five drills, one torchrun launch of 3 gloo ranks (resnet18: BatchNorm buffers, convs).
+
+    A module fixture runs once per xdist worker: its users share the group "drills", so one worker."""
     out = tmp_path_factory.mktemp("sdc") / "resnet18"
     launch(make_config(), "resnet18", digits, out, timeout=300)
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")} | {"_dir": out}
 
 
+@pytest.mark.xdist_group("drills")
 def test_clean_run_has_no_alarm(drills):
     clean = drills["clean"]
     assert clean["injected_rank"] is None and clean["world_size"] == 3 and clean["backend"] == "gloo"
@@ -266,6 +269,7 @@ def test_clean_run_has_no_alarm(drills):
     assert all(v > 0 for v in cost["relative"].values())
 
 
+@pytest.mark.xdist_group("drills")
 @pytest.mark.parametrize("drill, check, latency", [
     ("nan_grad", "nonfinite", 0),
     ("lane_fault", "audit", 0),       # injected at step 2, an audit step
@@ -285,6 +289,7 @@ def test_fault_is_detected_on_the_right_rank(drills, drill, check, latency):
     assert json.loads(lines[0])["suspect_ranks"] == [1]
 
 
+@pytest.mark.xdist_group("drills")
 def test_persistent_lane_fault_fails_two_audits_every_time(drills):
     audits = [a for a in drills["lane_fault"]["alarms"] if a["check"] == "audit"]
     assert [a["step"] for a in audits] == [2, 4]
@@ -293,6 +298,7 @@ def test_persistent_lane_fault_fails_two_audits_every_time(drills):
     assert all(a["check"] == "audit" for a in drills["lane_fault"]["alarms"])
 
 
+@pytest.mark.xdist_group("drills")
 def test_transient_fault_is_seen_once(drills):
     (alarm,) = drills["transient"]["alarms"]
     assert alarm["detail"]["failed_audits"] == [[0, 1]] and "rerun" in alarm["detail"]
