@@ -28,6 +28,8 @@ MACHINE_KEYS = {"cores", "torch", "device", "python", "platform"}
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> Path:
+    """One quick benchmark run. A module fixture runs once per xdist worker: its users share the
+    group "benchmarks", so one worker."""
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--repeats", "1", "--out", str(out),
            "--only", "kernel_interface_overhead", "checkpoint_alteration"]
@@ -36,6 +38,7 @@ def smoke(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("benchmarks")
 def test_smoke_run_writes_schema_and_figures(smoke):
     results = json.loads((smoke / "results.json").read_text())
     assert MACHINE_KEYS <= set(results["machine"])
@@ -53,6 +56,7 @@ def test_smoke_run_writes_schema_and_figures(smoke):
         assert (smoke / f"{entry['name']}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.xdist_group("benchmarks")
 def test_smoke_alteration_sweep_covers_the_grid(smoke):
     entry = json.loads((smoke / "results.json").read_text())["benchmarks"][1]
     sweep = entry["details"]["sweep"]
@@ -65,6 +69,7 @@ def test_smoke_alteration_sweep_covers_the_grid(smoke):
     assert all(r["log_s"] < 0.01 for r in sweep) and "no injection log" in entry["measured_as"]
 
 
+@pytest.mark.xdist_group("benchmarks")
 def test_only_merges_into_existing_results(smoke, tmp_path):
     existing = json.loads((smoke / "results.json").read_text())
     (tmp_path / "results.json").write_text(json.dumps(existing))
