@@ -643,12 +643,18 @@ def test_load_file_namespace_and_golden_fallback(tmp_path):
 
 
 @pytest.mark.parametrize("impl, op, message", [
-    ("kernels/does_not_exist.py", "linear", "no such file"), ("peat.alt_kernels.nope", "linear", "cannot import"),
-    ("golden", "softmax", "unknown op"), ("peat.alt_kernels.im2col", "linear", "is a conv2d kernel"), ("peat.alt_kernels.onepass_norm", "conv2d", "defines none")])
+    ("kernels/does_not_exist.py", "linear",
+     f"kernel impl 'kernels/does_not_exist.py': no such file (relative to {kernels.REPO})"),
+    ("peat.alt_kernels.nope", "linear",
+     "kernel impl 'peat.alt_kernels.nope': cannot import (No module named 'peat.alt_kernels.nope')"),
+    ("golden", "softmax", "op: unknown op 'softmax'; allowed: linear, conv2d, batch_norm, layer_norm"),
+    ("peat.alt_kernels.im2col", "linear", "peat.alt_kernels.im2col: is a conv2d kernel (OP = 'conv2d'), not linear"),
+    ("peat.alt_kernels.onepass_norm", "conv2d",
+     "peat.alt_kernels.onepass_norm: defines none of forward, input_grad, weight_grad for op 'conv2d'")])
 def test_load_rejects_bad_kernels_in_one_line(impl, op, message):
-    with pytest.raises(PeatError, match=message) as err:
+    with pytest.raises(PeatError) as err:
         kernels.load(impl, op)
-    assert "\n" not in str(err.value)
+    assert str(err.value) == message
 
 
 def test_a_missing_kernel_file_names_each_folder_searched_once(tmp_path, monkeypatch):
