@@ -299,8 +299,8 @@ def test_page_is_utf8_as_it_says_whatever_the_locale(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ("{not json", "not valid JSON"),
-    (json.dumps({"error_model": "none"}), "missing key 'verdict'"),
+    ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at line 1)"),
+    (json.dumps({"error_model": "none"}), "missing key 'verdict' (not a detector result?)"),
 ])
 def test_bad_detector_result_is_one_line(tmp_path, content, message):
     bad = tmp_path / "results/detect/m/cpu/k.json"
@@ -308,14 +308,15 @@ def test_bad_detector_result_is_one_line(tmp_path, content, message):
     bad.write_text(content)
     with pytest.raises(PeatError) as err:
         build([bad], tmp_path / "out", name="bad", models=["m"], vendors=["cpu"])
-    assert message in str(err.value) and str(bad) in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value) == f"{bad}: {message}"
 
 
 def test_bad_metrics_file_is_one_line(tmp_path):
     bad = tmp_path / "metrics.csv"
     bad.write_text("a,b\n1,2\n")
-    with pytest.raises(PeatError, match="needs columns step, epoch, split, loss"):
+    with pytest.raises(PeatError) as err:
         training_curves(bad, tmp_path / "x.png", title="x")
+    assert str(err.value) == f"{bad}: needs columns step, epoch, split, loss (not a training metrics file?)"
     assert not (tmp_path / "x.png").exists()
 
 
