@@ -329,12 +329,14 @@ def compile_cpp(path: Path):
     cache.mkdir(parents=True, exist_ok=True)
     built = _spaceless(path, source, cache)
     try:
-        return cpp_extension.load(name=name, sources=[str(built)], build_directory=str(cache),
-                                  extra_include_paths=[str(path.parent)] if built != path else None,
-                                  extra_cflags=["-O2"], verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(built)], build_directory=str(cache),
+                                    extra_include_paths=[str(path.parent)] if built != path else None,
+                                    extra_cflags=["-O2"], verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
         error = first_compiler_error(str(err)).replace(str(built), str(path))
         raise PeatError(f"{path}: compile failed: {error}") from None
+    sys.modules[name] = module  # torch's loader does not register it: the lookup above would never hit
+    return module
 
 
 def _spaceless(path: Path, source: bytes, cache: Path) -> Path:
