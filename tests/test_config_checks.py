@@ -9,6 +9,7 @@ import yaml
 from conftest import REPO, TEST_CONFIG
 from peat import data, models
 from peat.candidate import _declared_op, _parsed
+from peat.io import PeatError
 from peat.profiler import op_of
 
 DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -77,6 +78,16 @@ def test_dataset_sizes_are_those_prepare_writes(tmp_path):
         data.prepare(name, spec, tmp_path / f"{name}.h5")
         prepared = data.load(tmp_path / f"{name}.h5")
         assert data.sizes(name, spec) == (len(prepared.train.y), len(prepared.val.y)), name
+
+
+def test_a_validation_split_that_leaves_no_training_example_names_val_fraction(tmp_path):
+    spec = {"source": "digits", "image_size": 8, "val_fraction": 0.9999}
+    message = "config key 'datasets.digits.val_fraction': 0.9999 of the 1797 examples leaves none to train on"
+    for check in (lambda: data.sizes("digits", spec), lambda: data.prepare("digits", spec, tmp_path / "d.h5")):
+        with pytest.raises(PeatError) as err:
+            check()
+        assert str(err.value) == message
+    assert not (tmp_path / "d.h5").exists()
 
 
 def test_a_text_folder_is_read_for_its_text_files_only(tmp_path):

@@ -50,7 +50,7 @@ def prepare(name: str, spec: dict, out: str | Path) -> None:
         x, y, attrs = _sequences(name, tokens, spec["seq_len"])
         kind = "text"
     order = np.random.default_rng(spec.get("seed", 0)).permutation(len(x))
-    n_val = _val_count(len(x), spec["val_fraction"])
+    n_val = _val_count(name, len(x), spec["val_fraction"])
     val, train = order[:n_val], order[n_val:]
     with atomic_path(out) as tmp, open_h5(tmp, "w") as f:
         f.attrs.update(kind=kind, source=source, name=name, **attrs)
@@ -70,7 +70,7 @@ def sizes(name: str, spec: dict) -> tuple[int, int]:
     else:
         length = _pydoc_bytes(name, spec).size if source == "pydoc" else _text_length(name, spec)
         n = _sequence_count(name, length, spec["seq_len"])
-    n_val = _val_count(n, spec["val_fraction"])
+    n_val = _val_count(name, n, spec["val_fraction"])
     return n - n_val, n_val
 
 
@@ -85,8 +85,12 @@ def local_files(name: str, spec: dict) -> list[Path]:
     return []
 
 
-def _val_count(n: int, fraction: float) -> int:
-    return max(1, int(round(n * fraction)))
+def _val_count(name: str, n: int, fraction: float) -> int:
+    n_val = max(1, int(round(n * fraction)))
+    if n_val >= n:  # else the config check named the batch size, larger than "0 training examples"
+        raise PeatError(f"config key 'datasets.{name}.val_fraction': {fraction} of the {n} examples leaves none "
+                        "to train on")
+    return n_val
 
 
 def load(path: str | Path) -> Dataset:
