@@ -786,6 +786,18 @@ def test_a_result_on_another_device_than_its_operands_is_a_shape_mismatch_unreco
     assert "O" not in sample and (outcome.status, outcome.message) == ("shape_mismatch", ON_META)
 
 
+def test_a_result_on_another_device_is_judged_in_the_child_and_never_loaded_here(context, monkeypatch):
+    """Loaded back, a CUDA result of a CPU layer started CUDA in the job: no kernel could then run
+    in a child (CUDA does not survive a fork), and the later probes ran unisolated."""
+    attrs, samples = read_layer(context, "fc")
+    kernel = kernels.Kernel("elsewhere", "linear", _elsewhere, _elsewhere, _elsewhere, custom=kernels.COMPUTATIONS)
+    loads, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(1) or load(*args, **kwargs))
+    outcome = kernels.run_isolated(kernels.call, kernel, "forward", samples[0], attrs, timeout=10,
+                                   expect=samples[0]["O"])
+    assert (outcome.status, outcome.message, loads) == ("shape_mismatch", ON_META, [])
+
+
 def test_run_isolated_returns_the_value(context):
     attrs, samples = read_layer(context, "conv1")
     golden = kernels.golden("conv2d")

@@ -513,10 +513,11 @@ def _child(conn, calls, memory_mb, parent):
             resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
         try:
             value = func(*args, **kwargs)
-            if expect is not None and not torch.is_tensor(value):
+            if expect is not None and (wrong := _wrong_result(value, expect)):
                 # Judged here: a NumPy array would not travel back (torch.load with weights_only
-                # refuses it), and became a crash with torch's message instead of this one.
-                payload = ("shape_mismatch", _not_a_tensor(value))
+                # refuses it), and became a crash with torch's message instead of this one; a CUDA
+                # result of a CPU layer, loaded back, started CUDA in the job (no child after that).
+                payload = ("shape_mismatch", wrong)
             else:
                 buf = io.BytesIO()
                 torch.save(value, buf)
@@ -740,12 +741,17 @@ def _died(exitcode: int | None, seconds: float) -> Outcome:
 def _checked(value, expect, seconds) -> Outcome:
     if expect is None:
         return Outcome("ok", value=value, seconds=seconds)
-    if not torch.is_tensor(value):
-        return Outcome("shape_mismatch", _not_a_tensor(value), seconds=seconds)
-    if mismatch := _mismatch(value, expect.shape, expect.dtype, expect.device):
-        return Outcome("shape_mismatch", mismatch, seconds=seconds)
+    if wrong := _wrong_result(value, expect):
+        return Outcome("shape_mismatch", wrong, seconds=seconds)
     bad = int((~torch.isfinite(value)).sum())
     return Outcome("ok", f"{bad} non-finite values" if bad else "", value=value, seconds=seconds)
+
+
+def _wrong_result(value, expect: torch.Tensor) -> str:
+    """What is wrong with ``value`` as a result like ``expect`` (a tensor, its shape, dtype, device), else ""."""
+    if not torch.is_tensor(value):
+        return _not_a_tensor(value)
+    return _mismatch(value, expect.shape, expect.dtype, expect.device)
 
 
 def _not_a_tensor(value) -> str:
