@@ -118,6 +118,22 @@ def test_heatmap_keeps_and_marks_the_kernels_all_nan_results(table, tmp_path, dr
     assert [t.get_text() for t in heat.texts if t.get_position() == (1.5, rows.index("b-forward") + 0.5)] == ["NaN/Inf"]
 
 
+def test_heatmap_colours_run_from_exact_match_to_beyond_fp16_rounding(table, tmp_path, drawn):
+    """Scaled to its data alone, the test run's im2col (1.0 to 1.4 times fp32 noise: 0 to 0.15
+    decades) spanned the whole colour range, a noise-level cell as bright yellow as a lane fault's.
+    The scale runs from the floor (-3) to at least HEAT_TOP decades over the noise."""
+    def limits(kernel_rel):
+        analyze.figures(table.assign(rel_top10=table["rel_top10"].where(table["case"] != "kernel", kernel_rel)),
+                        tmp_path)
+        heat = [ax for ax in drawn["heatmap"].axes if ax.get_label() != "<colorbar>"][0]
+        return heat.collections[0].get_clim()
+
+    assert limits(np.where(table["step"] == 0, 1.0, 1.4)) == (-3.0, analyze.HEAT_TOP)
+    # Beside exact matches (-3), noise-level cells (0) were the top colour of a -3..0 scale.
+    assert limits(np.where(table["computation"] == "forward", 1.0, 0.0)) == (-3.0, analyze.HEAT_TOP)
+    assert limits(np.where(table["computation"] == "forward", 10 ** 6.3, 0.0)) == (-3.0, 7.0)
+
+
 def test_ratio_figures_name_their_floor_and_share_one_x_scale(table, tmp_path, drawn):
     """Ratios are floored at 1e-3 (an exact match has no logarithm): shown as -3 without a word;
     the distributions' panels each had their own x range, forward and backward not comparable."""

@@ -50,6 +50,9 @@ MAX_LAYERS = 6
 # Inches of the heatmap's step columns at most: at half an inch a step, every step of a long training
 # replayed (max_samples_per_layer: null) made it 5,571 px wide at 200 steps, 269 tall, a strip in the report.
 HEAT_WIDTH = 12
+# Decades over fp32 noise the heatmap's colours reach at least: a thousand times the noise, about fp16's
+# rounding (3-4), so a kernel at noise level sits mid-scale and the top colour means reduced precision or worse.
+HEAT_TOP = 3.0
 # The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
 COLUMNS = [*KEYS, "step", *SCORES, "error", "status", "map_rows", "map_cols", "nonfinite"]
 
@@ -336,12 +339,25 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     # A cell whose result held a NaN or Inf says so: its colour is the finite elements' score alone.
     bad = kernel.pivot_table(index=["layer", "computation"], columns="step", values="nonfinite", aggfunc="max")
     marks = bad.reindex(index=heat.index, columns=heat.columns).fillna(0) > 0
-    sns.heatmap(heat, ax=ax, cmap="viridis", cbar_kws={"label": REL_LABEL})
+    # From the floor (exact match) to HEAT_TOP at least: scaled to the data alone, a kernel at 1.0 to 1.4
+    # times the noise (0 to 0.15 decades) spanned the whole range, its cells as hot as a lane fault's.
+    vmin, vmax = _whole_decades(heat.to_numpy(dtype=float), np.log10(REL_FLOOR), HEAT_TOP)
+    sns.heatmap(heat, ax=ax, cmap="viridis", vmin=vmin, vmax=vmax, cbar_kws={"label": REL_LABEL})
     # Not seaborn's annotations: they skip a cell without a score, the very one of an all-NaN result.
     for row, col in zip(*np.nonzero(marks.to_numpy())):
         ax.text(col + 0.5, row + 0.5, "NaN/Inf", ha="center", va="center", color="firebrick", fontsize=7)
     ax.set_title("kernel under test: layer x iteration")
     _save(fig, path, dpi, failed)
+
+
+def _whole_decades(logs: np.ndarray, *anchors: float) -> tuple[float, float]:
+    """Colour limits of log10 values: their finite ones and ``anchors`` rounded out to whole
+    decades, one decade at least; (-1, 0) where there is none."""
+    logs = np.concatenate([logs[np.isfinite(logs)], anchors])
+    if not logs.size:
+        return -1.0, 0.0
+    low = float(np.floor(logs.min()))
+    return low, max(float(np.ceil(logs.max())), low + 1)
 
 
 def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], lists) -> None:
@@ -360,8 +376,7 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], li
     huge = np.finfo(np.float64).max
     logs = [np.ma.log10(np.ma.masked_invalid(np.ma.masked_less_equal(np.minimum(m, huge), 0.0))) for m in maps]
     scaled = np.concatenate([np.ma.masked_where(m >= huge, log).compressed() for m, log in zip(maps, logs)])
-    vmin, vmax = (np.floor(scaled.min()), np.ceil(scaled.max())) if scaled.size else (-1.0, 0.0)
-    vmax = max(vmax, vmin + 1)
+    vmin, vmax = _whole_decades(scaled)
     inf = any((m >= huge).any() for m in maps)
     cmap = plt.get_cmap("magma").with_extremes(bad="lightsteelblue", over="limegreen")
     cols = min(4, len(cases))
