@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, TEST_CONFIG, snakemake
-from peat import alter_study
+from peat import alter_study, report
 from peat.io import PeatError
-from peat.report import SECTIONS, TABLES, build, loss_scale, training_curves
+from peat.report import SECTIONS, TABLES, build, compare_figure, loss_scale, training_curves
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 REPORT = Path("reports/test")
@@ -434,6 +434,27 @@ def test_a_runtime_fi_case_shows_its_loss_against_golden_as_a_candidate_run_does
     assert re.findall(r'<img src="[^"]*" alt="([^"]*)"', page) == [
         "m / cpu / k / training vs golden", "m / cpu / k / f0.5 / training vs golden"]
     assert '<h3 id="candidate-m-cpu-k-f0.5">' in page
+
+
+@pytest.mark.parametrize("candidate, said", [
+    ([2.0, 1.5, 1.2], "candidate = golden at every step"),  # the test run's my_gemm on gpt2
+    ([2.0, 1.5, float("nan")], "candidate = golden at every step with both losses finite"),  # stopped at step 2
+    ([float("nan")] * 3, "no step with both losses finite"),
+])
+def test_a_loss_difference_panel_without_a_difference_says_why(tmp_path, monkeypatch, candidate, said):
+    """A candidate training exactly as golden drew the difference panel blank, ticked -0.04..0.04:
+    it read as a plot that failed to draw."""
+    figs, png = [], report._png
+    monkeypatch.setattr(report, "_png", lambda fig: figs.append(fig) or png(fig))
+    compare = tmp_path / "compare.csv"
+    pd.DataFrame({"step": [0, 1, 2], "split": "train", "loss_golden": [2.0, 1.5, 1.2],
+                  "loss_candidate": candidate}).to_csv(compare, index=False)
+    compare_figure(compare, title="m / cpu / k")
+    right = figs[0].axes[1]
+    assert [t.get_text() for t in right.texts] == [said] and not right.get_yticks().size
+    pd.read_csv(compare).assign(loss_candidate=[2.0, 1.6, 1.2]).to_csv(compare, index=False)
+    compare_figure(compare, title="m / cpu / k")
+    assert not figs[1].axes[1].texts and figs[1].axes[1].get_yscale() == "log"
 
 
 def test_a_diverged_alteration_run_is_not_shown_as_a_cell_not_measured(tmp_path):

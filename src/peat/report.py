@@ -436,8 +436,19 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
                   xlim=left.get_xlim())
         if (diff > 0).any():
             right.set_yscale("log")
+        else:  # blank, ticked -0.04..0.04: it read as a plot that failed to draw
+            right.text(0.5, 0.5, _no_difference(diff), ha="center", va="center", transform=right.transAxes,
+                       color="grey")
+            right.set_yticks([])
         fig.suptitle(title)
     return _png(fig)
+
+
+def _no_difference(diff: pd.Series) -> str:
+    """What an empty loss-difference panel means: no step differs, or none has both losses."""
+    if not (diff == 0).any():
+        return "no step with both losses finite"
+    return "candidate = golden at every step" + (" with both losses finite" if diff.isna().any() else "")
 
 
 def loss_scale(*losses: pd.Series, decades: float = 2.0) -> str:
