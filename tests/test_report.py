@@ -265,6 +265,25 @@ def test_training_curves_are_byte_identical(workflow_run, tmp_path):
     assert a.read_bytes() == (workflow_run / "results/golden/gpt2/cpu/training_curves.png").read_bytes()
 
 
+def test_steps_and_epochs_are_ticked_whole(tmp_path, monkeypatch):
+    """The test run's resnet18_parity (one epoch, two steps): its accuracy was ticked at epochs 0.96
+    to 1.04 and its loss at steps 0.0, 0.5, ..., 2.0; a candidate's two steps too."""
+    figs, png = [], report._png
+    monkeypatch.setattr(report, "_png", lambda fig: figs.append(fig) or png(fig))
+    metrics = tmp_path / "metrics.csv"
+    pd.DataFrame({"step": [0, 1, 2], "epoch": 1, "split": ["train", "train", "val"], "loss": [1.0, 0.5, 13.2],
+                  "accuracy": [float("nan"), float("nan"), 0.47]}).to_csv(metrics, index=False)
+    training_curves(metrics, tmp_path / "curves.png", title="m (cpu)")
+    compare = tmp_path / "compare.csv"
+    pd.DataFrame({"step": [0, 1], "split": "train", "loss_golden": [2.0, 1.5],
+                  "loss_candidate": [2.0, 1.6]}).to_csv(compare, index=False)
+    compare_figure(compare, title="m / cpu / k")
+    for ax in (ax for fig in figs for ax in fig.axes):
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+
+
 @pytest.mark.parametrize("train, val, scale", [
     # The default ResNet-18's golden run: its first validation loss (159) flattened the training curve.
     ([2.64, 0.41, 0.0026], [159.2, 5.07, 0.40, 0.33], "log"),

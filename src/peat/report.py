@@ -411,7 +411,7 @@ def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str,
         left.legend(fontsize="small")
         right.plot(val["epoch"], val[metric], "o-", color="C1")
         right.set(xlabel="epoch", ylabel=f"validation {metric}", title=f"validation {metric}")
-        right.xaxis.get_major_locator().set_params(integer=True)
+        _whole_ticks(left, right)
         fig.suptitle(title)
     with atomic_path(out_png) as tmp:
         tmp.write_bytes(_png(fig))
@@ -434,6 +434,7 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
         right.plot(train["step"], diff.where(diff > 0), "o-", ms=3, color="C3")
         right.set(xlabel="optimizer step", ylabel="|candidate - golden|", title="loss difference (0 not shown)",
                   xlim=left.get_xlim())
+        _whole_ticks(left, right)
         if (diff > 0).any():
             right.set_yscale("log")
         else:  # blank, ticked -0.04..0.04: it read as a plot that failed to draw
@@ -460,6 +461,13 @@ def loss_scale(*losses: pd.Series, decades: float = 2.0) -> str:
     if values.empty or values.min() <= 0:
         return "linear"
     return "log" if values.max() / values.min() > 10 ** decades else "linear"
+
+
+def _whole_ticks(*axes) -> None:
+    """Steps and epochs on whole ticks: a one-epoch run was ticked 0.96 to 1.04 (an integer locator
+    falls back to fractions below two ticks), a two-step one 0.0, 0.5, ..., 2.0."""
+    for ax in axes:
+        ax.xaxis.get_major_locator().set_params(integer=True, min_n_ticks=1)
 
 
 @contextlib.contextmanager
