@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, TEST_CONFIG, snakemake
-from peat import alter_study, report
+from peat import alter_study, analyze, report
 from peat.io import PeatError
 from peat.report import SECTIONS, TABLES, build, compare_figure, loss_scale, training_curves
 
@@ -358,6 +358,18 @@ def test_verdicts_link_to_analyzer_figures(tmp_path):
     assert pd.read_csv(tmp_path / "out/verdicts.csv").to_dict("records") == [
         {"model": "gpt2", "vendor": "cpu", "kernel": "k1", "verdict": "fail", "error_model": "bit_flip", "confidence": 0.875,
          "injected": "bit_flip:exponent"}]
+
+
+def test_analyzer_figures_in_the_order_the_caption_reads_them(tmp_path):
+    """Sorted by name, a run's Analyzer figures opened with the bit histograms and put the score
+    against iteration, which the section's caption starts with, fourth."""
+    folder = tmp_path / "results/analyze/gpt2/cpu/k1"
+    folder.mkdir(parents=True)
+    for name in sorted(analyze.FIGURES):
+        (folder / f"{name}.png").write_bytes(b"\x89PNG")
+    page = build([folder], tmp_path / "out", name="t", models=["gpt2"], vendors=["cpu"]).read_text()
+    assert re.findall(r'<img src="[^"]*" alt="gpt2 / cpu / k1 / ([^"]*)"', page) == [
+        name.replace("_", " ") for name in analyze.FIGURES]
 
 
 def test_golden_training_curves_carry_their_own_caption(tmp_path):

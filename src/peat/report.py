@@ -147,7 +147,7 @@ def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: li
     section also opens with a paragraph on how to read it.
     """
     out_dir = Path(out_dir)
-    paths = sorted(_expand(files))
+    paths = sorted(_expand(files), key=_reading_order)
     sections = {key: Section(key) for key in SECTIONS}
     for path in paths:
         _classify(path, sections, Path(captions) if captions else None, dpi, injected or {})
@@ -169,6 +169,14 @@ def _expand(files) -> set[Path]:
         elif f.exists():
             out.add(f)
     return out
+
+
+def _reading_order(path: Path) -> tuple:
+    """By folder, a run's Analyzer figures in the order the section's caption reads them (score
+    against iteration first), not by name: bits came first, the spatial maps after the scores."""
+    from .analyze import FIGURES  # here, as _axes imports matplotlib: importing peat.report stays light
+
+    return path.parent, FIGURES.index(path.stem) if path.stem in FIGURES else len(FIGURES), path.name
 
 
 # The stage folder under results/ (or reports/) -> the report section its files go to.
