@@ -397,6 +397,22 @@ def test_sdc_caption_names_the_columns_of_its_table(tmp_path):
     assert named and named <= set(pd.read_csv(tmp_path / "out/sdc.csv").columns), named
 
 
+def test_a_drills_findings_lead_its_settings(tmp_path):
+    """Behind the drill's settings, in alphabetical order, localized and right_rank (which the caption
+    explains) were the 14th and 17th columns, beyond the page's width."""
+    drill = tmp_path / "results/sdc/gpt2/lane_fault.json"
+    drill.parent.mkdir(parents=True)
+    drill.write_text(json.dumps({"audit_every": 2, "backend": "gloo", "check": "audit", "detected": True,
+                                 "detection_step": 2, "drill": "lane_fault", "false_alarms": 0, "injected_rank": 1,
+                                 "localized": True, "model": "gpt2", "outcome": "completed", "right_rank": True,
+                                 "seed": 0, "world_size": 3}))
+    page = build([drill], tmp_path / "out", name="t", models=["gpt2"], vendors=["cpu"]).read_text()
+    lead = ["model", "drill", "outcome", "detected", "detection_step", "localized", "right_rank", "false_alarms"]
+    assert pd.read_csv(tmp_path / "out/sdc.csv").columns[:8].tolist() == lead
+    caption = page.split('<section id="sdc-section">', 1)[1].split("</p>", 1)[0]
+    assert set(re.findall(r"<b>(\w+)</b>", caption)) <= set(lead)
+
+
 def test_sdc_caption_says_what_localized_and_the_clean_drill_show():
     """It said localized was whether the faulty rank was named correctly (that is right_rank: an alarm
     naming a healthy rank is localized too) and that the clean drill must not be detected, which

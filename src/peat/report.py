@@ -91,6 +91,9 @@ TABLES = {
     "benchmarks.csv": ["benchmark"],
 }
 MAX_ROWS = 40
+# A JSON result's columns that lead its row, where it has them: a candidate or RFI run's, a drill's.
+OUTCOME_COLUMNS = ("status", "steps_trained", "outcome", "detected", "detection_step", "localized", "right_rank",
+                   "false_alarms")
 # Caption files are named <rule file>_<figure>.rst; these stages' figures come from another file.
 CAPTION_ALIASES = {"analyze": ("playback",), "detect": ("playback",), "candidate": ("kernels",)}
 TABLE_SECTION = {"verdicts.csv": "verdicts", "golden.csv": "golden", "alter_sensitivity.csv": "alter",
@@ -279,8 +282,10 @@ def _flat_row(path: Path, **keys) -> dict:
     """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
     data = read_json(path)
     scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
-    # The outcome, how far a candidate or RFI run trained (a crash keeps its curve to there), then details.
-    first = {k: scalars.pop(k) for k in ("status", "detected", "steps_trained") if k in scalars}
+    # The outcome, then details: how far a candidate or RFI run trained (a crash keeps its curve to
+    # there); what a drill found, as the section's caption explains it (its localized and right_rank sat
+    # behind its settings, in alphabetical order, beyond the page's width).
+    first = {k: scalars.pop(k) for k in OUTCOME_COLUMNS if k in scalars}
     return {**keys, **first, **scalars}
 
 
