@@ -159,6 +159,20 @@ def test_distributions_cut_the_axis_and_say_what_lies_beyond(table, tmp_path, dr
     assert all(ax.get_xlim()[1] < 10 and not ax.texts for ax in drawn["distributions"].axes)
 
 
+def test_distributions_axis_labels_do_not_run_into_each_other(table, tmp_path, drawn):
+    """The test run's im2col: "bit_flip:exponent (NaN/Inf)" widened the case labels and narrowed the
+    panels, and each panel's two-line label ran into its neighbour's ("noiselog10 top-10% err")."""
+    long = table.assign(case=table["case"].replace({"lane:4": "bit_flip:exponent"}),
+                        nonfinite=(table["case"] == "lane:4").astype(int))
+    analyze.figures(long, tmp_path)
+    fig = drawn["distributions"]
+    FigureCanvasAgg(fig)  # laid out again at the dpi it was saved at
+    fig.set_dpi(80)
+    fig.canvas.draw()
+    labels = [ax.xaxis.label.get_window_extent() for ax in fig.axes if ax.get_xlabel()]
+    assert len(labels) == 3 and not any(a.overlaps(b) for a, b in zip(labels, labels[1:]))
+
+
 def test_score_vs_iteration_says_which_panel_has_nothing_replayed(table, tmp_path, drawn):
     """The first layer's input-gradient panel was empty with a 0..1 axis; a lone step was ticked
     -0.05..0.05; cases differed by colour only."""
