@@ -173,6 +173,16 @@ def test_distributions_axis_labels_do_not_run_into_each_other(table, tmp_path, d
     assert len(labels) == 3 and not any(a.overlaps(b) for a, b in zip(labels, labels[1:]))
 
 
+def test_computations_keep_one_order_in_every_run(table, tmp_path, drawn):
+    """Panels followed the table's order: the test run's im2col, whose first layer has no input
+    gradient, put weight_grad before input_grad, other runs after it (as the heatmap always does)."""
+    analyze.figures(table.iloc[::-1].reset_index(drop=True), tmp_path)
+    rows = list(dict.fromkeys(ax.get_title().split("\n")[0] for ax in drawn["score_vs_iteration"].axes))
+    cols = [ax.get_title() for ax in drawn["distributions"].axes]
+    assert rows == ["forward", "input_grad", "weight_grad"]
+    assert cols == [f"computation = {c}" for c in rows]
+
+
 def test_score_vs_iteration_says_which_panel_has_nothing_replayed(table, tmp_path, drawn):
     """The first layer's input-gradient panel was empty with a 0..1 axis; a lone step was ticked
     -0.05..0.05; cases differed by colour only."""

@@ -254,9 +254,12 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
                      log10_rel_top10=_log(own["rel_top10"], REL_FLOOR))
     shown, left = _shown_layers(own)
     named = _nonfinite_named(own)
+    # By name, which is forward, input_grad, weight_grad, as in the heatmap: in the table's order a first
+    # layer without an input gradient put weight_grad before input_grad, so panels moved between runs.
+    computations = sorted(pd.unique(own["computation"]))
     # A dozen cases in hue alone gave near-identical teals and pinks: the marker tells them apart too.
     grid = sns.relplot(named[named["layer"].isin(shown)], x="step", y="log10_err_top10", hue="case", style="case", col="layer", row="computation",
-                       kind="line", markers=True, dashes=False, height=2.2, aspect=1.3,
+                       kind="line", markers=True, dashes=False, height=2.2, aspect=1.3, row_order=computations,
                        facet_kws={"sharey": False}, errorbar=None)
     grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
     # Two lines: seaborn's "computation = ... | layer = ...", and even "forward | <GPT-2 layer>", overran the next panel's.
@@ -280,8 +283,8 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     # Beyond MAX_LAYERS, one box per case over every layer and step.
     cases = list(pd.unique(named["case"]))
     grid = sns.catplot(named, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
-                       order=cases, kind="box", legend=not left and "auto", height=3.2, aspect=0.9, sharex=True,
-                       fliersize=2)
+                       order=cases, col_order=computations, kind="box", legend=not left and "auto", height=3.2,
+                       aspect=0.9, sharex=True, fliersize=2)
     grid.set_axis_labels(REL_LABEL, "")
     _cut_beyond(grid, named, cases)
     if left:
