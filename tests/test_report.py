@@ -413,6 +413,19 @@ def test_a_drills_findings_lead_its_settings(tmp_path):
     assert set(re.findall(r"<b>(\w+)</b>", caption)) <= set(lead)
 
 
+def test_a_candidate_runs_outcome_leads_its_final_scores(tmp_path):
+    """Behind the final validation scores (8 columns, alphabetical), a crash's message and how far the
+    loss went from golden's lay beyond the page's width."""
+    outcome = tmp_path / "results/candidate/gpt2/cpu/my_gemm/outcome.json"
+    outcome.parent.mkdir(parents=True)
+    scores = {f"final_val_{c}_{w}": 1.0 for c in ("accuracy", "loss") for w in ("candidate", "golden")}
+    outcome.write_text(json.dumps({**scores, "max_abs_loss_diff": None, "message": "RuntimeError: lane 3",
+                                   "nonfinite_loss": False, "seconds": 2.5, "status": "crash", "steps_trained": 3}))
+    build([outcome], tmp_path / "out", name="t", models=["gpt2"], vendors=["cpu"])
+    lead = ["model", "vendor", "kernel", "status", "steps_trained", "max_abs_loss_diff", "nonfinite_loss", "message"]
+    assert pd.read_csv(tmp_path / "out/candidate.csv").columns[:8].tolist() == lead
+
+
 def test_sdc_caption_says_what_localized_and_the_clean_drill_show():
     """It said localized was whether the faulty rank was named correctly (that is right_rank: an alarm
     naming a healthy rank is localized too) and that the clean drill must not be detected, which
