@@ -92,8 +92,8 @@ TABLES = {
 }
 MAX_ROWS = 40
 # A JSON result's columns that lead its row, where it has them: a candidate or RFI run's, a drill's.
-OUTCOME_COLUMNS = ("status", "steps_trained", "max_abs_loss_diff", "nonfinite_loss", "message", "outcome", "detected", "detection_step", "localized", "right_rank",
-                   "false_alarms")
+OUTCOME_COLUMNS = ("status", "steps_trained", "max_abs_loss_diff", "nonfinite_loss", "message",
+                   "outcome", "detected", "detection_step", "localized", "right_rank", "false_alarms")
 # Caption files are named <rule file>_<figure>.rst; these stages' figures come from another file.
 CAPTION_ALIASES = {"analyze": ("playback",), "detect": ("playback",), "candidate": ("kernels",)}
 TABLE_SECTION = {"verdicts.csv": "verdicts", "golden.csv": "golden", "alter_sensitivity.csv": "alter",
@@ -283,8 +283,9 @@ def _flat_row(path: Path, **keys) -> dict:
     data = read_json(path)
     scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
     # The outcome, then details: how far a candidate or RFI run trained (a crash keeps its curve to
-    # there), how far its loss went from golden's and a crash's message; what a drill found, as the section's caption explains it (its localized and right_rank sat
-    # behind its settings, in alphabetical order, beyond the page's width).
+    # there), how far its loss went from golden's and a crash's message; what a drill found, as the
+    # section's caption explains it (its localized and right_rank sat behind its settings, in
+    # alphabetical order, beyond the page's width).
     first = {k: scalars.pop(k) for k in OUTCOME_COLUMNS if k in scalars}
     return {**keys, **first, **scalars}
 
