@@ -579,6 +579,21 @@ def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(out), "--scale", "-2", "--no-sign-change"]) == 2
 
 
+def test_cli_output_read_in_part_ends_quietly(tmp_path):
+    """`peat h5diff A B | head` printed "error: [Errno 32] Broken pipe" and exited 2, as if the files were bad."""
+    import subprocess
+    import sys
+
+    for name, value in (("a.h5", 0.0), ("b.h5", 1.0)):
+        with h5py.File(tmp_path / name, "w") as f:
+            for i in range(3000):  # more lines than a pipe holds
+                f[f"d{i}"] = np.full(4, value, np.float32)
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", f"{sys.executable} -m peat.cli h5diff a.h5 b.h5 | head -2"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr, len(proc.stdout.splitlines())) == (141, "", 2)
+    assert proc.stdout.splitlines()[1].startswith("/d0 ")
+
+
 def test_cli_counts_only_the_datasets_that_can_take_the_corruption(mixed, tmp_path, capsys):
     # --scale acts on floats only: the two integer counters are selected but cannot take it.
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--select", "counters/*", "--select",

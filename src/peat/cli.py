@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 
 from .io import PeatError
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     handler = getattr(module, f"cli_{argv[0]}", None) or module.cli
     try:
         return int(handler(argv[1:]) or 0)
+    except BrokenPipeError:  # a reader that stopped early (| head): no error of ours, as for any Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush raises again
+        return 128 + 13  # a shell's status for a writer ended by SIGPIPE
     except (PeatError, OSError) as err:  # OSError: an output that cannot be written (no directory, read-only, full)
         print(f"peat {argv[0]}: error: {err}", file=sys.stderr)
         return 2
