@@ -81,7 +81,7 @@ def local_files(name: str, spec: dict) -> list[Path]:
     if spec["source"] == "text":
         return _text_files(name, spec)
     if spec["source"] == "cifar10":
-        return [_cifar10_root(name, spec) / "cifar-10-batches-py" / f for f in CIFAR10_FILES]
+        return _cifar10_files(_cifar10_root(name, spec))
     return []
 
 
@@ -144,11 +144,15 @@ def _cifar10(name: str, spec: dict):
 def _cifar10_root(name: str, spec: dict) -> Path:
     """The folder holding ``cifar-10-batches-py/``, checked by file names only (no reading)."""
     root = _local_path(name, spec)
-    missing = [f for f in CIFAR10_FILES if not (root / "cifar-10-batches-py" / f).is_file()]
+    missing = [f for f in _cifar10_files(root) if not f.is_file()]
     if missing:
         raise PeatError(f"config key 'datasets.{name}.path': no CIFAR-10 python batches under {root} "
-                        f"(cifar-10-batches-py/{missing[0]} is missing)")
+                        f"(cifar-10-batches-py/{missing[0].name} is missing)")
     return root
+
+
+def _cifar10_files(root: Path) -> list[Path]:
+    return [root / "cifar-10-batches-py" / f for f in CIFAR10_FILES]
 
 
 def _pydoc_bytes(name: str, spec: dict) -> np.ndarray:

@@ -513,7 +513,7 @@ def _child(conn, calls, memory_mb, parent):
             resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
         try:
             value = func(*args, **kwargs)
-            if expect is not None and (wrong := _wrong_result(value, expect)):
+            if expect is not None and (wrong := wrong_result(value, expect.shape, expect.dtype, expect.device)):
                 # Judged here: a NumPy array would not travel back (torch.load with weights_only
                 # refuses it), and became a crash with torch's message instead of this one; a CUDA
                 # result of a CPU layer, loaded back, started CUDA in the job (no child after that).
@@ -741,29 +741,20 @@ def _died(exitcode: int | None, seconds: float) -> Outcome:
 def _checked(value, expect, seconds) -> Outcome:
     if expect is None:
         return Outcome("ok", value=value, seconds=seconds)
-    if wrong := _wrong_result(value, expect):
+    if wrong := wrong_result(value, expect.shape, expect.dtype, expect.device):
         return Outcome("shape_mismatch", wrong, seconds=seconds)
     bad = int((~torch.isfinite(value)).sum())
     return Outcome("ok", f"{bad} non-finite values" if bad else "", value=value, seconds=seconds)
 
 
-def _wrong_result(value, expect: torch.Tensor) -> str:
-    """What is wrong with ``value`` as a result like ``expect`` (a tensor, its shape, dtype, device), else ""."""
-    if not torch.is_tensor(value):
-        return _not_a_tensor(value)
-    return _mismatch(value, expect.shape, expect.dtype, expect.device)
-
-
-def _not_a_tensor(value) -> str:
-    return f"returned {type(value).__name__}, expected a tensor"
-
-
-def _mismatch(value: torch.Tensor, shape, dtype, device) -> str:
-    """What ``value`` returned where it is not of ``shape`` and ``dtype`` on ``device``, else "".
+def wrong_result(value, shape, dtype, device) -> str:
+    """What ``value`` returned where it is not a tensor of ``shape`` and ``dtype`` on ``device``, else "".
 
     The device is named where it differs: a result on another device than the operands' (a CPU
     one from a CUDA layer) passed playback, which moves results to the CPU to score them, and
     training then stopped at the next op with torch's error, naming neither kernel nor layer."""
+    if not torch.is_tensor(value):
+        return f"returned {type(value).__name__}, expected a tensor"
     if tuple(value.shape) == tuple(shape) and value.dtype == dtype and value.device == device:
         return ""
     got, want = f"{tuple(value.shape)} {value.dtype}", f"{tuple(shape)} {dtype}"
@@ -1013,10 +1004,7 @@ def output_shape(op: str, x: torch.Tensor, weight: torch.Tensor, attrs: dict) ->
 
 
 def _checked_result(kernel: Kernel, computation: str, value, shape, dtype, device) -> torch.Tensor:
-    if not torch.is_tensor(value):
-        raise ShapeMismatch(f"kernel {kernel.name!r} {computation} returned {type(value).__name__}, expected "
-                            f"{tuple(shape)} {dtype}")
-    if mismatch := _mismatch(value, shape, dtype, device):
+    if mismatch := wrong_result(value, shape, dtype, device):
         raise ShapeMismatch(f"kernel {kernel.name!r} {computation} {mismatch}")
     return value
 
