@@ -1001,6 +1001,19 @@ def test_nccl_without_a_gpu_for_the_rank_is_one_line(monkeypatch):
         init_distributed("nccl", 5)
 
 
+@pytest.mark.parametrize("gpus, backend", [(0, "gloo"), (1, "gloo"), (2, "gloo"), (3, "nccl"), (4, "nccl")])
+def test_auto_backend_takes_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, backend):
+    # NCCL refuses two ranks on one GPU: 3 drill ranks on a one-GPU workstation must run on gloo.
+    from peat.sdc_drill import _slurm_local_tasks, _uses_cuda
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert ("nccl" if _uses_cuda("auto", 3) else "gloo") == backend
+    assert _uses_cuda("nccl", 3) and not _uses_cuda("gloo", 3)
+    assert [_slurm_local_tasks(env) for env in ({}, {"SLURM_NTASKS_PER_NODE": "3"},
+                                                {"SLURM_NTASKS_PER_NODE": "4(x2),2"},
+                                                {"SLURM_NTASKS_PER_NODE": "2(x3),5"})] == [1, 3, 4, 5]
+
+
 def test_single_failed_audit_blames_a_rank_that_repeats_its_own_fault(tmp_path):
     # Rank 1 computes its own micro-batch wrongly (and would again on a rerun), its peer's rightly:
     # only the audit 0 -> 1 fails. A rerun on rank 1 agreed with its own report and blamed rank 0.

@@ -20,6 +20,7 @@ import copy
 import ctypes
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -261,7 +262,7 @@ def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: P
         if codes[injected] == own and all(end.code == EXIT_PEER and PEER_FAILED in end.output for end in peers):
             errors = [next(ln for ln in end.output.splitlines() if PEER_FAILED in ln) for end in peers]
             # The launcher's ranks are local: this node's, with the backend they resolved as it does.
-            backend = "nccl" if _uses_cuda(cfg["backend"]) else "gloo"
+            backend = "nccl" if _uses_cuda(cfg["backend"], len(ends)) else "gloo"
             return drill_fields(drill, model, len(ends), injected, cfg) | {
                 "outcome": "peers_failed", "detected": True, "exit_codes": codes, "peer_errors": errors,
             } | origin(backend, [sdc.node_name()] * len(ends), seed)
@@ -309,7 +310,7 @@ def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.de
         env.setdefault("MASTER_PORT", "29500")
     if "RANK" not in env:
         raise PeatError("not launched by torchrun or srun (RANK and SLURM_PROCID are unset)")
-    use_cuda = _uses_cuda(backend)
+    use_cuda = _uses_cuda(backend, int(env.get("LOCAL_WORLD_SIZE") or _slurm_local_tasks(env)))
     device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda and device.index >= torch.cuda.device_count():  # else CUDA's own traceback from every rank
         raise PeatError(f"config key 'sdc.backend': {backend} needs one GPU per rank of a node; local rank "
@@ -320,8 +321,16 @@ def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.de
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _uses_cuda(backend: str) -> bool:
-    return backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+def _uses_cuda(backend: str, local_ranks: int) -> bool:
+    # auto takes nccl only where every local rank has a GPU of its own: NCCL refuses two ranks on one
+    # GPU, so 3 drill ranks on a one-GPU workstation run on gloo rather than fail. Every rank of a
+    # node decides alike, as it must: a process group cannot mix backends.
+    return backend == "nccl" or (backend == "auto" and torch.cuda.device_count() >= local_ranks)
+
+
+def _slurm_local_tasks(env) -> int:
+    # SLURM_NTASKS_PER_NODE reads "3" or, on uneven nodes, "3(x2),2": the most, the same on every node.
+    return max(int(n) for n in re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_NTASKS_PER_NODE", "1")))
 
 
 def main(argv: list[str] | None = None) -> int:
