@@ -45,21 +45,30 @@ def test_checksum_catches_every_single_bit_flip(dtype, n, offset):
     assert torch.equal(sdc.checksum([t.clone()]), base)
 
 
-@pytest.mark.parametrize("mark, no", [(sdc._mark_nonfinite_host, False),  # CPU: a Python bool
-                                       (sdc._mark_nonfinite_on_device, torch.tensor(False))])  # GPU path, run on CPU
-def test_local_nonfinite_gradient_is_marked_at_its_first_element(mark, no):
-    finite = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
-    assert not mark(finite.clone(), no)
-    overflow = torch.full((3, 3), 3e38)  # finite values whose float32 sum overflows: not flagged
-    assert not mark(overflow, no) and torch.equal(overflow, torch.full((3, 3), 3e38))
+@pytest.mark.parametrize("fresh", [lambda: False,  # CPU: a Python bool
+                                   lambda: []])  # the GPU path (device sums), run on CPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_local_nonfinite_gradient_is_marked_at_its_first_element(fresh, dtype):
+    def mark(grad, bad=None):
+        bad = fresh() if bad is None else bad
+        return sdc._mark_nonfinite_host(grad, bad) if isinstance(bad, bool) else [*bad, sdc._mark_nonfinite_on_device(grad)]
+
+    finite = torch.randn(4, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    finite[0, 0] = -0.0  # a healthy gradient keeps every bit, the sign of a zero too
+    g = finite.clone()
+    assert not sdc._flagged(mark(g)) and torch.equal(g.view(torch.int8), finite.view(torch.int8))
+    top = torch.finfo(dtype).max
+    overflow = torch.full((3, 3), top, dtype=dtype)  # finite values whose sum overflows: not flagged
+    assert not sdc._flagged(mark(overflow)) and torch.equal(overflow, torch.full((3, 3), top, dtype=dtype))
     for bad in (float("nan"), float("inf"), -float("inf")):
         g = finite.clone()
         g[3, 2] = bad
-        assert mark(g, no)
+        assert sdc._flagged(mark(g))
         expected = finite.clone()
         expected[3, 2], expected[0, 0] = bad, float("nan")
         torch.testing.assert_close(g, expected, rtol=0, atol=0, equal_nan=True)
-    assert mark(finite.clone(), True if no is False else torch.tensor(True))  # the step's flag stays set
+    flag = mark(finite.clone() * float("nan"))  # the step's flag stays set by a later healthy one
+    assert sdc._flagged(mark(finite.clone(), flag))
 
 
 @pytest.fixture
