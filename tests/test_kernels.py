@@ -972,3 +972,16 @@ def test_a_full_disk_fails_the_job_instead_of_becoming_the_kernels_crash(h5py_st
 def test_run_isolated_rejects_results_it_cannot_read_back_safely():
     outcome = kernels.run_isolated(lambda: object())
     assert outcome.status == "crash" and "could not be read back" in outcome.message
+
+
+@pytest.mark.parametrize("given, expected", [(None, ["1", "True"]), ("0", ["0", "False"])])
+def test_importing_peat_makes_torch_ask_nvml_for_cuda_so_forked_children_can_use_it(given, expected):
+    # On a GPU machine torch.cuda.is_available() in a job (its vendor check, transformers on import)
+    # made every candidate training's forked child fail: "CUDA error: initialization error" (H200).
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    if given is not None:
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = given  # the user's own choice is kept
+    code = ("import os, peat, torch.cuda; "
+            "print(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'], torch.cuda._nvml_based_avail())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == expected

@@ -13,4 +13,13 @@ training) and ``checkpoint`` (HDF5 checkpoints), ``profiler`` (training-context 
 ``device``, ``provenance``, ``slurm``, ``cli``.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# Kernel calls and candidate trainings run in forked children (``kernels.run_isolated``). A child
+# forked after its parent touched the CUDA driver cannot use CUDA ("CUDA error: initialization
+# error"), and torch.cuda.is_available() touches it unless torch asks NVML instead. Set before
+# anything asks (a vendor check, or transformers on import), so that on a GPU machine a GPU job's
+# children can train on the GPU and a CPU job's children can import libraries that ask.
+_os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
