@@ -985,3 +985,16 @@ def test_importing_peat_makes_torch_ask_nvml_for_cuda_so_forked_children_can_use
             "print(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'], torch.cuda._nvml_based_avail())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == expected
+
+
+def _visible_devices():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_a_memory_limited_call_sees_no_gpu(monkeypatch):
+    # Under the limit CUDA cannot start: on a GPU machine torch.compile's device query failed with
+    # "out of memory" and peat.alt_kernels.compiled ran the eager op instead.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert kernels.run_isolated(_visible_devices, memory_mb=256).value == ""
+    assert kernels.run_isolated(_visible_devices).value == "0"  # no limit: the job's own devices
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the job itself keeps them

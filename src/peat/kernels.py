@@ -504,6 +504,13 @@ def _child(conn, calls, memory_mb, parent):
     _die_with(parent)
     _own_group()
     torch.set_num_threads(1)
+    if memory_mb:
+        # CUDA cannot start under the address-space limit below (its start maps far more), and the
+        # calls here hold CPU tensors (the parent runs them itself once CUDA is up): a library that
+        # asks for devices (torch.compile's Inductor) is told there are none, not "out of memory"
+        # from cudaGetDeviceCount, which made peat.alt_kernels.compiled fall back to the eager op on
+        # a GPU machine (an H200).
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     for func, args, kwargs, expect in calls:
         if memory_mb:
             # The forked child already maps what the parent mapped: allow that much more, per call
