@@ -8,6 +8,10 @@ namespace {
 
 // out[M,N] = a[M,K] @ b[K,N], accumulating over k in order, one row of out at a time.
 torch::Tensor gemm(const torch::Tensor& a_in, const torch::Tensor& b_in) {
+  // A CPU kernel reading a GPU tensor's memory as host memory segfaults; on a GPU vendor that
+  // ends the playback job (its first calls run in the job's process there) instead of a crash.
+  TORCH_CHECK(a_in.device().is_cpu() && b_in.device().is_cpu(), "naive_gemm: a CPU kernel, given tensors on ",
+              a_in.device(), " and ", b_in.device());
   TORCH_CHECK(a_in.dim() == 2 && b_in.dim() == 2 && a_in.size(1) == b_in.size(0),
               "naive_gemm: shapes ", a_in.sizes(), " and ", b_in.sizes(), " do not multiply");
   auto a = a_in.to(torch::kFloat32).contiguous();

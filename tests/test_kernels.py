@@ -707,6 +707,11 @@ def test_cpp_kernel_compiles_once_and_serves_linear(context, monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built.append(kwargs["name"]))
     again = kernels.load("kernels/naive_gemm.cpp", "linear")  # the same source: the build in this process
     assert built == [] and again.forward is kernel.forward
+    # Tensors on a GPU (here meta, which has no memory at all) are refused in words: on an H200 the
+    # kernel read CUDA memory as host memory and the playback job died of SIGSEGV.
+    x, w = torch.ones(2, 3, device="meta"), torch.ones(4, 3, device="meta")
+    with pytest.raises(RuntimeError, match="^naive_gemm: a CPU kernel, given tensors on meta and meta$"):
+        kernel.forward(x, w, None)
 
 
 @pytest.mark.parametrize("name", ["bad_kernel.cpp", "bad kernel.cpp"])
