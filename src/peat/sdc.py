@@ -589,7 +589,7 @@ def _any_nonfinite(grads) -> bool:
     values = [g._values() if g.is_sparse else g for g in grads]
     if values[0].device.type == "cpu":
         return not all(_finite_host(v) for v in values)
-    return bool(torch.stack([_nonfinite_on_device(v) for v in values]).any())
+    return _flagged([_device_total(v) for v in values])
 
 
 def _finite_host(grad: torch.Tensor) -> bool:
@@ -604,24 +604,23 @@ def _mark_nonfinite_host(grad: torch.Tensor, bad: bool) -> bool:
     return True
 
 
-def _nonfinite_on_device(grad: torch.Tensor) -> torch.Tensor:
-    if grad.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return ~torch.isfinite(grad.sum(dtype=torch.float64))  # finite values cannot overflow float64
-    return ~torch.isfinite(grad).all()
+def _device_total(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's float64 sum, non-finite exactly when one of its values is, with no host sync:
+    finite values of a narrower float cannot overflow it."""
+    if grad.dtype == torch.float64:  # a float64 sum may overflow: read the values instead
+        return torch.where(torch.isfinite(grad).all(), 0.0, float("nan")).double()
+    return grad.sum(dtype=torch.float64)
 
 
 def _mark_nonfinite_on_device(grad: torch.Tensor) -> torch.Tensor:
-    """The gradient's float64 sum, non-finite exactly when one of its values is; that value marks it.
+    """``_device_total`` of the gradient, whose non-finite value marks it.
 
     Two kernel launches and no host sync inside backward: on a GPU a small model's step is bound by
     launches, and the seven this took per parameter cost more than the step itself (measured on an
-    H200). Finite float32 values cannot overflow a float64 sum. The mark is first += -0.0 * sum * sum:
-    -0.0 for a finite sum, which leaves every value (-0.0 too) as it was, and NaN otherwise.
+    H200). The mark is first += -0.0 * total * total: -0.0 for a finite total, which leaves every
+    value (-0.0 too) as it was, and NaN otherwise.
     """
-    if grad.dtype == torch.float64:  # a float64 sum may overflow: read the values instead
-        total = torch.where(torch.isfinite(grad).all(), 0.0, float("nan")).double()
-    else:
-        total = grad.sum(dtype=torch.float64)
+    total = _device_total(grad)
     grad[(0,) * grad.dim()].addcmul_(total, total, value=-0.0)
     return total
 
