@@ -758,7 +758,8 @@ def test_the_network_after_the_injected_layer_runs_channels_last_and_nothing_bef
     kept = {"conv1", "layer1.0.conv1", "layer1.0.conv2"}
     assert all(second[k] != (k in kept) for k in second)
     for model, _ in prop._models.values():
-        assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Conv2d))
+        assert all(m.weight.is_contiguous() and "forward" not in m.__dict__
+                   for m in model.modules() if isinstance(m, nn.Conv2d))
 
 
 
@@ -1071,6 +1072,57 @@ def test_float64_copy_convolves_like_pytorch_in_float64(size, conv):
     assert got.shape == want.shape and got.dtype == torch.float64 and got.is_contiguous()
     assert torch.allclose(got, want, rtol=1e-13, atol=1e-13)
     assert model[0].weight.dtype == torch.float32  # the float32 network is left as it was
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_downstream_convolutions_leave_out_only_products_with_padding(layout):
+    """``_conv`` (the float64 copy's and the downstream float32 convolutions): every output as
+    PyTorch's (the same sums in another order), a NaN input reaching exactly the outputs that read
+    it, on maps smaller than the kernel (one matrix product), with cropped taps and neither."""
+    import itertools
+
+    from peat.propagate import _conv
+
+    torch.manual_seed(0)
+    paths = set()
+    for size, k, s, p, d, g in itertools.product([1, 2, 5], [2, 3, (3, 1)], [1, 2, 3], [0, 1, 2, (1, 0)], [1, 2],
+                                                 [1, 2]):
+        conv = nn.Conv2d(4, 6, k, stride=s, padding=p, dilation=d, groups=g, bias=(s == 2)).double()
+        x = torch.randn(3, 4, size, size + 1, dtype=torch.float64).contiguous(memory_format=layout)
+        for poisoned in (False, True):
+            if poisoned:
+                x[1, 1 + g // 2, size // 2, 0] = float("nan")
+            try:
+                want = nn.functional.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, g)
+            except RuntimeError:  # no output: the kernel reaches past the padded input
+                break
+            cache = {}
+            got = _conv(conv, cache, x)
+            assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan()), (size, k, s, p, d, g)
+            assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-12, atol=1e-12), (size, k, s, p, d, g)
+            if not poisoned:
+                dense = (x.shape[2], x.shape[3]) in cache
+                cropped = not dense and cache[x.shape[2], x.shape[3], "crop"][1] != conv.kernel_size
+                paths.add("dense" if dense else "cropped" if cropped else "plain")
+            assert ((x.shape[2], x.shape[3]) in cache) == (g == 1 and size * (size + 1) < conv.weight[0, 0].numel()
+                                                           and not poisoned)
+    assert paths == {"dense", "cropped", "plain"}
+
+
+def test_a_convolution_with_a_non_finite_weight_keeps_pytorchs_own_forward():
+    """A NaN weight times a padded zero is NaN in PyTorch's convolution: the products with padding
+    then count, so the float64 copy leaves such a convolution as it is."""
+    from peat.propagate import _fast, _float64
+
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1))
+    with torch.no_grad():
+        model[1].weight[0, 0, 0, 0] = float("inf")
+    twin = _float64(model)
+    assert _fast(model[0]) and not _fast(model[1])
+    assert "forward" in twin[0].__dict__ and "forward" not in twin[1].__dict__
+    x = torch.randn(1, 2, 1, 1, dtype=torch.float64)
+    assert torch.equal(twin(x).isnan(), nn.functional.conv2d(twin[0](x), twin[1].weight, twin[1].bias,
+                                                             padding=1).isnan())
 
 
 def test_prefix_refuses_to_replay_a_skipped_random_draw():

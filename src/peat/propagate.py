@@ -198,7 +198,7 @@ class Propagator:
                     return forward(a)
             return run
 
-        with _channels_last(model, layer, self.before[layer]) if x.device.type == "cpu" else nullcontext():
+        with _downstream(model, layer, self.before[layer], channels_last=x.device.type == "cpu"):
             gold = self.observe(model, layer, nxt, x, y, itself(model), prefix=prefix, seed=seed)
             ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
                                  itself(model64), prefix=prefix.on(model64, torch.float64), seed=seed)
@@ -260,32 +260,101 @@ class Propagator:
 
 
 def _float64(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of ``model``, for the reference run.
-
-    On the CPU, PyTorch convolves float64 one sample at a time; where the output map is small
-    (ResNet's last stages) that is a matrix-vector product per sample, 2-6x slower than one GEMM
-    over the batch, and the reference run then costs more than all the float32 runs of a step.
-    Those convolutions run as one GEMM: float64 either way, far below float32's rounding.
-    """
+    """A float64 copy of ``model``, for the reference run; its convolutions compute as ``_conv``."""
     twin = copy.deepcopy(model).double()
     for module in twin.modules():
-        if type(module) is torch.nn.Conv2d and module.padding_mode == "zeros" and not isinstance(module.padding, str):
-            module.forward = functools.partial(_conv64, module)
+        if _fast(module):
+            module.forward = functools.partial(_conv, module, {})
     return twin
 
 
-def _conv64(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 4 and len(x) and conv.groups == 1 and x.device.type == "cpu" and x.dtype == torch.float64:
-        n, _, h, w = x.shape
-        k, s, p, d = conv.kernel_size, conv.stride, conv.padding, conv.dilation
-        ho, wo = ((size + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i, size in enumerate((h, w)))
-        if ho * wo <= GEMM_MAP:
-            cols = F.unfold(x, k, dilation=d, padding=p, stride=s)  # (n, C*kh*kw, ho*wo)
-            out = cols.transpose(1, 2).reshape(n * ho * wo, -1) @ conv.weight.reshape(conv.out_channels, -1).t()
-            if conv.bias is not None:
-                out += conv.bias
-            return out.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous()
-    return conv._conv_forward(x, conv.weight, conv.bias)
+def _fast(module: torch.nn.Module) -> bool:
+    """A plain zero-padded Conv2d with finite weights, which ``_conv`` computes exactly (a
+    non-finite weight times a padded zero would be NaN, and ``_conv`` leaves such products out)."""
+    return (type(module) is torch.nn.Conv2d and module.padding_mode == "zeros"
+            and not isinstance(module.padding, str) and bool(torch.isfinite(module.weight).all()))
+
+
+def _conv(conv: torch.nn.Conv2d, cache: dict, x: torch.Tensor) -> torch.Tensor:
+    """``conv(x)`` without the products of its taps with zero padding, and in float64 on the CPU
+    as one GEMM where the output map is small: the same sums, in another order.
+
+    On small maps those products are most of the work: a 3 x 3 convolution with padding 1 does
+    9x the products it needs on 1 x 1 maps (ResNet-18's last stage on 32 x 32 images), 2.25x on
+    2 x 2. Maps with fewer positions than the kernel has taps run as one matrix product
+    (``_matrix``); otherwise the taps that read only padding are cropped (``_cropped``).
+    PyTorch convolves float64 one sample at a time; where the output map is small that is a
+    matrix-vector product per sample, 2-6x slower than one GEMM over the batch, and the float64
+    reference run then cost more than all the float32 runs of a step.
+    ``cache`` keeps what is derived from the weight, by input size: the weight must not change.
+    """
+    if x.dim() != 4 or not len(x):
+        return conv._conv_forward(x, conv.weight, conv.bias)
+    n, _, h, w = x.shape
+    # A non-finite input times a zero of the matrix would spoil every output, not those reading it.
+    if conv.groups == 1 and h * w < conv.kernel_size[0] * conv.kernel_size[1] and bool(torch.isfinite(x).all()):
+        if (h, w) not in cache:
+            cache[h, w] = _matrix(conv, h, w)
+        m, bias, (ho, wo) = cache[h, w]
+        rows = x.permute(0, 2, 3, 1).reshape(n, -1)  # (position, channel) order: a view in channels-last memory
+        out = rows @ m if bias is None else torch.addmm(bias, rows, m)
+        out = out.view(n, ho, wo, conv.out_channels).permute(0, 3, 1, 2)
+        return out if x.is_contiguous(memory_format=torch.channels_last) else out.contiguous()
+    if (h, w, "crop") not in cache:
+        cache[h, w, "crop"] = _cropped(conv, h, w)
+    weight, (kh, kw), padding, (ho, wo) = cache[h, w, "crop"]
+    if ho * wo <= GEMM_MAP and x.dtype == torch.float64 and x.device.type == "cpu" and conv.groups == 1:
+        cols = F.unfold(x, (kh, kw), dilation=conv.dilation, padding=padding, stride=conv.stride)  # (n, C*kh*kw, ho*wo)
+        out = cols.transpose(1, 2).reshape(n * ho * wo, -1) @ weight.reshape(conv.out_channels, -1).t()
+        if conv.bias is not None:
+            out += conv.bias
+        return out.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous()
+    return F.conv2d(x, weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+
+
+def _reads(conv: torch.nn.Conv2d, h: int, w: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Per dimension of an ``h`` x ``w`` input: the output size, and per output position the
+    (tap, input position) pairs that read the input, not its padding."""
+    out = []
+    for size, k, s, p, d in zip((h, w), conv.kernel_size, conv.stride, conv.padding, conv.dilation):
+        n = (size + 2 * p - d * (k - 1) - 1) // s + 1
+        out.append((n, [[(t, o * s - p + t * d) for t in range(k) if 0 <= o * s - p + t * d < size] for o in range(n)]))
+    return out
+
+
+def _cropped(conv: torch.nn.Conv2d, h: int, w: int) -> tuple:
+    """(weight, kernel size, padding, output size) of ``conv`` on an ``h`` x ``w`` input, less the
+    outer taps that read only its zero padding: the padding shrinks by as many taps, so that every
+    output position reads the same inputs (the weight itself where no crop keeps them)."""
+    (ho, rows), (wo, cols) = _reads(conv, h, w)
+    crop = []
+    for (n, reads), size, k, s, p, d in zip(((ho, rows), (wo, cols)), (h, w), conv.kernel_size, conv.stride,
+                                            conv.padding, conv.dilation):
+        taps = sorted({t for at in reads for t, _ in at}) or [0, k - 1]
+        first, count = taps[0], taps[-1] - taps[0] + 1
+        padding = p - first * d
+        if padding < 0 or (size + 2 * padding - d * (count - 1) - 1) // s + 1 != n:
+            first, count, padding = 0, k, p
+        crop.append((first, count, padding))
+    (r0, rk, rp), (c0, ck, cp) = crop
+    weight = conv.weight if (rk, ck) == conv.kernel_size else conv.weight[:, :, r0:r0 + rk, c0:c0 + ck].contiguous()
+    return weight, (rk, ck), (rp, cp), (ho, wo)
+
+
+def _matrix(conv: torch.nn.Conv2d, h: int, w: int) -> tuple:
+    """``conv`` on an ``h`` x ``w`` input as a matrix from the input's (position, channel) to the
+    output's, holding only the taps that read the input; the bias repeated per output position
+    (or None); the output size."""
+    (ho, rows), (wo, cols) = _reads(conv, h, w)
+    weight = conv.weight.detach()
+    m = weight.new_zeros(h, w, conv.in_channels, ho, wo, conv.out_channels)
+    for i, row in enumerate(rows):
+        for j, col in enumerate(cols):
+            for ti, a in row:
+                for tj, b in col:
+                    m[a, b, :, i, j, :] = weight[:, :, ti, tj].t()
+    bias = None if conv.bias is None else conv.bias.detach().repeat(ho * wo)
+    return m.reshape(h * w * conv.in_channels, -1), bias, (ho, wo)
 
 
 @contextmanager
@@ -459,37 +528,43 @@ class Prefix:
 
 
 @contextmanager
-def _channels_last(model: torch.nn.Module, layer: str, before: set[str]):
-    """``model`` computing in channels-last memory from ``layer`` (L) on while inside: L's 4-d
-    output is laid out so, and so are the float32 Conv2d weights of the modules after L
-    (``before``: those whose forward starts before L). L and what runs before it are untouched.
+def _downstream(model: torch.nn.Module, layer: str, before: set[str], channels_last: bool):
+    """``model``'s float32 convolutions after ``layer`` (L) computing faster while inside: without
+    the products with zero padding (``_conv``), and where ``channels_last``, in channels-last
+    memory (L's 4-d output laid out so, and their weights). L and the modules whose forward
+    starts before it (``before``) are untouched.
 
-    On the CPU these forwards are most of what the later observing points cost, and oneDNN's
-    float32 convolution can be much faster so: ResNet-18's forward on a batch of 64 images of
-    32 x 32 took 85 ms against 150 in PyTorch's default layout on an AMD EPYC, though the same
-    on an Intel Xeon (56 and 57 ms); channels-last max-pooling took 2 ms against 17 on both.
-    Their results round differently from the default layout's, but every run of a
-    step (golden, references, candidates) goes through the same layout, so the downstream error
-    stays the kernel's alone; and golden's layout before L keeps L's input golden training's own.
+    On the CPU these forwards are most of what the later observing points cost. oneDNN's float32
+    convolution can be much faster in channels-last memory: ResNet-18's forward on a batch of 64
+    images of 32 x 32 took 85 ms against 150 in PyTorch's default layout on an AMD EPYC, though
+    the same on an Intel Xeon (56 and 57 ms); channels-last max-pooling took 2 ms against 17 on
+    both. Leaving out the products with padding took its last two stages (2 x 2 and 1 x 1 maps)
+    from 28 ms to 15 on that EPYC.
+    Their results round differently from the default's, but every run of a step (golden,
+    references, candidates) computes so, so the downstream error stays the kernel's alone; and
+    golden's own computation before L keeps L's input golden training's own.
     """
     modules = dict(model.named_modules())
-    swapped = []
-    for name, module in modules.items():
-        if isinstance(module, torch.nn.Conv2d) and name != layer and name not in before \
-                and module.weight.dtype == torch.float32:
-            swapped.append((module, module.weight.data))
+    after = [m for name, m in modules.items() if name != layer and name not in before and _fast(m)
+             and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
+    weights = [m.weight.data for m in after]
+    for module in after:
+        module.forward = functools.partial(_conv, module, {})
+        if channels_last:
             module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
 
     def relaid(module, inputs, output):
         if torch.is_tensor(output) and output.dim() == 4:
             return output.contiguous(memory_format=torch.channels_last)
 
-    hook = modules[layer].register_forward_hook(relaid)
+    hooks = [modules[layer].register_forward_hook(relaid)] if channels_last else []
     try:
         yield
     finally:
-        hook.remove()
-        for module, data in swapped:
+        for hook in hooks:
+            hook.remove()
+        for module, data in zip(after, weights):
+            del module.forward
             module.weight.data = data
 
 
