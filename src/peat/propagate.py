@@ -42,7 +42,7 @@ from .profiler import match_layers, read_layer, recorded_steps
 from .train import Run, _subset, epoch_batches, epoch_seed
 
 KEEP_MODELS = 4  # steps whose rebuilt networks (a float32 and float64 pair each) are kept: steps recur across layers
-GEMM_MAP = 16  # float64 convolutions with output maps this small run as one GEMM (see _float64)
+GEMM_MAP = 16  # float64 convolutions with output maps this small run as one GEMM (see _conv)
 
 
 @dataclass
