@@ -1197,6 +1197,19 @@ def test_seeding_makes_torch_deterministic_without_importing_inductor():
     assert out == ["True", "False"]
 
 
+def test_every_job_computes_float32_as_ieee_float32_on_a_gpu_too():
+    """Golden is float32: PyTorch's default lets cuDNN convolve float32 in TF32 on NVIDIA Ampere and
+    later, which would make golden a reduced-precision kernel itself. The flags are process-wide,
+    so the forked candidate and runtime-FI children keep them."""
+    code = ("import torch; from peat.device import seed_everything; "
+            "before = torch.backends.cudnn.allow_tf32; torch.backends.cuda.matmul.allow_tf32 = True; "
+            "seed_everything(0, 1); "
+            "print(before, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, "
+            "torch.get_float32_matmul_precision())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False", "False", "highest"]
+
+
 def test_batch_larger_than_the_training_set_fails_instead_of_training_nothing(digits, tmp_path):
     """The last partial batch is dropped, so 10 samples in batches of 32 gave a 'golden' run of 0 steps."""
     from peat.train import train_model

@@ -24,7 +24,8 @@ def for_vendor(vendor: str) -> torch.device:
 
 
 def seed_everything(seed: int, threads: int) -> None:
-    """Fix every source of run-to-run variation we control on one machine."""
+    """Fix every source of run-to-run variation we control on one machine, and make float32
+    mean IEEE float32 on every GPU."""
     import os
     import random
 
@@ -43,3 +44,8 @@ def seed_everything(seed: int, threads: int) -> None:
     # so set the ATen flag alone (what that function does besides).
     torch._C._set_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
+    # PyTorch convolves float32 in TF32 by default on NVIDIA Ampere and later (cuDNN's flag is
+    # on, the matmul flag off): golden itself would then be reduced-precision, and a TF32 kernel
+    # would look like golden. A candidate that wants TF32 asks for it in its own code.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
