@@ -297,9 +297,7 @@ def _conv(conv: torch.nn.Conv2d, cache: dict, x: torch.Tensor) -> torch.Tensor:
             cache[h, w] = _matrix(conv, h, w)
         m, bias, (ho, wo) = cache[h, w]
         rows = x.permute(0, 2, 3, 1).reshape(n, -1)  # (position, channel) order: a view in channels-last memory
-        out = rows @ m if bias is None else torch.addmm(bias, rows, m)
-        out = out.view(n, ho, wo, conv.out_channels).permute(0, 3, 1, 2)
-        return out if x.is_contiguous(memory_format=torch.channels_last) else out.contiguous()
+        return _maps(rows @ m if bias is None else torch.addmm(bias, rows, m), x, ho, wo)
     if (h, w, "crop") not in cache:
         cache[h, w, "crop"] = _cropped(conv, h, w)
     weight, (kh, kw), padding, (ho, wo) = cache[h, w, "crop"]
@@ -308,8 +306,21 @@ def _conv(conv: torch.nn.Conv2d, cache: dict, x: torch.Tensor) -> torch.Tensor:
         out = cols.transpose(1, 2).reshape(n * ho * wo, -1) @ weight.reshape(conv.out_channels, -1).t()
         if conv.bias is not None:
             out += conv.bias
-        return out.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous()
+        return _maps(out, x, ho, wo)
     return F.conv2d(x, weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+
+
+def _maps(out: torch.Tensor, x: torch.Tensor, ho: int, wo: int) -> torch.Tensor:
+    """A matrix product's result, one row per (sample, output position) or per sample with the
+    positions along the row, as the N x C x ho x wo output of a convolution of ``x``, laid out as
+    ``x`` is (channels-last or contiguous)."""
+    out = out.view(len(x), ho, wo, -1).permute(0, 3, 1, 2)
+    return out if x.is_contiguous(memory_format=torch.channels_last) else out.contiguous()
+
+
+def _out_size(size: int, k: int, s: int, p: int, d: int) -> int:
+    """Output positions of a convolution along one dimension (PyTorch's formula)."""
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
 def _reads(conv: torch.nn.Conv2d, h: int, w: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -317,7 +328,7 @@ def _reads(conv: torch.nn.Conv2d, h: int, w: int) -> list[tuple[int, list[tuple[
     (tap, input position) pairs that read the input, not its padding."""
     out = []
     for size, k, s, p, d in zip((h, w), conv.kernel_size, conv.stride, conv.padding, conv.dilation):
-        n = (size + 2 * p - d * (k - 1) - 1) // s + 1
+        n = _out_size(size, k, s, p, d)
         out.append((n, [[(t, o * s - p + t * d) for t in range(k) if 0 <= o * s - p + t * d < size] for o in range(n)]))
     return out
 
@@ -333,7 +344,7 @@ def _cropped(conv: torch.nn.Conv2d, h: int, w: int) -> tuple:
         taps = sorted({t for at in reads for t, _ in at}) or [0, k - 1]
         first, count = taps[0], taps[-1] - taps[0] + 1
         padding = p - first * d
-        if padding < 0 or (size + 2 * padding - d * (count - 1) - 1) // s + 1 != n:
+        if padding < 0 or _out_size(size, count, s, padding, d) != n:
             first, count, padding = 0, k, p
         crop.append((first, count, padding))
     (r0, rk, rp), (c0, ck, cp) = crop
