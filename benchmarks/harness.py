@@ -104,15 +104,28 @@ def ratios(subject: list[float], baseline: list[float]) -> list[float]:
 def paired_details(subject: Times, baseline: Times, names: tuple[str, str], scale: float = 1.0) -> dict:
     """Both clocks of both sides, and the wall-clock ratios (subject / (scale x baseline))."""
     wall = ratios(subject.wall, [scale * b for b in baseline.wall])
+    cpu = ratios(subject.cpu, [scale * b for b in baseline.cpu])
     return {f"{names[0]}_wall_s": subject.wall, f"{names[0]}_cpu_s": subject.cpu,
             f"{names[1]}_wall_s": baseline.wall, f"{names[1]}_cpu_s": baseline.cpu,
-            "wall_ratios": wall, "wall_ratio_median": float(np.median(wall))}
+            "wall_ratios": wall, "wall_ratio_median": float(np.median(wall)),
+            "cpu_ratios": cpu, "cpu_ratio_median": float(np.median(cpu))}
 
 
 # CPU time, not wall time, is the primary clock of the in-process benchmarks: both sides are
 # single-threaded and CPU-bound, and on a shared machine the wall clock mostly measures how
 # long the scheduler kept us waiting. Wall-clock ratios are kept in the details.
 CPU_NOTE = "CPU seconds of the process and its children (wall-clock ratios in details)"
+# On a GPU the host mostly waits for the device, so its CPU seconds say little: wall time is the clock.
+GPU_NOTE = "wall-clock seconds, the GPU synchronized in every measured call (CPU-second ratios in details)"
+
+
+def clock(times: Times, vendor: str) -> list[float]:
+    """The primary clock of one side: CPU seconds on the CPU, wall seconds on a GPU vendor."""
+    return times.cpu if vendor == "cpu" else times.wall
+
+
+def clock_note(vendor: str) -> str:
+    return CPU_NOTE if vendor == "cpu" else f"{GPU_NOTE}; vendor {vendor}"
 
 
 def machine() -> dict:

@@ -30,6 +30,9 @@ import torch  # noqa: E402
 import figures  # noqa: E402
 import harness  # noqa: E402
 
+from peat.device import for_vendor  # noqa: E402
+from peat.io import PeatError  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -44,6 +47,7 @@ class Settings:
     cache: dict = field(default_factory=dict)  # measurements shared by two benchmarks (playback)
     workflow_timeout: float | None = None  # seconds; a full workflow run past it is stopped
     record_layers: list[str] | None = None  # overrides the recorded layers of the training benchmarks
+    vendor: str = "cpu"  # where the trainings and playback campaigns run (peat.device.for_vendor)
 
 
 # Benchmark name -> "module:function" (function(settings) -> harness.Result), in the order they
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop the full workflow run after this long (end_to_end then reports a lower bound)")
     parser.add_argument("--record-layers", nargs="+", metavar="GLOB",
                         help="layers the training benchmarks record instead of the default config's (said in results)")
+    parser.add_argument("--vendor", choices=["cpu", "nvidia", "amd"], default="cpu",
+                        help="run the trainings and playback campaigns on this vendor's GPU (profiler, context, "
+                             "kernel-interface and playback benchmarks; ratios then use wall-clock seconds)")
     parser.add_argument("--table", action="store_true", help="print OUT/results.json as a Markdown table and exit")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="RESULTS_JSON",
                         help="merge the entries of results.json files of other runs into OUT and exit")
@@ -116,14 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(figures.markdown(json.loads((args.out / "results.json").read_text())))
         return 0
+    try:  # a missing GPU is said before anything runs, not once per benchmark
+        for_vendor(args.vendor)
+    except PeatError as err:
+        parser.error(f"--vendor: {err}")
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory(prefix="peat-bench-") as tmp:
         settings = Settings(quick=args.quick, repeats=args.repeats or (2 if args.quick else 5),
                             workdir=(args.workdir or Path(tmp)).resolve(), results=args.results,
-                            workflow_timeout=args.workflow_timeout, record_layers=args.record_layers)
+                            workflow_timeout=args.workflow_timeout, record_layers=args.record_layers,
+                            vendor=args.vendor)
         settings.workdir.mkdir(parents=True, exist_ok=True)
-        header = harness.machine() | {"quick": args.quick, "started": now()}
+        header = harness.machine() | {"quick": args.quick, "vendor": args.vendor, "started": now()}
         entries = [run_one(name, settings) for name in names if not args.only or name in args.only]
     header["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     # --only updates its entries in an existing results.json and keeps the others.

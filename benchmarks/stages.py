@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harness import CPU_NOTE, Goal, Result, paired, paired_details, ratios
+from harness import Goal, Result, clock, clock_note, paired, paired_details, ratios
 from training import MODEL, Case, case, dataset, default_config, record_spec
 
 from peat import candidate, errors, kernels, playback
@@ -38,7 +38,7 @@ def configured_case(settings) -> Case:
     spec = dict(config["models"][MODEL])
     if settings.record_layers:
         spec["record"] = dict(spec["record"], layers=list(settings.record_layers))
-    return Case(MODEL, spec, dataset(settings, config, MODEL), settings.workdir / "train")
+    return Case(MODEL, spec, dataset(settings, config, MODEL), settings.workdir / "train", settings.vendor)
 
 
 def training_text(c: Case, steps: int, quick: bool) -> str:
@@ -66,7 +66,7 @@ def playback_runs(settings) -> dict:
         out = settings.workdir / "playback"
         later = {"spec": c.spec, "data": c.data, "checkpoints": golden_dir / "checkpoints", "init": None,
                  "seed": config["seed"]}
-        playback.run_job(MODEL, "cpu", name, kspec, context, out / "table.parquet", out / "record.json",
+        playback.run_job(MODEL, settings.vendor, name, kspec, context, out / "table.parquet", out / "record.json",
                          errors_=specs, settings=config["playback"], rules=config["detect"], seed=config["seed"],
                          threads=1, propagate_from=later if propagate else None)
         sidecars.append(json.loads((out / "record.json").read_text()))
@@ -97,7 +97,7 @@ def playback_runs(settings) -> dict:
 
 def playback_vs_retraining(settings) -> Result:
     r = playback_runs(settings)
-    replaced = [t * r["cases"] for t in r["rfi_training"].cpu]
+    replaced = [t * r["cases"] for t in clock(r["rfi_training"], settings.vendor)]
     return Result("playback_vs_retraining",
                   f"one playback campaign as the workflow's playback job runs it (peat.playback.run_job: kernel "
                   f"{r['kernel']}, {len(r['layers'])} recorded {OP} layers of {MODEL}, the default config's errors "
@@ -106,8 +106,8 @@ def playback_vs_retraining(settings) -> Result:
                   f"context of the golden training of {r['training']}, recording {r['record']}) / the runtime-FI "
                   f"trainings it replaces: one training of {r['training']}, with the first error model routed into "
                   f"the forward of the first layer, measured in every repeat next to the campaign, x {r['cases']} "
-                  f"error-model x layer cases; {CPU_NOTE}",
-                  Goal("<=", 0.01, "<= 0.01"), samples=ratios(r["campaign"].cpu, replaced),
+                  f"error-model x layer cases; {clock_note(settings.vendor)}",
+                  Goal("<=", 0.01, "<= 0.01"), samples=ratios(clock(r["campaign"], settings.vendor), replaced),
                   details=paired_details(r["campaign"], r["rfi_training"], ("campaign", "rfi_training"), r["cases"])
                   | {k: r[k] for k in ("kernel", "cases", "errors", "layers", "playback_settings",
                                        "recorded_steps_per_layer", "replayed_steps_per_layer", "training",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import CPU_NOTE, Goal, Result, paired, paired_details, ratios
+from harness import Goal, Result, clock, clock_note, paired, paired_details, ratios
 
 from peat import data, kernels
 from peat.config import validate
@@ -33,11 +33,12 @@ class Case:
     spec: dict
     data: Path
     workdir: Path
+    vendor: str = "cpu"
 
     def train(self, tag: str, **kwargs) -> Path:
         out = self.workdir / tag
         shutil.rmtree(out, ignore_errors=True)
-        train_model(self.name, self.spec, self.data, out, progress=False, **kwargs)
+        train_model(self.name, self.spec, self.data, out, vendor=self.vendor, progress=False, **kwargs)
         return out
 
 
@@ -65,7 +66,7 @@ def case(settings, model: str = MODEL) -> Case:
                 max_val_samples=spec["batch_size"])
     if settings.record_layers:
         spec["record"] = dict(spec["record"], layers=list(settings.record_layers))
-    return Case(model, spec, dataset(settings, config, model), settings.workdir / "train")
+    return Case(model, spec, dataset(settings, config, model), settings.workdir / "train", settings.vendor)
 
 
 def record_spec(settings, c: Case) -> str:
@@ -86,11 +87,11 @@ def profiler_overhead(settings) -> Result:
     result = Result("profiler_overhead",
                     f"{MODEL} golden training ({c.spec['max_train_samples'] // c.spec['batch_size']} steps), "
                     f"Profiler recording {record_spec(settings, c)}{derived_note(c)} "
-                    f"(+ summaries of every layer every step) / the same training without recording; {CPU_NOTE}",
+                    f"(+ summaries of every layer every step) / the same training without recording; {clock_note(settings.vendor)}",
                     Goal("<=", 1.10, "<= 1.10"))
     with_rec, without = paired(lambda: c.train("recorded", record=True), lambda: c.train("plain", record=False),
                                settings.repeats)
-    result.samples = ratios(with_rec.cpu, without.cpu)
+    result.samples = ratios(clock(with_rec, settings.vendor), clock(without, settings.vendor))
     result.details = paired_details(with_rec, without, ("recorded", "plain"))
     settings.storage_files.append(c.workdir / "recorded" / "storage.json")
     return result
@@ -132,10 +133,10 @@ def kernel_interface_overhead(settings) -> Result:
     routed = []
     result = Result("kernel_interface_overhead",
                     f"{MODEL} training with every conv2d, batch_norm and linear layer routed through the kernel "
-                    f"interface (peat.kernels.route with the golden kernels) / plain training, same steps, no recording; {CPU_NOTE}",
+                    f"interface (peat.kernels.route with the golden kernels) / plain training, same steps, no recording; {clock_note(settings.vendor)}",
                     Goal("<=", 1.05, "<= 1.05"))
     routed_s, plain_s = paired(lambda: c.train("routed", record=False, prepare_model=lambda m: routed.append(
         route_everything(m))), lambda: c.train("plain", record=False), settings.repeats)
-    result.samples = ratios(routed_s.cpu, plain_s.cpu)
+    result.samples = ratios(clock(routed_s, settings.vendor), clock(plain_s, settings.vendor))
     result.details = paired_details(routed_s, plain_s, ("routed", "plain")) | {"routed_layers": len(routed[-1])}
     return result

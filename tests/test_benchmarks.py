@@ -106,6 +106,26 @@ def test_paired_alternates_order_and_drops_warmup():
     assert all(t >= 0 for t in s.wall + s.cpu + b.wall + b.cpu)
 
 
+def test_primary_clock_is_cpu_seconds_on_the_cpu_and_wall_seconds_on_a_gpu():
+    times = harness.Times(wall=[2.0, 4.0], cpu=[1.0, 3.0])
+    assert harness.clock(times, "cpu") == [1.0, 3.0]
+    assert harness.clock(times, "nvidia") == harness.clock(times, "amd") == [2.0, 4.0]
+    assert harness.clock_note("cpu") == harness.CPU_NOTE and harness.clock_note("amd").endswith("vendor amd")
+    details = harness.paired_details(times, harness.Times(wall=[1.0, 1.0], cpu=[1.0, 1.0]), ("a", "b"), scale=2.0)
+    assert details["wall_ratios"] == [1.0, 2.0] and details["cpu_ratios"] == [0.5, 1.5]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_vendor_without_a_gpu_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--vendor", "nvidia", "--only",
+                           "profiler_overhead", "--out", str(out), "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1].startswith("run.py: error: --vendor: vendor 'nvidia': no CUDA GPU visible")
+    assert not out.exists() and not (tmp_path / "work").exists()
+
+
 def test_result_json_median_and_goal_direction():
     low = harness.Result("x", "a / b", harness.Goal("<=", 1.1, "<= 1.1"), samples=[1.2, 1.0, 1.05])
     entry = low.as_json()
