@@ -1014,13 +1014,78 @@ def test_summary_statistics_of_an_empty_tensor_are_nan_with_none_bad():
     assert np.isnan(row[:5]).all() and row[5] == 0
 
 
-@pytest.mark.parametrize("spread", [0.0, 2.0 ** -149, 1e-40, 1e-25, 2.0 ** -40, 1e-5, 1.0, 2.0 ** 40, 1e25, 3e38,
-                                    float("inf"), float("nan")])
-def test_the_gpu_scale_of_deviations_is_the_cpu_one(spread):
-    """stats_torch scales tiny or huge deviations without reading the tensor on a GPU: by
-    ``_scale_torch``, which must pick the power of two ``_scale`` picks."""
-    got = tensor_stats._scale_torch(torch.tensor(spread, dtype=torch.float32)).item()
-    assert got == tensor_stats._scale(float(np.float32(spread)))
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+def assert_gpu_row(got: torch.Tensor, name: str) -> None:
+    """A GPU row of ``SPECIAL[name]`` is the CPU's: min, max, absmax and the non-finite count
+    exactly, mean and std to float32 rounding of the exact ones (float64 moments)."""
+    got = got.cpu().double().numpy()
+    want = np.asarray(tensor_stats.stats(SPECIAL[name]), dtype=np.float64)
+    np.testing.assert_array_equal(got[2:], want[2:], err_msg=name)
+    d = SPECIAL[name].double()
+    exact = [d.mean().item(), d.std().item() if d.numel() > 1 else 0.0]
+    np.testing.assert_allclose(got[:2], exact if torch.isfinite(d).all() else want[:2], rtol=2.0 ** -23,
+                               atol=2.0 ** -149, equal_nan=True, err_msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(SPECIAL))
+def test_summary_statistics_on_a_gpu_agree_with_the_cpus(name, device):
+    """The GPU's statistics read no value (that would wait for the step's queued work): torch
+    code that runs on a CPU tensor too."""
+    t = SPECIAL[name].to(device)
+    assert_gpu_row(tensor_stats._stats_device(t), name)
+    if device == "cuda":
+        assert tensor_stats.stats(t).device.type == "cuda"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_summary_statistics_of_many_tensors_on_a_gpu_in_one_batch_are_each_ones(device):
+    names = list(SPECIAL)
+    rows = tensor_stats._stats_batch([SPECIAL[n].to(device) for n in names])
+    assert rows.shape == (len(names), 6) and rows.device.type == device
+    for name, row in zip(names, rows):
+        assert_gpu_row(row, name)
+    # The Profiler's entry point: per tensor on a CPU (the C loop), batched on a GPU, per tensor
+    # again where one is empty (a segment of length 0 has no mean).
+    many = tensor_stats.stats_many([SPECIAL["randn"].to(device), torch.zeros(0, device=device)])
+    assert len(many) == 2 and np.isnan(np.asarray(torch.as_tensor(many[1]).cpu())[:5]).all()
+    assert tensor_stats.stats_many([]) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("batch", [tensor_stats.BATCH_ELEMENTS, 100])
+def test_profiler_summaries_on_a_gpu_are_the_cpus(tmp_path, monkeypatch, batch):
+    """On a GPU the outputs are copied aside and summarised in batches (at the end of the step, or
+    when the copies pass BATCH_ELEMENTS): the CPU's rows, in its order. The batch norm's output is
+    changed in place by the ReLU after it, so a summary of the output itself would see no negative."""
+    monkeypatch.setattr(profiler, "BATCH_ELEMENTS", batch)
+    monkeypatch.setattr(tensor_stats, "BATCH_ELEMENTS", batch)
+
+    def summaries(device: str) -> np.ndarray:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                    torch.nn.ReLU(inplace=True), torch.nn.Flatten(), torch.nn.Linear(288, 4)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        prof = Profiler(tmp_path / device / "context.h5", ["0"], every=1)
+        prof.attach(model)
+        inputs = torch.randn(3, 5, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+        for step, x in enumerate(inputs):
+            prof.begin_step(step, 1)
+            model(x.to(device)).square().sum().backward()
+            prof.end_step()
+            opt.step()
+            opt.zero_grad()
+        prof.close()
+        with h5py.File(tmp_path / device / "context.h5") as f:
+            return f["summaries"][:]
+
+    cpu, gpu = summaries("cpu"), summaries("cuda")
+    assert gpu[["step", "layer", "tensor"]].tolist() == cpu[["step", "layer", "tensor"]].tolist()
+    assert (gpu[(gpu["layer"] == b"1") & (gpu["tensor"] == b"act")]["min"] < 0).all()
+    for stat in profiler.SUMMARY_STATS:
+        np.testing.assert_allclose(gpu[stat], cpu[stat], rtol=1e-4, atol=1e-6, err_msg=stat)
 
 
 def test_summary_statistics_fall_back_to_torch_without_a_compiler(tmp_path, monkeypatch):
@@ -1208,6 +1273,19 @@ def test_every_job_computes_float32_as_ieee_float32_on_a_gpu_too():
             "torch.get_float32_matmul_precision())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "False", "False", "highest"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_after_seeding_a_float32_convolution_and_matmul_on_the_gpu_are_ieee_float32():
+    """TF32 keeps 10 mantissa bits: against float64 its error is ~1e-3 of the result, IEEE float32's ~1e-6."""
+    from peat.device import seed_everything
+
+    seed_everything(0, 1)
+    x, w = torch.randn(8, 64, 16, 16, device="cuda"), torch.randn(64, 64, 3, 3, device="cuda")
+    a, b = torch.randn(256, 512, device="cuda"), torch.randn(512, 256, device="cuda")
+    for got, want in ((torch.nn.functional.conv2d(x, w, padding=1),
+                       torch.nn.functional.conv2d(x.double(), w.double(), padding=1)), (a @ b, a.double() @ b.double())):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
 def test_batch_larger_than_the_training_set_fails_instead_of_training_nothing(digits, tmp_path):

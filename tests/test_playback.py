@@ -1074,8 +1074,10 @@ def test_float64_copy_convolves_like_pytorch_in_float64(size, conv):
     assert model[0].weight.dtype == torch.float32  # the float32 network is left as it was
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU"))])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
-def test_downstream_convolutions_leave_out_only_products_with_padding(layout):
+def test_downstream_convolutions_leave_out_only_products_with_padding(layout, device):
     """``_conv`` (the float64 copy's and the downstream float32 convolutions): every output as
     PyTorch's (the same sums in another order), a NaN input reaching exactly the outputs that read
     it, on maps smaller than the kernel (one matrix product), with cropped taps and neither."""
@@ -1087,8 +1089,8 @@ def test_downstream_convolutions_leave_out_only_products_with_padding(layout):
     paths = set()
     for size, k, s, p, d, g in itertools.product([1, 2, 5], [2, 3, (3, 1)], [1, 2, 3], [0, 1, 2, (1, 0)], [1, 2],
                                                  [1, 2]):
-        conv = nn.Conv2d(4, 6, k, stride=s, padding=p, dilation=d, groups=g, bias=(s == 2)).double()
-        x = torch.randn(3, 4, size, size + 1, dtype=torch.float64).contiguous(memory_format=layout)
+        conv = nn.Conv2d(4, 6, k, stride=s, padding=p, dilation=d, groups=g, bias=(s == 2)).double().to(device)
+        x = torch.randn(3, 4, size, size + 1, dtype=torch.float64).to(device).contiguous(memory_format=layout)
         for poisoned in (False, True):
             if poisoned:
                 x[1, 1 + g // 2, size // 2, 0] = float("nan")

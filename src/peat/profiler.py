@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .io import PeatError, atomic_path, check_int, open_h5, write_json
-from .tensor_stats import stats
+from .tensor_stats import BATCH_ELEMENTS, stats, stats_many
 
 SUMMARY_STATS = ("mean", "std", "min", "max", "absmax", "nonfinite")
 SUMMARY_NAME_BYTES = 128  # the layer column's width, wider where a layer's UTF-8 name needs it
@@ -246,6 +246,8 @@ class Profiler:
         self._rows: list[tuple] = []
         # (layer, tensor) -> six statistics: a numpy row, or a tensor still on the device
         self._pending: dict[tuple[str, str], np.ndarray | torch.Tensor] = {}
+        self._held: dict[tuple[str, str], torch.Tensor] = {}  # tensors to summarise in one batch
+        self._held_elements = 0
         self._names = {name: name.encode() for name in self.all_layers}
         self._summary_dtype = summary_dtype(self._names.values())
         self._captured: dict[str, dict] = {}
@@ -321,12 +323,16 @@ class Profiler:
                     self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name), with_kwargs=True))
 
     def end_step(self) -> None:
+        summarised = {}
         for name, module in self.all_layers.items():
             weight = _weight(module)
             if weight is not None:
-                self._pending[name, "W"] = stats(weight)
+                summarised[name, "W"] = weight
                 if weight.grad is not None:
-                    self._pending[name, "dW"] = stats(weight.grad)
+                    summarised[name, "dW"] = weight.grad
+        # Not copied: nothing changes them before these statistics run (queued first on a GPU).
+        self._held.update(summarised)
+        self._summarise_held()
         self._collect_summaries()
         if len(self._rows) >= SUMMARY_ROWS_HELD:
             self._write_rows()
@@ -341,6 +347,23 @@ class Profiler:
         if self.naive_bytes_per_step == 0:
             self.naive_bytes_per_step = self._naive_bytes
         self.last_step = self.step
+
+    def _summarise(self, name: str, out: torch.Tensor) -> None:
+        """The summary of a layer's output; on a GPU from a copy summarised later with others
+        (``stats_many``), a copy since later in-place code (ResNet's ReLU) may change the output."""
+        if not out.is_cuda:
+            self._pending[name, "act"] = stats(out)
+            return
+        self._pending[name, "act"] = None  # its place in the rows, filled by _summarise_held
+        self._held[name, "act"] = out.detach().clone()
+        self._held_elements += out.numel()
+        if self._held_elements > BATCH_ELEMENTS:  # bounds the copies' memory
+            self._summarise_held()
+
+    def _summarise_held(self) -> None:
+        self._pending.update(zip(self._held, stats_many(list(self._held.values()))))
+        self._held.clear()
+        self._held_elements = 0
 
     def _collect_summaries(self) -> None:
         """Turn this step's statistics into summary rows (device tensors moved in one transfer)."""
@@ -425,7 +448,7 @@ class Profiler:
             if target and out.dtype != torch.float32:  # golden replays it in float32
                 raise PeatError(f"Profiler: layer {name!r} computed in {out.dtype} (under torch.autocast?); "
                                 "the context records float32 layers only")
-            self._pending[name, "act"] = stats(out)
+            self._summarise(name, out)
             if self.naive_bytes_per_step == 0:
                 w = _weight(module)
                 self._sizes = getattr(self, "_sizes", {})

@@ -27,6 +27,7 @@ deterministic: a fixed accumulation order, no threads.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -453,22 +454,18 @@ def stats_torch(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().float()
     if not t.numel():  # a layer of width 0 (a pruned head, say): no value to summarise, none bad
         return torch.tensor([math.nan] * 5 + [0.0], device=t.device)
+    if t.device.type != "cpu":
+        return _stats_device(t)
     # sum and a norm are an order of magnitude faster than torch.std_mean on CPU.
     mean = t.sum() / t.numel()
     lo, hi = torch.aminmax(t)
     deviations = t - mean
-    # Float squares of tiny or huge deviations under- or overflow: scale them near 1 first. On CPU
-    # the scale is read (waiting for nothing) and the common case skips that pass; reading it on
-    # a GPU would wait for the device, so there every tensor is scaled.
-    if t.device.type == "cpu":
-        scale = _scale(max(hi.item() - mean.item(), mean.item() - lo.item()))
-    else:
-        scale = _scale_torch(torch.maximum(hi - mean, mean - lo))
-    rescale = t.device.type != "cpu" or scale != 1.0
-    if rescale:
+    # Float squares of tiny or huge deviations under- or overflow: scale them near 1 first.
+    scale = _scale(max(hi.item() - mean.item(), mean.item() - lo.item()))
+    if scale != 1.0:
         deviations.mul_(scale)
     std = torch.linalg.vector_norm(deviations) / max(t.numel() - 1, 1) ** 0.5
-    if rescale:  # apart: float32 scale * sqrt(n - 1) may overflow
+    if scale != 1.0:  # apart: float32 scale * sqrt(n - 1) may overflow
         std = std / scale
     absmax = torch.maximum(lo.abs(), hi.abs())
     # One cheap reduction in the common case: the sum of finite tensors is finite.
@@ -476,11 +473,17 @@ def stats_torch(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([mean, std, lo, hi, absmax, bad])
 
 
-def _scale_torch(spread: torch.Tensor) -> torch.Tensor:
-    """``_scale`` of a float32 0-d tensor, without reading it (a GPU's would wait for the device)."""
-    inside = ~((spread > 0) & (spread < _SPREAD[0]) | (spread > _SPREAD[1]) & torch.isfinite(spread))
-    power = torch.ldexp(torch.ones_like(spread), -torch.frexp(spread).exponent.clamp(-126, 126))
-    return torch.where(inside, torch.ones_like(spread), power)
+def _stats_device(t: torch.Tensor) -> torch.Tensor:
+    """``stats_torch`` on a GPU: a handful of kernels and no read of a value, which would make the
+    host wait for the step's queued work at every layer (the Profiler calls this from its hooks).
+    float64 moments hold the squares of any float32 deviation, so nothing needs scaling."""
+    n = t.numel()
+    var, mean = torch.var_mean(t.double(), correction=0)
+    lo, hi = torch.aminmax(t)
+    bad = n - torch.isfinite(t).sum()
+    row = torch.stack([mean, (var * (n / max(n - 1, 1))).sqrt(), lo.double(), hi.double(),
+                       torch.maximum(-lo, hi).double(), bad.double()])
+    return row.float()
 
 
 def stats(t: torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -500,6 +503,54 @@ def stats(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     mean = shift + total / scale / n
     var = max(squares - total * total / n, 0.0) / max(n - 1, 1) / (scale * scale)
     return np.array([mean, var ** 0.5, lo, hi, max(abs(lo), abs(hi)), 0.0])
+
+
+# Elements summarised in one batch on a GPU: the concatenation and its float64 copy take 12 bytes each.
+BATCH_ELEMENTS = 1 << 24
+
+
+def stats_many(tensors: list[torch.Tensor]) -> list[np.ndarray | torch.Tensor]:
+    """``stats`` of each tensor. On a GPU in batches of about 25 kernels each: the Profiler
+    summarises every layer's output, weight and gradient each step, and ~15 launches per tensor
+    cost more than a small model's step."""
+    device = tensors[0].device if tensors else None
+    if device is None or device.type == "cpu" or any(t.device != device for t in tensors):
+        return [stats(t) for t in tensors]
+    rows, start, size = [], 0, 0
+    for i, t in enumerate(tensors):
+        if i > start and size + t.numel() > BATCH_ELEMENTS:
+            rows += _stats_batch(tensors[start:i]).unbind(0)
+            start, size = i, 0
+        size += t.numel()
+    return rows + list(_stats_batch(tensors[start:]).unbind(0))
+
+
+def _stats_batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of ``stats_torch`` for tensors on one device, as a (k, 6) float32 tensor: segment
+    reductions over their concatenation in float64, without reading a value."""
+    sizes = tuple(t.numel() for t in tensors)
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).double()
+    lengths = _lengths(sizes, flat.device)
+
+    def per_tensor(how: str, values: torch.Tensor) -> torch.Tensor:
+        return torch.segment_reduce(values, how, lengths=lengths, unsafe=True)  # unsafe: no check that reads
+
+    mean = per_tensor("mean", flat)
+    deviations = flat - mean.repeat_interleave(lengths, output_size=flat.numel())
+    var = per_tensor("sum", deviations * deviations) / (lengths - 1).clamp(min=1)
+    lo, hi = per_tensor("min", flat), per_tensor("max", flat)
+    bad = per_tensor("sum", (~torch.isfinite(flat)).double())
+    rows = torch.stack([mean, var.sqrt(), lo, hi, torch.maximum(-lo, hi), bad], 1).float()
+    empty = [i for i, n in enumerate(sizes) if not n]
+    if empty:  # a layer of width 0: no value to summarise, none bad (as stats_torch says)
+        rows[empty] = torch.tensor([math.nan] * 5 + [0.0], device=rows.device)
+    return rows
+
+
+@functools.lru_cache(maxsize=256)
+def _lengths(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Kept: a copy from the host to a GPU waits for the work queued there, and the sizes repeat every step.
+    return torch.tensor(sizes, device=device)
 
 
 def _moments(lib, t: torch.Tensor, scale: float) -> np.ndarray:
