@@ -116,7 +116,8 @@ def paired_details(subject: Times, baseline: Times, names: tuple[str, str], scal
 # long the scheduler kept us waiting. Wall-clock ratios are kept in the details.
 CPU_NOTE = "CPU seconds of the process and its children (wall-clock ratios in details)"
 # On a GPU the host mostly waits for the device, so its CPU seconds say little: wall time is the clock.
-GPU_NOTE = "wall-clock seconds, the GPU synchronized in every measured call (CPU-second ratios in details)"
+GPU_NOTE = ("wall-clock seconds, each measured call ending after its GPU work (it reads its results back); "
+            "CPU-second ratios in details")
 
 
 def clock(times: Times, vendor: str) -> list[float]:

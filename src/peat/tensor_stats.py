@@ -455,7 +455,7 @@ def stats_torch(t: torch.Tensor) -> torch.Tensor:
     if not t.numel():  # a layer of width 0 (a pruned head, say): no value to summarise, none bad
         return torch.tensor([math.nan] * 5 + [0.0], device=t.device)
     if t.device.type != "cpu":
-        return _stats_device(t)
+        return _stats_batch([t])[0]
     # sum and a norm are an order of magnitude faster than torch.std_mean on CPU.
     mean = t.sum() / t.numel()
     lo, hi = torch.aminmax(t)
@@ -471,19 +471,6 @@ def stats_torch(t: torch.Tensor) -> torch.Tensor:
     # One cheap reduction in the common case: the sum of finite tensors is finite.
     bad = (~torch.isfinite(t)).sum().float() if not torch.isfinite(mean) else torch.zeros((), device=t.device)
     return torch.stack([mean, std, lo, hi, absmax, bad])
-
-
-def _stats_device(t: torch.Tensor) -> torch.Tensor:
-    """``stats_torch`` on a GPU: a handful of kernels and no read of a value, which would make the
-    host wait for the step's queued work at every layer (the Profiler calls this from its hooks).
-    float64 moments hold the squares of any float32 deviation, so nothing needs scaling."""
-    n = t.numel()
-    var, mean = torch.var_mean(t.double(), correction=0)
-    lo, hi = torch.aminmax(t)
-    bad = n - torch.isfinite(t).sum()
-    row = torch.stack([mean, (var * (n / max(n - 1, 1))).sqrt(), lo.double(), hi.double(),
-                       torch.maximum(-lo, hi).double(), bad.double()])
-    return row.float()
 
 
 def stats(t: torch.Tensor) -> np.ndarray | torch.Tensor:
