@@ -1030,9 +1030,11 @@ def assert_gpu_row(got: torch.Tensor, name: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_summary_statistics_of_many_tensors_on_a_gpu_in_one_batch_are_each_ones(device):
+@pytest.mark.parametrize("chunk", [tensor_stats.CHUNK, 100])
+def test_summary_statistics_of_many_tensors_on_a_gpu_in_one_batch_are_each_ones(device, chunk, monkeypatch):
     """The GPU's statistics read no value (that would wait for the step's queued work): torch
-    code that runs on CPU tensors too."""
+    code that runs on CPU tensors too. Chunks of 100 split most tensors, with a shorter last one."""
+    monkeypatch.setattr(tensor_stats, "CHUNK", chunk)
     names = list(SPECIAL)
     rows = tensor_stats._stats_batch([SPECIAL[n].to(device) for n in names])
     assert rows.shape == (len(names), 6) and rows.device.type == device
@@ -1040,6 +1042,9 @@ def test_summary_statistics_of_many_tensors_on_a_gpu_in_one_batch_are_each_ones(
         assert_gpu_row(row, name)
         if device == "cuda":  # one tensor alone: a batch of one
             assert torch.equal(tensor_stats.stats(SPECIAL[name].to(device)), row)
+    with_empty = tensor_stats._stats_batch([torch.zeros(0, device=device), SPECIAL["one"].to(device)])
+    assert with_empty[0, :5].isnan().all() and with_empty[0, 5] == 0
+    assert_gpu_row(with_empty[1], "one")
     # The Profiler's entry point: per tensor on a CPU (the C loop), batched on a GPU, per tensor
     # again where one is empty (a segment of length 0 has no mean).
     many = tensor_stats.stats_many([SPECIAL["randn"].to(device), torch.zeros(0, device=device)])

@@ -517,14 +517,16 @@ def _stats_batch(tensors: list[torch.Tensor]) -> torch.Tensor:
     reductions over their concatenation in float64, without reading a value."""
     sizes = tuple(t.numel() for t in tensors)
     flat = torch.cat([t.detach().reshape(-1) for t in tensors]).double()
-    lengths = _lengths(sizes, flat.device)
+    counts, chunks, chunks_per_tensor = _segments(sizes, flat.device, CHUNK)
 
     def per_tensor(how: str, values: torch.Tensor) -> torch.Tensor:
-        return torch.segment_reduce(values, how, lengths=lengths, unsafe=True)  # unsafe: no check that reads
+        # unsafe: no check of the lengths, which would read them
+        partial = torch.segment_reduce(values, how, lengths=chunks, unsafe=True)
+        return torch.segment_reduce(partial, how, lengths=chunks_per_tensor, unsafe=True)
 
-    mean = per_tensor("mean", flat)
-    deviations = flat - mean.repeat_interleave(lengths, output_size=flat.numel())
-    var = per_tensor("sum", deviations * deviations) / (lengths - 1).clamp(min=1)
+    mean = per_tensor("sum", flat) / counts
+    deviations = flat - mean.repeat_interleave(counts, output_size=flat.numel())
+    var = per_tensor("sum", deviations * deviations) / (counts - 1).clamp(min=1)
     lo, hi = per_tensor("min", flat), per_tensor("max", flat)
     bad = per_tensor("sum", (~torch.isfinite(flat)).double())
     rows = torch.stack([mean, var.sqrt(), lo, hi, torch.maximum(-lo, hi), bad], 1).float()
@@ -534,10 +536,18 @@ def _stats_batch(tensors: list[torch.Tensor]) -> torch.Tensor:
     return rows
 
 
+# Elements per first-level segment. A GPU reduces each segment in one thread block (CUB's segmented
+# reduction): whole tensors as segments would leave most of a GPU idle while one block reads the largest.
+CHUNK = 1 << 16
+
+
 @functools.lru_cache(maxsize=256)
-def _lengths(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # Kept: a copy from the host to a GPU waits for the work queued there, and the sizes repeat every step.
-    return torch.tensor(sizes, device=device)
+def _segments(sizes: tuple[int, ...], device: torch.device, chunk: int) -> tuple[torch.Tensor, ...]:
+    """Each tensor's length, its chunks' lengths in order, and how many chunks each tensor has.
+    Kept: a copy from the host to a GPU waits for the work queued there, and the sizes repeat every step."""
+    chunks = [min(chunk, n - start) for n in sizes for start in range(0, n, chunk)]
+    per_tensor = [-(-n // chunk) for n in sizes]
+    return tuple(torch.tensor(x, device=device) for x in (sizes, chunks, per_tensor))
 
 
 def _moments(lib, t: torch.Tensor, scale: float) -> np.ndarray:
