@@ -8,10 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_CONFIG = REPO / "config" / "test.yaml"
 BIN = Path(sys.executable).parent
+
+
+# Tests of code that runs on a GPU take both: "cuda" runs where one is (a lent GPU machine).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 
 
 def snakemake(workdir: Path, *args: str, configfile: Path | None = TEST_CONFIG, check: bool = True,

@@ -18,7 +18,7 @@ import torch
 from matplotlib.text import Text
 from torch import nn
 
-from conftest import REPO
+from conftest import DEVICES, REPO
 from peat import analyze, detect, errors, kernels, playback
 from peat.io import PeatError
 from peat.profiler import Profiler
@@ -1074,8 +1074,7 @@ def test_float64_copy_convolves_like_pytorch_in_float64(size, conv):
     assert model[0].weight.dtype == torch.float32  # the float32 network is left as it was
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA GPU"))])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 def test_downstream_convolutions_leave_out_only_products_with_padding(layout, device):
     """``_conv`` (the float64 copy's and the downstream float32 convolutions): every output as
