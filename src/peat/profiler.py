@@ -323,15 +323,13 @@ class Profiler:
                     self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name), with_kwargs=True))
 
     def end_step(self) -> None:
-        summarised = {}
+        # Not copied: nothing changes them before these statistics run (queued first on a GPU).
         for name, module in self.all_layers.items():
             weight = _weight(module)
             if weight is not None:
-                summarised[name, "W"] = weight
+                self._held[name, "W"] = weight
                 if weight.grad is not None:
-                    summarised[name, "dW"] = weight.grad
-        # Not copied: nothing changes them before these statistics run (queued first on a GPU).
-        self._held.update(summarised)
+                    self._held[name, "dW"] = weight.grad
         self._summarise_held()
         self._collect_summaries()
         if len(self._rows) >= SUMMARY_ROWS_HELD:

@@ -4,6 +4,8 @@
   The Profiler summarises every layer's activation, weight and weight gradient at every step,
   so this is on the hot path of golden training. With torch ops it takes at least three passes
   over memory (a sum, a norm, ``aminmax``).
+  On a GPU, ``stats_many`` summarises many tensors in one batch of float64 segment reductions
+  instead, reading no value (a read would wait for all the work queued for the step).
 - ``compare``: a candidate against golden, its absolute error in the matrix view and how its
   float32 bit patterns differ (bits per position, ULP distances, non-finite values).
   Playback scores every candidate tensor so; with numpy and torch it takes a transposed
