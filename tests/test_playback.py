@@ -863,6 +863,20 @@ def test_timer_categories_are_exclusive(monkeypatch):
     assert (t["kernel_fraction"], t["compute_fraction"]) == (0.2, 0.35)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_timer_counts_queued_gpu_work_in_the_category_that_queued_it():
+    # Unsynchronized, the matmuls' run time would land in "score", whose copy to the host waits for them.
+    timer = playback.Timer(torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda")
+    with timer("kernel"):
+        for _ in range(50):
+            b = a @ a
+    with timer("score"):
+        b.cpu()
+    t = timer.record()
+    assert t["kernel_s"] > 5 * t["score_s"]
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["c-loop", "numpy"])
 def test_bit_scores_match_their_elementwise_definitions(compiled, monkeypatch):
     from peat import scores, tensor_stats

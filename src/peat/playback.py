@@ -45,26 +45,34 @@ class Timer:
     share of the kernel calls in the wall time; ``compute_fraction`` adds the forward passes of
     the rest of the network that carry a fault to the later observing points (``propagate``),
     leaving out only reading, probing, rebuilding and scoring.
+
+    On a GPU each category waits for the device at its start and end: work is queued, and
+    without that a kernel's run time would land in whatever next reads a result back (the
+    scoring's copies to the host), not in ``kernel``.
     """
 
-    def __init__(self):
+    def __init__(self, device: torch.device = torch.device("cpu")):
         self.seconds: dict[str, float] = defaultdict(float)
+        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.start = time.perf_counter()
         self._nested: list[float] = []  # per open category: seconds spent in categories inside it
 
     @contextmanager
     def __call__(self, category: str):
+        self._sync()
         t0 = time.perf_counter()
         self._nested.append(0.0)
         try:
             yield
         finally:
+            self._sync()
             spent = time.perf_counter() - t0
             self.seconds[category] += spent - self._nested.pop()
             if self._nested:
                 self._nested[-1] += spent
 
     def record(self) -> dict:
+        self._sync()
         wall = time.perf_counter() - self.start
         share = (lambda seconds: seconds / wall if wall else 0.0)
         return {"wall_s": wall, **{f"{k}_s": v for k, v in sorted(self.seconds.items())},
@@ -195,8 +203,6 @@ def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32)
     updated = {}
     with timer("kernel"):
         out = kernels.call(kernel, computation, sample, attrs, dtype, updated=updated)
-        if out.is_cuda:
-            torch.cuda.synchronize()
     return {kernels.TARGET[computation]: out.cpu(), **{name: t.cpu() for name, t in updated.items()}}
 
 
@@ -222,7 +228,7 @@ def references(timer: Timer, computation: str, sample: dict, attrs: dict) -> dic
 
 def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     """Run the whole campaign: the tidy table and a sidecar record (timings, outcomes, context)."""
-    timer = Timer()
+    timer = Timer(plan.device)
     with timer("io"):
         info = check_context(plan.context, plan.expect)
     op = plan.kernel.op
