@@ -107,6 +107,39 @@ def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_r
     assert alarm.check == "nonfinite" and alarm.localized is False and alarm.detail["flags"] == [0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_check_costs_on_a_gpu_leave_out_the_wait_for_the_backward(tmp_path):
+    # Work is queued on a GPU: the checks' first reads waited for the step's backward, and their
+    # timers counted it (the fingerprint's, resolved in the next step's check, too).
+    import time
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).cuda()
+        guard = sdc.Guard(DistributedDataParallel(model, device_ids=[0]), policy="raise")
+        x = torch.randn(4096, 4096, device="cuda")
+        steps = []
+        for step in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            guard.begin_step(step)
+            model.zero_grad(set_to_none=True)
+            guard.ddp(x).square().mean().backward()  # about 1.6 TFLOP queued
+            assert guard.check_gradients()
+            guard.check_weights()
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - t0)
+        guard.finish()
+        step_s, costs = sorted(steps)[len(steps) // 2], guard.costs()
+        assert costs["nonfinite"] < 0.2 * step_s and costs["fingerprint"] < 0.2 * step_s, (costs, steps)
+    finally:
+        dist.destroy_process_group()
+
+
 def _overflow_in_the_sum(param):
     # After the guard's local check: as if the all-reduce's sum overflowed there.
     param.grad.view(-1)[0] = float("inf")

@@ -322,6 +322,7 @@ class Guard:
             raise PeatError(f"sdc.Guard: step {self.step} is an audit step (audit_every={self.audit_every}) but "
                             "check_gradients() got no replay: pass replay=lambda r: <rank r's loss>, or audit_every=0")
         self._checked = True
+        self._settle()
         self._resolve_weights()
         t0 = time.perf_counter()
         # The reduced gradients are the same bits on every rank: all ranks take the same branch.
@@ -402,7 +403,14 @@ class Guard:
     def finish(self) -> None:
         """After the last step: settle the last weight comparison."""
         self._require_checks("finish()")
+        self._settle()
         self._resolve_weights()
+
+    def _settle(self) -> None:
+        # On a GPU the step's backward is still queued here, and the checks' first reads wait for it:
+        # their timers counted that wait as their cost. The reads wait anyway, so waiting first is free.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _resolve_weights(self) -> None:
         if self._weights is None:
