@@ -357,11 +357,14 @@ def test_rules_get_vendor_partition_and_gres(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_a_local_run_without_the_vendors_gpu_stops_before_any_job(tmp_path):
     """Only the GPU vendor's first job failed, after the jobs queued before it had run (data
-    preparation, or a whole CPU golden training), with the error in its log, not on the console."""
-    extra = tmp_path / "gpu.yaml"
-    extra.write_text("vendors: [cpu, nvidia]\n")
+    preparation, or a whole CPU golden training), with the error in its log, not on the console.
+    The shipped GPU overlay (docs/gpu.md) is the config: a dry run plans its jobs on both vendors."""
+    overlay = REPO / "config/gpu.yaml"
+    plan = snakemake(tmp_path, "-n", *_configs(overlay), configfile=None).stdout
+    for vendor in ("cpu", "nvidia"):
+        assert f"model=mobilenet_v2, vendor={vendor}, kernel=im2col" in plan
     proc = snakemake(tmp_path, "results/golden/gpt2/cpu/final.h5", "results/golden/gpt2/nvidia/final.h5",
-                     *_configs(extra), configfile=None, check=False)
+                     *_configs(overlay), configfile=None, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert any(line.startswith("peat: config key 'vendors': vendor 'nvidia': no CUDA GPU visible")
