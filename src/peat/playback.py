@@ -51,8 +51,9 @@ class Timer:
     scoring's copies to the host), not in ``kernel``.
     """
 
-    def __init__(self, device: torch.device = torch.device("cpu")):
+    def __init__(self, device: torch.device | str = "cpu"):
         self.seconds: dict[str, float] = defaultdict(float)
+        device = torch.device(device)
         self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.start = time.perf_counter()
         self._nested: list[float] = []  # per open category: seconds spent in categories inside it
