@@ -15,8 +15,17 @@ TEST_CONFIG = REPO / "config" / "test.yaml"
 BIN = Path(sys.executable).parent
 
 
+# Tests that need a CUDA GPU (``pytest -m gpu`` selects them all, as .ci/gpu does): skipped where none is visible.
+NEEDS_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 # Tests of code that runs on a GPU take both: "cuda" runs where one is (a lent GPU machine).
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_GPU)]
+
+
+def needs_gpu(test):
+    """A test that runs on a CUDA GPU only."""
+    for mark in NEEDS_GPU:
+        test = mark(test)
+    return test
 
 
 def snakemake(workdir: Path, *args: str, configfile: Path | None = TEST_CONFIG, check: bool = True,

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import DEVICES, REPO, TEST_CONFIG, snakemake
+from conftest import DEVICES, REPO, TEST_CONFIG, needs_gpu, snakemake
 from peat import checkpoint, data, models, profiler
 from peat.device import for_vendor
 from peat.io import PeatError
@@ -1048,7 +1048,7 @@ def test_summary_statistics_of_many_tensors_on_a_gpu_in_one_batch_are_each_ones(
     assert tensor_stats.stats_many([]) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@needs_gpu
 @pytest.mark.parametrize("batch", [tensor_stats.BATCH_ELEMENTS, 100])
 def test_profiler_summaries_on_a_gpu_are_the_cpus(tmp_path, monkeypatch, batch):
     """On a GPU the outputs are copied aside and summarised in batches (at the end of the step, or
@@ -1269,7 +1269,7 @@ def test_every_job_computes_float32_as_ieee_float32_on_a_gpu_too():
     assert out == ["True", "False", "False", "highest"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@needs_gpu
 def test_after_seeding_a_float32_convolution_and_matmul_on_the_gpu_are_ieee_float32():
     """TF32 keeps 10 mantissa bits: against float64 its error is ~1e-3 of the result, IEEE float32's ~1e-6."""
     from peat.device import seed_everything

@@ -3,9 +3,12 @@ code is pyflakes-clean."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
+import pytest
+import torch
 import yaml
 
 from conftest import BIN, REPO, snakemake
@@ -39,3 +42,14 @@ def test_job_environment_pins_match_requirements():
     job, requirements = pins(pip), pins((REPO / "envs/requirements.txt").read_text().splitlines())
     assert job and {name: requirements.get(name) for name in job} == job
     assert {"torch", "torchvision", "transformers", "h5py", "pandas", "seaborn"} <= set(job)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_checks_refuse_in_one_line_without_a_gpu(tmp_path):
+    """.ci/gpu (docs/gpu.md) stops before its first check, writing nothing, where torch sees no CUDA GPU."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([str(REPO / ".ci/gpu")], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (f".ci/gpu: no CUDA GPU visible to torch (python: {BIN / 'python'}); "
+                           "run it on a machine with an NVIDIA GPU\n")
+    assert list(tmp_path.iterdir()) == []

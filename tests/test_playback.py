@@ -18,7 +18,7 @@ import torch
 from matplotlib.text import Text
 from torch import nn
 
-from conftest import DEVICES, REPO
+from conftest import DEVICES, REPO, needs_gpu
 from peat import analyze, detect, errors, kernels, playback
 from peat.io import PeatError
 from peat.profiler import Profiler
@@ -863,7 +863,7 @@ def test_timer_categories_are_exclusive(monkeypatch):
     assert (t["kernel_fraction"], t["compute_fraction"]) == (0.2, 0.35)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@needs_gpu
 def test_timer_counts_queued_gpu_work_in_the_category_that_queued_it():
     # Unsynchronized, the matmuls' run time would land in "score", whose copy to the host waits for them.
     timer = playback.Timer(torch.device("cuda"))

@@ -19,7 +19,7 @@ from peat import sdc
 from peat.config import validate
 from peat.data import prepare
 from peat.io import PeatError, write_json
-from conftest import TEST_CONFIG, snakemake
+from conftest import TEST_CONFIG, needs_gpu, snakemake
 from peat.sdc_drill import (EXIT_OOM, EXIT_PEER, PEER_FAILED, RankEnd, check_config, drill_config, drill_end, launch,
                              validated)
 
@@ -107,7 +107,7 @@ def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_r
     assert alarm.check == "nonfinite" and alarm.localized is False and alarm.detail["flags"] == [0]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@needs_gpu
 def test_check_costs_on_a_gpu_leave_out_the_wait_for_the_backward(tmp_path):
     # Work is queued on a GPU: the checks' first reads waited for the step's backward, and their
     # timers counted it (the fingerprint's, resolved in the next step's check, too).
