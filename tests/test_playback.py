@@ -671,8 +671,8 @@ def test_every_forward_of_the_layer_downstream_is_timed_as_a_kernel_call(golden_
     from peat.propagate import Propagator
 
     class Counting(playback.Timer):
-        def __init__(self):
-            super().__init__()
+        def __init__(self, device="cpu"):
+            super().__init__(device)
             self.open, self.downstream = [], 0
 
         @contextmanager
@@ -686,7 +686,7 @@ def test_every_forward_of_the_layer_downstream_is_timed_as_a_kernel_call(golden_
                 self.open.pop()
 
     timers = []
-    monkeypatch.setattr(playback, "Timer", lambda: timers.append(Counting()) or timers[-1])
+    monkeypatch.setattr(playback, "Timer", lambda device="cpu": timers.append(Counting(device)) or timers[-1])
     root, spec, data = golden_run
     prop = Propagator(context=root / "run" / "context.h5", spec=spec, data=data,
                       checkpoints=root / "run" / "checkpoints", samples=1)
