@@ -107,6 +107,116 @@ def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_r
     assert alarm.check == "nonfinite" and alarm.localized is False and alarm.detail["flags"] == [0]
 
 
+def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, steps: int = 3, audit_every: int = 0,
+                       guard: bool = True, keep: bool = True):
+    """A few guarded steps of a stack of linear layers; per step: healthy, its gradients (copies:
+    ``keep``), its audit report. ``guard`` False: the same DDP steps unguarded (with the comm hook
+    a fused guard would add)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    ddp = DistributedDataParallel(model)
+    if guard:
+        guard = sdc.Guard(ddp, policy="log", fused=fused, audit_every=audit_every)
+    elif fused:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    out = []
+    for step in range(steps):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        if step == nan_at:
+            x[0, 0] = float("nan")
+        if guard:
+            guard.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        ddp(x).sum().backward()
+        if not guard:
+            continue
+        healthy = guard.check_gradients(replay=lambda r: guard.module(x).sum())
+        reported = guard._reported_fingerprint() if guard._auditing else None
+        out.append((healthy, [p.grad.clone() for p in model.parameters()] if keep else None, reported))
+        guard.check_weights()
+    if guard:
+        guard.finish()
+    return out, guard
+
+
+def test_fused_checks_give_the_gradients_verdicts_and_audit_reports_of_the_per_parameter_ones(one_rank):
+    for nan_at in (None, 1):
+        (apart, by_param), (fused, by_bucket) = (_fused_or_not_step(f, nan_at=nan_at, audit_every=1) for f in (False, True))
+        assert (by_param.fused, by_bucket.fused) == (False, True)
+        for (ok_a, grads_a, report_a), (ok_f, grads_f, report_f) in zip(apart, fused):
+            assert ok_a == ok_f
+            # A skipped step's gradients are garbage, marked in other places: only healthy ones must agree.
+            assert not ok_a or all(torch.equal(a, f) for a, f in zip(grads_a, grads_f))
+            assert (report_a is None) == (report_f is None) and (report_a is None or torch.equal(report_a, report_f))
+        assert [(e.step, e.check) for e in by_param.alarms] == [(e.step, e.check) for e in by_bucket.alarms]
+        assert [ok for ok, _, _ in fused] == [nan_at != step for step in range(3)]
+
+
+def _dispatched(fn) -> int:
+    """The aten ops ``fn`` runs that compute (views aside): on a GPU, about its kernel launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_fused_checks_cost_as_many_ops_whatever_the_parameter_count(one_rank):
+    # On a GPU a small model's step is bound by kernel launches: per parameter, the gradient hooks
+    # launched two and the weight checksums one (H200: the checks added 27-47 % to a step).
+    def added(fused: bool, layers: int) -> int:
+        # Three steady steps (the first is DDP's bucket rebuild; setup aside), less the same without the guard.
+        def steady(guard: bool) -> int:
+            return (_dispatched(lambda: _fused_or_not_step(fused, layers, steps=4, guard=guard, keep=False))
+                    - _dispatched(lambda: _fused_or_not_step(fused, layers, steps=1, guard=guard, keep=False)))
+        return steady(True) - steady(False)
+
+    assert added(True, 16) == added(True, 2)
+    assert added(False, 16) - added(False, 2) >= 3 * 3 * 2 * 14  # 3 steps x 3 ops x 28 more parameters
+
+
+def test_group_checksums_catch_every_single_bit_flip(monkeypatch):
+    monkeypatch.setattr(sdc, "GROUP_ELEMENTS", 50)
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(7, 5, generator=g), torch.randn(3, generator=g).double(), torch.randn(40, generator=g),
+               torch.randn(9, generator=g).bfloat16(), torch.randn(60, generator=g)]
+    base = sdc.group_checksums(tensors)
+    # Groups of consecutive tensors of one element size, up to 50 elements, a larger one alone.
+    assert len(base) == 5 and sdc.group_checksums([tensors[0], tensors[2][:15]]).numel() == 1
+    for i, t in enumerate(tensors):
+        words = t.view(sdc._INT_OF_SIZE[t.element_size()]).view(-1)
+        for bit in range(8 * t.element_size()):
+            flipped = [u.clone() for u in tensors]
+            flipped[i].view(words.dtype).view(-1)[bit % t.numel()] ^= torch.tensor(1, dtype=words.dtype) << bit
+            assert not torch.equal(sdc.group_checksums(flipped), base), (i, bit)
+    assert sdc.group_checksums([]).numel() == 0
+
+
+def test_fused_is_refused_in_one_line_where_ddp_has_a_comm_hook_or_sparse_gradients(one_rank):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    with pytest.raises(PeatError, match=r"^sdc\.Guard: fused=True needs DDP's comm hook, but the DDP model has a comm "
+                                        r"hook already: pass fused=False$"):
+        sdc.Guard(ddp, fused=True)
+    assert sdc.Guard(ddp).fused is False
+    sparse = DistributedDataParallel(torch.nn.Embedding(10, 3, sparse=True))
+    with pytest.raises(PeatError, match=r"but the model has sparse gradients: pass fused=False$"):
+        sdc.Guard(sparse, fused=True)
+
+
 @needs_gpu
 def test_check_costs_on_a_gpu_leave_out_the_wait_for_the_backward(tmp_path):
     # Work is queued on a GPU: the checks' first reads waited for the step's backward, and their
@@ -300,6 +410,29 @@ def drills(digits, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sdc") / "resnet18"
     launch(make_config(), "resnet18", digits, out, timeout=300)
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")} | {"_dir": out}
+
+
+@pytest.fixture(scope="module")
+def fused_drills(digits, tmp_path_factory) -> dict:
+    """The same drills with the guard's fused checks (comm hook, grouped checksums): a GPU's default."""
+    out = tmp_path_factory.mktemp("sdc_fused") / "resnet18"
+    launch(make_config(fused=True), "resnet18", digits, out, timeout=300)
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+@pytest.mark.xdist_group("drills")
+def test_fused_checks_raise_the_alarms_of_the_per_parameter_ones(drills, fused_drills):
+    def alarms(result):
+        return [{k: v for k, v in a.items() if k != "time"} for a in result["alarms"]]
+
+    assert set(fused_drills) == set(drills) - {"_dir"}
+    for drill, result in fused_drills.items():
+        assert result["fused"] is True and drills[drill]["fused"] is None
+        assert alarms(result) == alarms(drills[drill]), drill
+        assert result["false_alarms"] == 0 and result["detected"] is (drill != "clean")
+    # The grouped checksums say which ranks differ; each tensor's, gathered after, which parameter.
+    flip = next(a for a in fused_drills["weight_flip"]["alarms"] if a["check"] == "fingerprint")
+    assert flip["step"] == 2 and flip["suspect_ranks"] == [1] and flip["detail"]["first_differing_parameter"]
 
 
 @pytest.mark.xdist_group("drills")

@@ -100,6 +100,28 @@ def checksum(tensors) -> torch.Tensor:
     return torch.stack(sums)
 
 
+GROUP_ELEMENTS = 1 << 24  # elements per group of ``group_checksums``: bounds the copy it makes
+
+
+def group_checksums(tensors) -> torch.Tensor:
+    """Exact integer checksums of groups of consecutive tensors with the same element size (up to
+    ``GROUP_ELEMENTS`` elements, or one larger tensor): each group's words (as wide as one element)
+    concatenated and summed in int64, two kernel launches per group where ``checksum`` takes one
+    per tensor. A single bit flip changes a group's sum by +-2^k, k below 64: always caught.
+    """
+    groups, width, count = [], None, 0
+    for t in tensors:
+        n, size = t.numel(), t.element_size()
+        if not groups or size != width or count + n > GROUP_ELEMENTS:
+            groups.append([])
+            width, count = size, 0
+        groups[-1].append(t.detach().reshape(-1).view(_INT_OF_SIZE[size]))
+        count += n
+    if not groups:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([torch.cat(words).sum(dtype=torch.int64) for words in groups])
+
+
 def _words(flat: torch.Tensor) -> torch.Tensor:
     # The word width depends on the element count only, never on the memory layout, so that
     # replicas with equal values always have equal checksums.
@@ -203,7 +225,7 @@ class Guard:
     def __init__(self, ddp, *, policy: str = "log", events: str | os.PathLike | None = None,
                  audit_every: int = 0, fingerprint_every: int = 1, audit_tolerance: float = 0.0,
                  save: Callable[[Path], None] | None = None, checkpoint: str | os.PathLike = "sdc_stop.pt",
-                 drain_marker: str | os.PathLike | None = None, group=None):
+                 drain_marker: str | os.PathLike | None = None, fused: bool | None = None, group=None):
         if policy not in POLICIES:
             raise PeatError(f"sdc policy {policy!r} is unknown; allowed: {', '.join(POLICIES)}")
         if not isinstance(ddp, DistributedDataParallel):  # the audit needs its module and no_sync()
@@ -220,10 +242,12 @@ class Guard:
             raise PeatError("sdc.Guard: the model has no trainable parameters")
         self.device = self.params[0].device  # nccl gathers need device tensors
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.fused = self._fusable(fused)
         # Ranks whose guards differ run different collectives at the same step: gloo aborted the
         # process with a size mismatch (or a garbage random state), nccl may hang.
         alike = {"policy": policy, "audit_every": int(audit_every), "fingerprint_every": int(fingerprint_every),
-                 "audit_tolerance": float(audit_tolerance), "trainable parameters": len(self.params)}
+                 "audit_tolerance": float(audit_tolerance), "trainable parameters": len(self.params),
+                 "fused": self.fused}
         ranks: list = [None] * self.world
         dist.all_gather_object(ranks, (node_name(), alike), group=group)
         self.hosts = [host for host, _ in ranks]
@@ -234,16 +258,42 @@ class Guard:
         self.alarms: list[Event] = []
         self.timers: dict[str, list[float]] = {c: [] for c in CHECKS}
         self.step = -1
-        # Gradient hook calls since begin_step (None: no step begun), and whether check_gradients ran:
-        # a call out of order (no begin_step, check before backward) is one line, not a false alarm.
+        # Gradient (or bucket) hook calls since begin_step (None: no step begun), and whether check_gradients
+        # ran: a call out of order (no begin_step, check before backward) is one line, not a false alarm.
         self._fired, self._checked, self._weights_due = None, False, False
         self._weights = None  # (step, pending gather) of the last weight checksums
-        # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
-        # bucket for the all-reduce: DDP keeps its fused C++ path (no Python comm hook, and the
-        # comm hook stays free for the user).
+        self._retired = False  # replaced by a guard built later for the same model (_take_over)
         self._take_over()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
+        if self.fused:
+            # DDP's comm hook sees each bucket's local gradients before they are shared: the check then
+            # costs a few kernel launches per bucket, where the gradient hooks cost two per parameter.
+            ddp.register_comm_hook(None, self._on_bucket)
+            self._hooks = []
+        else:
+            # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
+            # bucket for the all-reduce: DDP keeps its fused C++ path and the comm hook stays free.
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
         self._hooks.append(ddp.register_forward_pre_hook(self._on_forward))
+
+    def _fusable(self, fused: bool | None) -> bool:
+        """Whether the checks run fused: the local gradient checks per DDP bucket (a comm hook of the
+        guard's) rather than per parameter (gradient hooks), the weight checksums per group of
+        parameters rather than per parameter.
+
+        By default on a GPU only: there a step is bound by kernel launches, and the checks per
+        parameter launch three per parameter. On a CPU the reads cost, and fusing costs more passes:
+        DDP copies the gradients into a comm hook's buckets unscaled, and the hook scales them; the
+        grouped checksums copy the weights before summing them.
+        """
+        taken = getattr(self.ddp, "_get_ddp_logging_data", None)
+        taken = taken is None or bool(taken().get("comm_hook"))  # a hook of the user's (or unknown)
+        sparse = any(getattr(m, "sparse", False) for m in self.module.modules())  # DDP buckets those alone
+        if fused and (taken or sparse):
+            why = "the DDP model has a comm hook already" if taken else "the model has sparse gradients"
+            raise PeatError(f"sdc.Guard: fused=True needs DDP's comm hook, but {why}: pass fused=False")
+        if fused is None:
+            return self.device.type == "cuda" and not (taken or sparse)
+        return bool(fused)
 
     def _take_over(self) -> None:
         # A guard rebuilt for the same model (with a new DDP after unfreezing layers) replaces the last
@@ -252,6 +302,7 @@ class Guard:
         previous = _GUARDS.get(id(self.module))
         if previous is not None and previous.module is self.module:
             previous._remove_hooks()
+            previous._retired = True  # a comm hook cannot be removed: it only shares gradients from now on
         _GUARDS[id(self.module)] = self
 
     def _remove_hooks(self) -> None:
@@ -269,6 +320,7 @@ class Guard:
         # This rank's non-finite flag: a bool on CPU; elsewhere (no host sync in backward) the float64
         # sums of its local gradients, non-finite where a gradient is (``_flagged`` reads them).
         self._bad = False if self.device.type == "cpu" else []
+        self._marked = []  # fused: each bucket's first element, where a rank's mark arrives
         self._hook_time = 0.0
         self._auditing = self.audit_every > 0 and step % self.audit_every == 0
         # Replays must see the random state the peer's forward saw (dropout masks): each rank's
@@ -295,6 +347,36 @@ class Guard:
         and the step will be skipped), so that after the all-reduce every rank finds out from that
         one element of the reduced gradient, without exchanging flags on healthy steps.
         """
+        self._arrived()
+        t0 = time.perf_counter()
+        grad = param.grad.detach()
+        if self._auditing:
+            self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
+        self._bad = _mark_nonfinite(grad, self._bad)
+        self._hook_time += time.perf_counter() - t0
+
+    def _on_bucket(self, _state, bucket):  # unannotated: DDP checks annotations against live types
+        """DDP's comm hook (``fused``): ``_on_gradient`` on a whole bucket (``dist.GradBucket``) of
+        this rank's local gradients, its mark at the bucket's first element, then DDP's own mean over
+        the ranks (a future of the reduced bucket)."""
+        buffer = bucket.buffer()
+        if not self._retired:
+            self._arrived()
+            t0 = time.perf_counter()
+            if self._auditing:
+                for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                    self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
+            self._bad = _mark_nonfinite(buffer, self._bad)
+            self._marked.append(buffer[:1])  # reduced in place: read by _reduced_nonfinite
+            self._hook_time += time.perf_counter() - t0
+        group = self.ddp.process_group
+        # As DDP's own all-reduce, bit for bit: scaled first (by the reciprocal, which rounds unlike a
+        # division), then summed.
+        buffer.mul_(1.0 / dist.get_world_size(group))
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    def _arrived(self) -> None:
+        """A gradient (or a bucket) of this rank arrived: refused out of order, else counted."""
         if self._fired is None:
             raise PeatError("sdc.Guard: a gradient arrived before begin_step(): call guard.begin_step(step) "
                             "before each step's backward, and check_gradients() after it")
@@ -303,12 +385,6 @@ class Guard:
                             "backward of a step comes before its check_gradients(); call guard.begin_step(step) "
                             "before the next step's")
         self._fired += 1
-        t0 = time.perf_counter()
-        grad = param.grad.detach()
-        if self._auditing:
-            self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
-        self._bad = _mark_nonfinite(grad, self._bad)
-        self._hook_time += time.perf_counter() - t0
 
     def check_gradients(self, replay: Callable[[int], torch.Tensor] | None = None) -> bool:
         """After backward, before ``optimizer.step()``: find out whether any rank had non-finite
@@ -354,7 +430,7 @@ class Guard:
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads and self._reduction_may_overflow(grads):
             return _any_nonfinite(grads)
-        firsts = [_marks(g) for g in grads]
+        firsts = self._marked if self.fused else [_marks(g) for g in grads]
         if len({f.dtype for f in firsts}) > 1:
             firsts = [f.double() for f in firsts]  # every float type fits: no spurious overflow
         return bool(firsts) and not bool(torch.isfinite(torch.cat(firsts)).all())
@@ -367,9 +443,10 @@ class Guard:
         # hook may overflow anywhere (fp16 compression above 65504, a plain sum): every element is read.
         # DDP logs the name of any comm hook: built-in, Python, its own for mixed precision. That log
         # is a prototype API: where a torch lacks it, any hook is assumed (one pass more, no miss).
+        # The guard's own (fused) reduces as DDP's built-in all-reduce does.
         logged = getattr(self.ddp, "_get_ddp_logging_data", None)
         return (any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
-                or logged is None or bool(logged().get("comm_hook")))
+                or logged is None or (bool(logged().get("comm_hook")) and not self.fused))
 
     def _localize_nonfinite(self) -> None:
         local = torch.tensor([int(_flagged(self._bad))], device=self.device)
@@ -396,7 +473,8 @@ class Guard:
             return
         t0 = time.perf_counter()
         # Frozen parameters too: nothing re-syncs them, so a flip in one stays in that replica.
-        weights = checksum(list(self.module.parameters())).to(self.device)
+        params = list(self.module.parameters())
+        weights = (group_checksums(params) if self.fused else checksum(params)).to(self.device)
         self._weights = (self.step, self._start_gather(weights, "weight fingerprints"))
         self.timers["fingerprint"].append(time.perf_counter() - t0)
 
@@ -421,6 +499,9 @@ class Guard:
         suspects, localized = majority_outliers(prints)
         self.timers["fingerprint"][-1] += time.perf_counter() - t0
         if suspects:
+            if self.fused:  # the groups' checksums tell which ranks differ; each tensor's, where
+                prints = self._all_gather(checksum(list(self.module.parameters())).to(self.device),
+                                          "weight fingerprints per tensor")
             first = next(i for i in range(len(prints[0])) if len({int(p[i]) for p in prints}) > 1)
             name = [n for n, _ in self.module.named_parameters()][first]
             detail = {"first_differing_parameter": name}

@@ -491,6 +491,7 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
         events.unlink(missing_ok=True)
     guard = sdc.Guard(trainer.ddp, policy=cfg["policy"], events=events, audit_every=cfg["audit_every"],
                       fingerprint_every=cfg["fingerprint_every"], audit_tolerance=cfg["audit_tolerance"],
+                      fused=cfg["fused"],
                       save=lambda path: checkpoint.save(path, trainer.model, trainer.optimizer, step=guard.step,
                                                         epoch=0, meta={"model": model_name, "sdc_drill": drill}),
                       checkpoint=out_dir / f"{drill}.stop.h5", drain_marker=cfg["drain_marker"])
@@ -569,7 +570,8 @@ def drill_fields(drill: str, model: str, world: int, injected: int | None, cfg: 
     """What a drill was: the same leading fields in every drill's JSON."""
     return {"drill": drill, "model": model, "world_size": world, "injected_rank": injected,
             "injection_step": None if injected is None else cfg["injection_step"], "steps": cfg["steps"],
-            "audit_every": cfg["audit_every"], "fingerprint_every": cfg["fingerprint_every"], "policy": cfg["policy"]}
+            "audit_every": cfg["audit_every"], "fingerprint_every": cfg["fingerprint_every"], "policy": cfg["policy"],
+            "fused": cfg["fused"]}
 
 
 def costs(guard: sdc.Guard, plain_steps: list[float], audit_every: int) -> dict:
@@ -651,7 +653,7 @@ def benchmark(spec: dict, data, cfg: dict, seed: int, device: torch.device, step
     steps = steps or cfg["bench_steps"]
     gbs = cfg["batch_size"] or spec["batch_size"]
     plain, guarded = (Trainer(spec, data, seed, device, gbs) for _ in range(2))
-    guard = sdc.Guard(guarded.ddp, policy="raise", audit_every=2)
+    guard = sdc.Guard(guarded.ddp, policy="raise", audit_every=2, fused=cfg["fused"])
     t_plain, t_guarded = [], []
     for step in range(steps):
         run_plain, run_guarded = (lambda: _plain_step(plain, step)), (lambda: _drill_step(guarded, guard, None, step))
