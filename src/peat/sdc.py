@@ -104,19 +104,19 @@ GROUP_ELEMENTS = 1 << 24  # elements per group of ``group_checksums``: bounds th
 
 
 def group_checksums(tensors) -> torch.Tensor:
-    """Exact integer checksums of groups of consecutive tensors with the same element size (up to
-    ``GROUP_ELEMENTS`` elements, or one larger tensor): each group's words (as wide as one element)
-    concatenated and summed in int64, two kernel launches per group where ``checksum`` takes one
-    per tensor. A single bit flip changes a group's sum by +-2^k, k below 64: always caught.
+    """``checksum`` of groups of consecutive tensors whose words (``_words``) are alike, up to
+    ``GROUP_ELEMENTS`` elements (or one larger tensor): each group's words concatenated and summed
+    at once, two kernel launches per group where ``checksum`` takes one per tensor. As exact: a
+    single bit flip changes a group's sum by +-2^k, k below 64, never 0 modulo 2^64.
     """
-    groups, width, count = [], None, 0
+    groups, kind, count = [], None, 0
     for t in tensors:
-        n, size = t.numel(), t.element_size()
-        if not groups or size != width or count + n > GROUP_ELEMENTS:
+        words = _words(t.detach().reshape(-1))
+        if not groups or words.dtype != kind or count + t.numel() > GROUP_ELEMENTS:
             groups.append([])
-            width, count = size, 0
-        groups[-1].append(t.detach().reshape(-1).view(_INT_OF_SIZE[size]))
-        count += n
+            kind, count = words.dtype, 0
+        groups[-1].append(words)
+        count += t.numel()
     if not groups:
         return torch.zeros(0, dtype=torch.int64)
     return torch.stack([torch.cat(words).sum(dtype=torch.int64) for words in groups])
