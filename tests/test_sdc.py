@@ -108,7 +108,7 @@ def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_r
 
 
 def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, steps: int = 3, audit_every: int = 0,
-                       guard: bool = True, keep: bool = True):
+                       guard: bool = True, keep: bool = True, dtype: torch.dtype = torch.float32):
     """A few guarded steps of a stack of linear layers; per step: healthy, its gradients (copies:
     ``keep``), its audit report. ``guard`` False: the same DDP steps unguarded (with the comm hook
     a fused guard would add)."""
@@ -116,7 +116,7 @@ def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, 
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(dtype)
     ddp = DistributedDataParallel(model)
     if guard:
         guard = sdc.Guard(ddp, policy="log", fused=fused, audit_every=audit_every)
@@ -124,7 +124,7 @@ def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, 
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     out = []
     for step in range(steps):
-        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step)).to(dtype)
         if step == nan_at:
             x[0, 0] = float("nan")
         if guard:
@@ -142,9 +142,11 @@ def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, 
     return out, guard
 
 
-def test_fused_checks_give_the_gradients_verdicts_and_audit_reports_of_the_per_parameter_ones(one_rank):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: every reduced element read
+def test_fused_checks_give_the_gradients_verdicts_and_audit_reports_of_the_per_parameter_ones(one_rank, dtype):
     for nan_at in (None, 1):
-        (apart, by_param), (fused, by_bucket) = (_fused_or_not_step(f, nan_at=nan_at, audit_every=1) for f in (False, True))
+        (apart, by_param), (fused, by_bucket) = (_fused_or_not_step(f, nan_at=nan_at, audit_every=1, dtype=dtype)
+                                                 for f in (False, True))
         assert (by_param.fused, by_bucket.fused) == (False, True)
         for (ok_a, grads_a, report_a), (ok_f, grads_f, report_f) in zip(apart, fused):
             assert ok_a == ok_f
@@ -174,15 +176,17 @@ def _dispatched(fn) -> int:
 def test_fused_checks_cost_as_many_ops_whatever_the_parameter_count(one_rank):
     # On a GPU a small model's step is bound by kernel launches: per parameter, the gradient hooks
     # launched two and the weight checksums one (H200: the checks added 27-47 % to a step).
-    def added(fused: bool, layers: int) -> int:
+    def added(fused: bool, layers: int, dtype=torch.float32) -> int:
         # Three steady steps (the first is DDP's bucket rebuild; setup aside), less the same without the guard.
         def steady(guard: bool) -> int:
-            return (_dispatched(lambda: _fused_or_not_step(fused, layers, steps=4, guard=guard, keep=False))
-                    - _dispatched(lambda: _fused_or_not_step(fused, layers, steps=1, guard=guard, keep=False)))
+            return (_dispatched(lambda: _fused_or_not_step(fused, layers, steps=4, guard=guard, keep=False, dtype=dtype))
+                    - _dispatched(lambda: _fused_or_not_step(fused, layers, steps=1, guard=guard, keep=False, dtype=dtype)))
         return steady(True) - steady(False)
 
     assert added(True, 16) == added(True, 2)
     assert added(False, 16) - added(False, 2) >= 3 * 3 * 2 * 14  # 3 steps x 3 ops x 28 more parameters
+    # bfloat16 gradients may overflow the all-reduce: every reduced element is read, per bucket when fused.
+    assert added(True, 16, torch.bfloat16) == added(True, 2, torch.bfloat16)
 
 
 def test_group_checksums_catch_every_single_bit_flip(monkeypatch):

@@ -320,7 +320,7 @@ class Guard:
         # This rank's non-finite flag: a bool on CPU; elsewhere (no host sync in backward) the float64
         # sums of its local gradients, non-finite where a gradient is (``_flagged`` reads them).
         self._bad = False if self.device.type == "cpu" else []
-        self._marked = []  # fused: each bucket's first element, where a rank's mark arrives
+        self._buckets = []  # fused: this step's buckets, a rank's mark at their first element
         self._hook_time = 0.0
         self._auditing = self.audit_every > 0 and step % self.audit_every == 0
         # Replays must see the random state the peer's forward saw (dropout masks): each rank's
@@ -367,7 +367,7 @@ class Guard:
                 for param, grad in zip(bucket.parameters(), bucket.gradients()):
                     self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
             self._bad = _mark_nonfinite(buffer, self._bad)
-            self._marked.append(buffer[:1])  # reduced in place: read by _reduced_nonfinite
+            self._buckets.append(buffer)  # reduced in place: read by _reduced_nonfinite
             self._hook_time += time.perf_counter() - t0
         group = self.ddp.process_group
         # As DDP's own all-reduce, bit for bit: scaled first (by the reciprocal, which rounds unlike a
@@ -428,9 +428,9 @@ class Guard:
         """Whether an all-reduced gradient is non-finite: at its first element, where NaN marks a rank's
         non-finite local gradient (``_on_gradient``), or anywhere when the all-reduce itself may overflow."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        if grads and self._reduction_may_overflow(grads):
-            return _any_nonfinite(grads)
-        firsts = self._marked if self.fused else [_marks(g) for g in grads]
+        if grads and self._reduction_may_overflow(grads):  # fused: the buckets hold the same values, fewer tensors
+            return _any_nonfinite(self._buckets if self.fused else grads)
+        firsts = [b[:1] for b in self._buckets] if self.fused else [_marks(g) for g in grads]
         if len({f.dtype for f in firsts}) > 1:
             firsts = [f.double() for f in firsts]  # every float type fits: no spurious overflow
         return bool(firsts) and not bool(torch.isfinite(torch.cat(firsts)).all())
