@@ -162,7 +162,7 @@ def test_sdc_bench_times_both_sides_in_the_same_steps_alternating(monkeypatch):
     monkeypatch.setattr(sdc_drill, "_timed", fake_timed)
     monkeypatch.setattr(sdc_drill, "_plain_step", lambda trainer, step: calls.append(("plain", step)))
     monkeypatch.setattr(sdc_drill, "_drill_step", lambda trainer, guard, fault, step: calls.append(("guarded", step)))
-    sdc_drill.benchmark({"batch_size": 4}, None, {"bench_steps": 8, "batch_size": None}, 0, None)
+    sdc_drill.benchmark({"batch_size": 4}, None, {"bench_steps": 8, "batch_size": None, "fused": None}, 0, None)
     # Every step trains both twins; the timed ones are the non-audit steps, both sides in each.
     assert sorted(calls) == sorted((side, s) for side in ("plain", "guarded") for s in range(8))
     assert sorted(s for side, s in timed if side == "plain") == sorted(s for side, s in timed if side == "guarded")
