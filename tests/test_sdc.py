@@ -190,7 +190,7 @@ def test_fused_checks_cost_as_many_ops_whatever_the_parameter_count(one_rank):
 
 
 def test_group_checksums_catch_every_single_bit_flip(monkeypatch):
-    monkeypatch.setattr(sdc, "GROUP_ELEMENTS", 50)
+    monkeypatch.setattr(sdc.tensor_stats, "BATCH_ELEMENTS", 50)
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(7, 5, generator=g), torch.randn(3, generator=g).double(), torch.randn(40, generator=g),
                torch.randn(9, generator=g).bfloat16(), torch.randn(60, generator=g)]

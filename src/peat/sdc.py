@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from . import tensor_stats
 from .io import PeatError, check_int
 
 EXIT_SDC = 75  # EX_TEMPFAIL: "try again later" - requeue the job on healthy nodes
@@ -100,26 +101,17 @@ def checksum(tensors) -> torch.Tensor:
     return torch.stack(sums)
 
 
-GROUP_ELEMENTS = 1 << 24  # elements per group of ``group_checksums``: bounds the copy it makes
-
-
 def group_checksums(tensors) -> torch.Tensor:
-    """``checksum`` of groups of consecutive tensors whose words (``_words``) are alike, up to
-    ``GROUP_ELEMENTS`` elements (or one larger tensor): each group's words concatenated and summed
-    at once, two kernel launches per group where ``checksum`` takes one per tensor. As exact: a
-    single bit flip changes a group's sum by +-2^k, k below 64, never 0 modulo 2^64.
+    """``checksum`` of runs of consecutive tensors whose words (``_words``) are alike, up to
+    ``tensor_stats.BATCH_ELEMENTS`` elements (or one larger tensor): each run's words concatenated
+    and summed at once, two kernel launches per run where ``checksum`` takes one per tensor. As
+    exact: a single bit flip changes a run's sum by +-2^k, k below 64, never 0 modulo 2^64.
     """
-    groups, kind, count = [], None, 0
-    for t in tensors:
-        words = _words(t.detach().reshape(-1))
-        if not groups or words.dtype != kind or count + t.numel() > GROUP_ELEMENTS:
-            groups.append([])
-            kind, count = words.dtype, 0
-        groups[-1].append(words)
-        count += t.numel()
-    if not groups:
+    words = [_words(t.detach().reshape(-1)) for t in tensors]
+    if not words:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([torch.cat(words).sum(dtype=torch.int64) for words in groups])
+    runs = tensor_stats.batches(words, tensor_stats.BATCH_ELEMENTS, key=lambda w: w.dtype)
+    return torch.stack([torch.cat(run).sum(dtype=torch.int64) for run in runs])
 
 
 def _words(flat: torch.Tensor) -> torch.Tensor:
@@ -285,8 +277,7 @@ class Guard:
         DDP copies the gradients into a comm hook's buckets unscaled, and the hook scales them; the
         grouped checksums copy the weights before summing them.
         """
-        taken = getattr(self.ddp, "_get_ddp_logging_data", None)
-        taken = taken is None or bool(taken().get("comm_hook"))  # a hook of the user's (or unknown)
+        taken = self._has_comm_hook()  # the user's (no guard has registered its own yet)
         sparse = any(getattr(m, "sparse", False) for m in self.module.modules())  # DDP buckets those alone
         if fused and (taken or sparse):
             why = "the DDP model has a comm hook already" if taken else "the model has sparse gradients"
@@ -347,13 +338,8 @@ class Guard:
         and the step will be skipped), so that after the all-reduce every rank finds out from that
         one element of the reduced gradient, without exchanging flags on healthy steps.
         """
-        self._arrived()
-        t0 = time.perf_counter()
         grad = param.grad.detach()
-        if self._auditing:
-            self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
-        self._bad = _mark_nonfinite(grad, self._bad)
-        self._hook_time += time.perf_counter() - t0
+        self._check_local([(param, grad)], grad)
 
     def _on_bucket(self, _state, bucket):  # unannotated: DDP checks annotations against live types
         """DDP's comm hook (``fused``): ``_on_gradient`` on a whole bucket (``dist.GradBucket``) of
@@ -361,19 +347,24 @@ class Guard:
         the ranks (a future of the reduced bucket)."""
         buffer = bucket.buffer()
         if not self._retired:
-            self._arrived()
-            t0 = time.perf_counter()
-            if self._auditing:
-                for param, grad in zip(bucket.parameters(), bucket.gradients()):
-                    self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
-            self._bad = _mark_nonfinite(buffer, self._bad)
+            self._check_local(zip(bucket.parameters(), bucket.gradients()), buffer)
             self._buckets.append(buffer)  # reduced in place: read by _reduced_nonfinite
-            self._hook_time += time.perf_counter() - t0
         group = self.ddp.process_group
         # As DDP's own all-reduce, bit for bit: scaled first (by the reciprocal, which rounds unlike a
         # division), then summed.
         buffer.mul_(1.0 / dist.get_world_size(group))
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    def _check_local(self, grads, marked: torch.Tensor) -> None:
+        """This rank's local gradients ``(param, grad)``, before they are shared: reported for the audit
+        on audit steps, then checked as ``marked`` (the gradient, or their bucket), marked if non-finite."""
+        self._arrived()
+        t0 = time.perf_counter()
+        if self._auditing:
+            for param, grad in grads:
+                self._reported[self._index[id(param)]] = tuple(gradient_fingerprint([grad]))
+        self._bad = _mark_nonfinite(marked, self._bad)
+        self._hook_time += time.perf_counter() - t0
 
     def _arrived(self) -> None:
         """A gradient (or a bucket) of this rank arrived: refused out of order, else counted."""
@@ -441,12 +432,15 @@ class Guard:
         # elements are all to read (no pass over the gradients on healthy steps). Float16 ones reach their
         # top (65504 / 3 rounds up to 21840: three of them overflow), bfloat16 rounds coarsely, and a comm
         # hook may overflow anywhere (fp16 compression above 65504, a plain sum): every element is read.
-        # DDP logs the name of any comm hook: built-in, Python, its own for mixed precision. That log
-        # is a prototype API: where a torch lacks it, any hook is assumed (one pass more, no miss).
+        # DDP logs the name of any comm hook: built-in, Python, its own for mixed precision.
         # The guard's own (fused) reduces as DDP's built-in all-reduce does.
+        return any(g.dtype in (torch.float16, torch.bfloat16) for g in grads) or (self._has_comm_hook() and not self.fused)
+
+    def _has_comm_hook(self) -> bool:
+        # DDP logs the name of any comm hook. That log is a prototype API: where a torch lacks it,
+        # a hook is assumed (one pass more, no miss).
         logged = getattr(self.ddp, "_get_ddp_logging_data", None)
-        return (any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
-                or logged is None or (bool(logged().get("comm_hook")) and not self.fused))
+        return logged is None or bool(logged().get("comm_hook"))
 
     def _localize_nonfinite(self) -> None:
         local = torch.tensor([int(_flagged(self._bad))], device=self.device)

@@ -505,13 +505,20 @@ def stats_many(tensors: list[torch.Tensor]) -> list[np.ndarray | torch.Tensor]:
     device = tensors[0].device if tensors else None
     if device is None or device.type == "cpu" or any(t.device != device for t in tensors):
         return [stats(t) for t in tensors]
-    rows, start, size = [], 0, 0
-    for i, t in enumerate(tensors):
-        if i > start and size + t.numel() > BATCH_ELEMENTS:
-            rows += _stats_batch(tensors[start:i]).unbind(0)
-            start, size = i, 0
+    return [row for batch in batches(tensors, BATCH_ELEMENTS) for row in _stats_batch(batch).unbind(0)]
+
+
+def batches(tensors: list[torch.Tensor], limit: int, key=lambda t: None) -> list[list[torch.Tensor]]:
+    """``tensors`` cut, in order, into runs of equal ``key`` of at most ``limit`` elements (a larger
+    tensor alone): what one concatenation may hold, its copy bounded."""
+    out, size = [], 0
+    for t in tensors:
+        if not out or key(t) != key(out[-1][0]) or size + t.numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
         size += t.numel()
-    return rows + list(_stats_batch(tensors[start:]).unbind(0))
+    return out
 
 
 def _stats_batch(tensors: list[torch.Tensor]) -> torch.Tensor:
