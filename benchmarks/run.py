@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", nargs="+", type=Path, metavar="RESULTS_JSON",
                         help="merge the entries of results.json files of other runs into OUT and exit")
     args = parser.parse_args(argv)
+    for path in args.merge or ([args.out / "results.json"] if args.table else []):
+        if not path.is_file():
+            parser.error(f"{'--merge' if args.merge else '--table'}: {path} does not exist")
     if args.merge:
         for path in args.merge:
             other = json.loads(path.read_text())

@@ -126,6 +126,17 @@ def test_a_gpu_vendor_without_a_gpu_is_refused_before_anything_runs(tmp_path):
     assert not out.exists() and not (tmp_path / "work").exists()
 
 
+@pytest.mark.parametrize("args", [["--table"], ["--merge", "none.json"]])
+def test_a_missing_results_file_is_one_line(tmp_path, monkeypatch, capsys, args):
+    """--table before any run, or --merge of a file that is not there, ended in a traceback."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main([*args, "--out", str(tmp_path / "out")])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(" does not exist")
+    assert not (tmp_path / "out").exists()
+
+
 def test_result_json_median_and_goal_direction():
     low = harness.Result("x", "a / b", harness.Goal("<=", 1.1, "<= 1.1"), samples=[1.2, 1.0, 1.05])
     entry = low.as_json()
