@@ -222,6 +222,69 @@ def test_fused_is_refused_in_one_line_where_ddp_has_a_comm_hook_or_sparse_gradie
         sdc.Guard(sparse, fused=True)
 
 
+# Three steps of one model with each DDP setting, guarded fused and plain; prints the settings whose
+# reduced gradients differ from plain DDP's.
+FUSED_MEAN = """
+import json
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from peat import sdc
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank = dist.get_rank()
+settings = [{}, {"gradient_as_bucket_view": True}, {"batched_grad_copy": True}]
+
+
+class Net(torch.nn.Sequential):
+    def forward(self, x, last=True):
+        return super().forward(x) if last else self[:-1](x)
+
+
+differ = []
+for setting in settings:
+    runs = []
+    for fused in (True, None):
+        torch.manual_seed(0)
+        model = Net(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        ddp = DistributedDataParallel(model, find_unused_parameters=True, **setting)
+        guard = sdc.Guard(ddp, fused=True) if fused else None
+        grads = []
+        for step in range(3):
+            guard and guard.begin_step(step)
+            model.zero_grad(set_to_none=False)  # .grad kept: DDP accumulates it in its bucket view
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            # The last layer unused at step 0: with .grad kept, one bucket holds both kinds of gradient.
+            ddp(x, last=step > 0).square().mean().backward()
+            if guard:
+                assert guard.check_gradients()
+                guard.check_weights()
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        guard and guard.finish()
+        runs.append(grads)
+    fused, plain = runs
+    if not all(torch.equal(f, p) for fs, ps in zip(fused, plain) for f, p in zip(fs, ps)):
+        differ.append(setting)
+if rank == 0:
+    print("DIFFER", json.dumps(differ))
+dist.destroy_process_group()
+"""
+
+
+def test_fused_mean_is_ddps_own_bit_for_bit_with_its_settings(tmp_path):
+    # With three ranks x / 3 and x * (1 / 3) round apart: DDP divides a gradient accumulated in its
+    # bucket view (gradient_as_bucket_view, .grad kept), and a whole bucket with batched_grad_copy;
+    # the guard's hook multiplied every bucket by the reciprocal.
+    script = tmp_path / "mean.py"
+    script.write_text(FUSED_MEAN)
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "3",
+                           str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("DIFFER ")]
+    assert json.loads(line[len("DIFFER "):]) == []
+
+
 @needs_gpu
 def test_check_costs_on_a_gpu_leave_out_the_wait_for_the_backward(tmp_path):
     # Work is queued on a GPU: the checks' first reads waited for the step's backward, and their

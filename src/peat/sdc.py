@@ -261,6 +261,11 @@ class Guard:
             # costs a few kernel launches per bucket, where the gradient hooks cost two per parameter.
             ddp.register_comm_hook(None, self._on_bucket)
             self._hooks = []
+            self._grad_storage: dict[int, int] = {}  # id(param) -> its .grad's storage as last accumulated
+            if ddp.gradient_as_bucket_view and not getattr(ddp, "batched_grad_copy", False):
+                # DDP scales a gradient accumulated in its own bucket view unlike one it copies in, and
+                # only this hook can tell which (DDP points every .grad to its view before the comm hook).
+                self._hooks = [p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self.params]
         else:
             # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
             # bucket for the all-reduce: DDP keeps its fused C++ path and the comm hook stays free.
@@ -350,10 +355,29 @@ class Guard:
             self._check_local(zip(bucket.parameters(), bucket.gradients()), buffer)
             self._buckets.append(buffer)  # reduced in place: read by _reduced_nonfinite
         group = self.ddp.process_group
-        # As DDP's own all-reduce, bit for bit: scaled first (by the reciprocal, which rounds unlike a
-        # division), then summed.
-        buffer.mul_(1.0 / dist.get_world_size(group))
+        self._scale_as_ddp(bucket, buffer, dist.get_world_size(group))
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    def _on_accumulated(self, param: torch.Tensor) -> None:
+        self._grad_storage[id(param)] = param.grad.untyped_storage().data_ptr()
+
+    def _scale_as_ddp(self, bucket, buffer: torch.Tensor, world: int) -> None:
+        """Scale a bucket as DDP's own all-reduce does before summing, bit for bit: x * (1/3) and x / 3
+        round differently. DDP multiplies each gradient by the reciprocal as it copies it into the
+        bucket, but divides one accumulated in place in its bucket view (``gradient_as_bucket_view``
+        with ``.grad`` kept between steps), and with ``batched_grad_copy`` divides the whole bucket."""
+        if getattr(self.ddp, "batched_grad_copy", False):
+            buffer.div_(world)
+            return
+        bucket_storage = buffer.untyped_storage().data_ptr()
+        in_view = [self._grad_storage.get(id(p)) == bucket_storage for p in bucket.parameters()]
+        if not any(in_view):
+            buffer.mul_(1.0 / world)
+        elif all(in_view):
+            buffer.div_(world)
+        else:
+            for grad, divided in zip(bucket.gradients(), in_view):
+                grad.div_(world) if divided else grad.mul_(1.0 / world)
 
     def _check_local(self, grads, marked: torch.Tensor) -> None:
         """This rank's local gradients ``(param, grad)``, before they are shared: reported for the audit
