@@ -737,7 +737,10 @@ def train():
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     data = torch.Generator().manual_seed(1)
     x, y = torch.randn(100, 8, generator=data).to(model[0].weight.dtype), torch.randint(0, 2, (100,), generator=data)
-    guard = sdc.Guard(ddp, policy="log", audit_every=audit_every, group=group)
+    guard = sdc.Guard(ddp, policy="log", audit_every=audit_every, group=group, fused=options["fused"])
+    if options["transient_checksum"] and rank == 1:  # one wrong read of rank 1's weights, at step 1
+        read = sdc.group_checksums
+        sdc.group_checksums = lambda tensors: read(tensors) + int(guard.step == 1)
     if options["huge"] is not None:  # at step 1, a finite local gradient, huge at its element 1 on every rank
         model[3].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), options["huge"]) if guard.step == 1 else g)
     for step in range(4):
@@ -774,7 +777,8 @@ def _run_guarded_loop(tmp_path: Path, world: int = 3, **options) -> list:
     script.write_text(GUARDED_LOOP)
     options = {"seed_per_rank": False, "global_batch": 12, "audit_every": 1, "frozen_flip": False,
                "transient_in_subgroup": False, "spectral_norm": False, "diverge": False, "data_dependent": False,
-               "dtype": "float32", "comm_hook": None, "huge": None, **options}
+               "dtype": "float32", "comm_hook": None, "huge": None, "fused": None, "transient_checksum": False,
+               **options}
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
                            str(script), json.dumps(options)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -795,6 +799,14 @@ def test_weight_fingerprint_covers_frozen_parameters(tmp_path):
     # A frozen layer's weight changes on rank 1 after step 2; the audit is off.
     alarms = _run_guarded_loop(tmp_path, frozen_flip=True, audit_every=0)
     assert alarms[0] == [2, "fingerprint", [1], {"first_differing_parameter": "0.weight"}]
+
+
+def test_fused_weight_alarm_whose_tensors_agree_when_read_again(tmp_path):
+    # The groups' checksums differ, each tensor's (gathered to name it) agree: the guard raised
+    # StopIteration from check_gradients looking for the first differing tensor.
+    alarms = _run_guarded_loop(tmp_path, fused=True, transient_checksum=True, audit_every=0)
+    assert alarms == [[1, "fingerprint", [1], {"first_differing_parameter": None, "transient": (
+        "each tensor's checksum agrees when read again: a wrong read or sum of the weights, not their bits")}]]
 
 
 def test_events_file_is_written_into_a_new_folder(one_rank, tmp_path):

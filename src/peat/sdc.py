@@ -520,9 +520,12 @@ class Guard:
             if self.fused:  # the groups' checksums tell which ranks differ; each tensor's, where
                 prints = self._all_gather(checksum(list(self.module.parameters())).to(self.device),
                                           "weight fingerprints per tensor")
-            first = next(i for i in range(len(prints[0])) if len({int(p[i]) for p in prints}) > 1)
-            name = [n for n, _ in self.module.named_parameters()][first]
-            detail = {"first_differing_parameter": name}
+            names = [n for n, _ in self.module.named_parameters()]
+            first = next((n for i, n in enumerate(names) if len({int(p[i]) for p in prints}) > 1), None)
+            detail = {"first_differing_parameter": first}
+            if first is None:  # fused: the groups' checksums differed, each tensor's (computed after) do not
+                detail["transient"] = ("each tensor's checksum agrees when read again: a wrong read or sum of "
+                                       "the weights, not their bits")
             if not localized:
                 detail["note"] = self._unlocalized("no majority of identical replicas")
             self._alarm("fingerprint", suspects, localized, detail, step)
