@@ -220,6 +220,13 @@ def test_fused_is_refused_in_one_line_where_ddp_has_a_comm_hook_or_sparse_gradie
     sparse = DistributedDataParallel(torch.nn.Embedding(10, 3, sparse=True))
     with pytest.raises(PeatError, match=r"but the model has sparse gradients: pass fused=False$"):
         sdc.Guard(sparse, fused=True)
+    # Reduced outside DDP's buckets, after the comm hook: a NaN in one rank's reached every replica unseen.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    delayed = DistributedDataParallel(model, delay_all_reduce_named_params=list(model[1].named_parameters("1")),
+                                      param_to_hook_all_reduce=model[0].weight)
+    with pytest.raises(PeatError, match=r"but DDP reduces trainable parameters outside its buckets \(1\.weight, "
+                                        r"1\.bias\): pass fused=False$"):
+        sdc.Guard(delayed, fused=True)
 
 
 # Three steps of one model with each DDP setting, guarded fused and plain; prints the settings whose

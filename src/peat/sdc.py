@@ -284,11 +284,16 @@ class Guard:
         """
         taken = self._has_comm_hook()  # the user's (no guard has registered its own yet)
         sparse = any(getattr(m, "sparse", False) for m in self.module.modules())  # DDP buckets those alone
-        if fused and (taken or sparse):
-            why = "the DDP model has a comm hook already" if taken else "the model has sparse gradients"
+        # DDP reduces these outside its buckets (delay_all_reduce_named_params, or not at all): the comm
+        # hook never sees them, so their NaN reached every replica unseen and the audit had no report.
+        ignored = getattr(self.ddp, "parameters_to_ignore", ())
+        apart = [n for n, p in self.module.named_parameters() if p.requires_grad and n in ignored]
+        if fused and (taken or sparse or apart):
+            why = ("the DDP model has a comm hook already" if taken else "the model has sparse gradients" if sparse
+                   else f"DDP reduces trainable parameters outside its buckets ({', '.join(apart)})")
             raise PeatError(f"sdc.Guard: fused=True needs DDP's comm hook, but {why}: pass fused=False")
         if fused is None:
-            return self.device.type == "cuda" and not (taken or sparse)
+            return self.device.type == "cuda" and not (taken or sparse or apart)
         return bool(fused)
 
     def _take_over(self) -> None:
