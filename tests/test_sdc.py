@@ -108,7 +108,7 @@ def test_guard_flags_only_nonfinite_steps_and_exchanges_no_flags_otherwise(one_r
 
 
 def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, steps: int = 3, audit_every: int = 0,
-                       guard: bool = True, keep: bool = True, dtype: torch.dtype = torch.float32):
+                       guard: bool = True, keep: bool = True, dtype: torch.dtype = torch.float32, ddp_options=None):
     """A few guarded steps of a stack of linear layers; per step: healthy, its gradients (copies:
     ``keep``), its audit report. ``guard`` False: the same DDP steps unguarded (with the comm hook
     a fused guard would add)."""
@@ -117,7 +117,7 @@ def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, 
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(dtype)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, **(ddp_options or {}))
     if guard:
         guard = sdc.Guard(ddp, policy="log", fused=fused, audit_every=audit_every)
     elif fused:
@@ -142,11 +142,17 @@ def _fused_or_not_step(fused: bool, layers: int = 2, nan_at: int | None = None, 
     return out, guard
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: every reduced element read
-def test_fused_checks_give_the_gradients_verdicts_and_audit_reports_of_the_per_parameter_ones(one_rank, dtype):
+@pytest.mark.parametrize("dtype, ddp_options", [
+    (torch.float32, {}),
+    (torch.bfloat16, {}),  # every reduced element read
+    (torch.float32, {"bucket_cap_mb": 1e-4, "gradient_as_bucket_view": True}),  # a bucket each, rebuilt after step 0
+    (torch.float32, {"static_graph": True}),  # step 0's buckets reduced at the end of its backward
+])
+def test_fused_checks_give_the_gradients_verdicts_and_audit_reports_of_the_per_parameter_ones(one_rank, dtype,
+                                                                                           ddp_options):
     for nan_at in (None, 1):
-        (apart, by_param), (fused, by_bucket) = (_fused_or_not_step(f, nan_at=nan_at, audit_every=1, dtype=dtype)
-                                                 for f in (False, True))
+        (apart, by_param), (fused, by_bucket) = (_fused_or_not_step(f, nan_at=nan_at, audit_every=1, dtype=dtype,
+                                                                    ddp_options=ddp_options) for f in (False, True))
         assert (by_param.fused, by_bucket.fused) == (False, True)
         for (ok_a, grads_a, report_a), (ok_f, grads_f, report_f) in zip(apart, fused):
             assert ok_a == ok_f
