@@ -1027,6 +1027,36 @@ def test_sparse_gradients_are_audited_and_checked(one_rank):
     assert (alarm.step, alarm.check, alarm.detail["flags"]) == (1, "nonfinite", [1])
 
 
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
+@pytest.mark.parametrize("fused", [False, True])
+def test_complex_gradients_are_audited_and_checked(one_rank, fused):
+    # Fused, every audit failed: DDP's bucket view of a complex gradient holds half of it. On a GPU, a
+    # NaN in an imaginary part passed the check: a complex sum cast to float64 keeps the real part.
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Complex(torch.nn.Module):
+        def forward(self, x):
+            return x.to(torch.complex64)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Complex(), torch.nn.Linear(4, 4).to(torch.complex64))
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1, fused=fused)
+    loss = lambda module: module(torch.ones(3, 4)).abs().sum()  # noqa: E731
+    for step in range(2):
+        if step == 1:  # NaN in one imaginary part
+            model[2].weight.register_hook(lambda g: g + torch.tensor([0, float("nan")]).view(torch.complex64))
+        guard.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        loss(guard.ddp).backward()
+        assert guard.check_gradients(replay=lambda r: loss(guard.module)) is (step == 0)
+        guard.check_weights()
+    (alarm,) = guard.alarms
+    assert (alarm.step, alarm.check, alarm.detail["flags"]) == (1, "nonfinite", [1])
+    imaginary_nan = torch.ones(3, dtype=torch.complex64)
+    imaginary_nan.imag[1] = float("nan")
+    assert sdc._flagged([sdc._mark_nonfinite_on_device(imaginary_nan)]) and imaginary_nan.real[0].isnan()
+
+
 def test_guard_rebuilt_after_unfreezing_replaces_the_last_one(one_rank):
     # Unfreezing a layer needs a new DDP and a new guard: the first guard's hooks, still on the
     # parameters, refused the new guard's first backward ("a gradient arrived after check_gradients()").

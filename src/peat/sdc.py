@@ -141,6 +141,7 @@ def gradient_fingerprint(grads) -> torch.Tensor:
 def _canonical(grad: torch.Tensor) -> torch.Tensor:
     if grad.is_sparse:  # nn.Embedding(sparse=True): as dense, its repeated rows summed in one order
         grad = grad.coalesce().to_dense()
+    grad = _real(grad)
     # -0.0 and +0.0 as one: a gradient accumulated into a zeroed .grad (zero_grad(set_to_none=False))
     # turns autograd's -0.0 into 0 + -0.0 = +0.0, which the replay's fresh gradient keeps as -0.0.
     return grad + 0.0
@@ -357,7 +358,7 @@ class Guard:
         the ranks (a future of the reduced bucket)."""
         buffer = bucket.buffer()
         if not self._retired:
-            self._check_local(zip(bucket.parameters(), bucket.gradients()), buffer)
+            self._check_local(_bucket_gradients(bucket, buffer), buffer)
             self._buckets.append(buffer)  # reduced in place: read by _reduced_nonfinite
         group = self.ddp.process_group
         self._scale_as_ddp(bucket, buffer, dist.get_world_size(group))
@@ -686,6 +687,21 @@ def _mark_nonfinite(grad: torch.Tensor, bad):
     return [*bad, _mark_nonfinite_on_device(grad)]
 
 
+def _bucket_gradients(bucket, buffer: torch.Tensor) -> list:
+    """``(param, local gradient)`` of a DDP bucket (``dist.GradBucket``); a complex one as its real view."""
+    params = bucket.parameters()
+    if not any(p.is_complex() for p in params):
+        return list(zip(params, bucket.gradients()))
+    # DDP lays a complex gradient out as its real view, two numbers each, but its views of the bucket
+    # count one each: they held half of that gradient, and the next ones started too early.
+    grads, start = [], 0
+    for param in params:
+        size = param.numel() * (2 if param.is_complex() else 1)
+        grads.append((param, buffer[start:start + size]))
+        start += size
+    return grads
+
+
 def _flagged(bad) -> bool:
     """Whether a step's flag (``_mark_nonfinite``) holds a non-finite gradient."""
     return bad if isinstance(bad, bool) else bool(bad) and not bool(torch.isfinite(torch.stack(bad)).all())
@@ -696,6 +712,7 @@ def _marks(grad: torch.Tensor) -> torch.Tensor:
     of a sparse gradient (the reduction sums and reorders the ranks' rows)."""
     if grad.is_sparse:
         return grad._values().reshape(-1)
+    grad = _real(grad)
     return grad[(0,) * grad.dim()].reshape(1) if grad.numel() else grad.reshape(0)
 
 
@@ -719,9 +736,16 @@ def _mark_nonfinite_host(grad: torch.Tensor, bad: bool) -> bool:
     return True
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (a view), as DDP's buckets hold it: its
+    float64 cast or sum keeps the real part only, and a fused report would not match."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _device_total(grad: torch.Tensor) -> torch.Tensor:
     """The gradient's float64 sum, non-finite exactly when one of its values is, with no host sync:
     finite values of a narrower float cannot overflow it."""
+    grad = _real(grad)
     if grad.dtype == torch.float64:  # a float64 sum may overflow: read the values instead
         return torch.where(torch.isfinite(grad).all(), 0.0, float("nan")).double()
     return grad.sum(dtype=torch.float64)
@@ -735,6 +759,7 @@ def _mark_nonfinite_on_device(grad: torch.Tensor) -> torch.Tensor:
     H200). The mark is first += -0.0 * total * total: -0.0 for a finite total, which leaves every
     value (-0.0 too) as it was, and NaN otherwise.
     """
+    grad = _real(grad)
     total = _device_total(grad)
     grad[(0,) * grad.dim()].addcmul_(total, total, value=-0.0)
     return total
