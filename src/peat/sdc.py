@@ -375,6 +375,9 @@ class Guard:
         if getattr(self.ddp, "batched_grad_copy", False):
             buffer.div_(world)
             return
+        if not self._grad_storage:  # without gradient_as_bucket_view: no loop over the parameters
+            buffer.mul_(1.0 / world)
+            return
         bucket_storage = buffer.untyped_storage().data_ptr()
         in_view = [self._grad_storage.get(id(p)) == bucket_storage for p in bucket.parameters()]
         if not any(in_view):
@@ -382,7 +385,7 @@ class Guard:
         elif all(in_view):
             buffer.div_(world)
         else:
-            for grad, divided in zip(bucket.gradients(), in_view):
+            for (_, grad), divided in zip(_bucket_gradients(bucket, buffer), in_view):
                 grad.div_(world) if divided else grad.mul_(1.0 / world)
 
     def _check_local(self, grads, marked: torch.Tensor) -> None:
