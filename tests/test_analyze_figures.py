@@ -295,3 +295,21 @@ def test_jobs_read_the_list_columns_only_for_the_figures_drawing_them(table, tmp
     analyze.analyze(table, tmp_path / "context.h5", tmp_path / "whole")  # the same, from the whole table
     for name in ("layers.csv", "summary.json", "bits.png", "spatial.png", "distributions.png"):
         assert (tmp_path / "job" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_figures_name_a_crash_of_the_kernel_under_an_operand_pseudo_error(table, tmp_path, drawn):
+    """fp16 calls the kernel again on rounded operands: a kernel crashing there failed its verdict
+    (detect.judge: "crash") while every figure named no failure, its fp16 forward line just missing.
+    A pseudo-error that cannot act on the op is no failure of the kernel."""
+    from matplotlib.text import Text
+
+    table = table.assign(error=None, status=None)
+    crashed = {"case": "fp16", "computation": "forward", "layer": "b", "fop": None, "tensor": None, "step": 0,
+               "error": "RuntimeError: late crash", "status": "crash"}
+    skipped = {**crashed, "case": "tile:4:splitk", "error": "ValueError: no K", "status": "not_applicable"}
+    table = pd.concat([table, pd.DataFrame([crashed, skipped])], ignore_index=True)
+    assert analyze.failures(table) == ["forward (layer b, case fp16) crash: RuntimeError: late crash"]
+    analyze.figures(table, tmp_path)
+    for name, fig in drawn.items():
+        text = " ".join(t.get_text() for t in fig.findobj(Text))
+        assert "case fp16) crash: RuntimeError: late crash" in text and "no K" not in text, name
