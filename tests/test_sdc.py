@@ -1250,14 +1250,16 @@ def test_nonfinite_gradients_on_every_rank_blame_the_run_not_a_rank(tmp_path):
                             "the run diverged or the data is bad; no faulty rank)")
 
 
-@pytest.mark.parametrize("world, dtype, comm_hook, huge", [
-    (2, "float32", "fp16_compress_hook", 1e5),  # the hook's cast to float16 overflows
-    (3, "float16", None, 65504.0),  # DDP's own mean: 65504 / 3 rounds up to 21840, 3 x 21840 overflows
+@pytest.mark.parametrize("world, dtype, comm_hook, huge, fused", [
+    (2, "float32", "fp16_compress_hook", 1e5, None),  # the hook's cast to float16 overflows
+    (3, "float16", None, 65504.0, None),  # DDP's own mean: 65504 / 3 rounds up to 21840, 3 x 21840 overflows
+    (3, "float16", None, 65504.0, True),  # the same mean in the guard's comm hook, read per bucket
 ])
-def test_overflow_in_the_all_reduce_anywhere_skips_the_step(tmp_path, world, dtype, comm_hook, huge):
+def test_overflow_in_the_all_reduce_anywhere_skips_the_step(tmp_path, world, dtype, comm_hook, huge, fused):
     """Every rank's local gradient is finite, the all-reduced one is Inf at a non-first element. Only the
     first elements were read: no alarm, ever, and the optimizer wrote -Inf into every replica's bias."""
-    alarms = _run_guarded_loop(tmp_path, world, audit_every=0, dtype=dtype, comm_hook=comm_hook, huge=huge)
+    alarms = _run_guarded_loop(tmp_path, world, audit_every=0, dtype=dtype, comm_hook=comm_hook, huge=huge,
+                               fused=fused)
     assert alarms == [[1, "nonfinite", list(range(world)),
                        {"flags": [0] * world, "note": "only the all-reduced gradient is non-finite (overflow in the sum)"}]]
 
