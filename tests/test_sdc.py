@@ -257,11 +257,11 @@ class Net(torch.nn.Sequential):
 differ = []
 for setting in settings:
     runs = []
-    for fused in (True, None):
+    for guarded in (True, False):
         torch.manual_seed(0)
         model = Net(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         ddp = DistributedDataParallel(model, find_unused_parameters=True, **setting)
-        guard = sdc.Guard(ddp, fused=True) if fused else None
+        guard = sdc.Guard(ddp, fused=True) if guarded else None
         grads = []
         for step in range(3):
             guard and guard.begin_step(step)
