@@ -3,13 +3,15 @@ named. On a small synthetic playback table (no replay: the figures read only the
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.image import AxesImage
 
-from peat import analyze, report
+from peat import analyze, detect, report
 
 
 def _row(case, computation, layer, step, err, rel, scale):
@@ -313,3 +315,22 @@ def test_figures_name_a_crash_of_the_kernel_under_an_operand_pseudo_error(table,
     for name, fig in drawn.items():
         text = " ".join(t.get_text() for t in fig.findobj(Text))
         assert "case fp16) crash: RuntimeError: late crash" in text and "no K" not in text, name
+
+
+def test_figures_of_a_context_whose_layers_the_computations_skip_say_so(table, tmp_path, drawn):
+    """The kernel's only recorded layer is the network's first, replayed for its input gradient
+    alone: no row. The figures said the context had no recorded layer of the kernel's op, where the
+    Detector's verdict (evidence.reason) names the layer and why."""
+    import h5py
+    from matplotlib.text import Text
+
+    table.iloc[:0].to_parquet(tmp_path / "t.parquet")
+    h5py.File(tmp_path / "context.h5", "w").close()
+    record = {"context": "context.h5", "layers": ["conv1"], "outcomes": []}
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    analyze.run_job(tmp_path / "t.parquet", tmp_path / "context.h5", tmp_path / "job", record=tmp_path / "record.json")
+    assert set(drawn) == set(analyze.FIGURES)
+    for name, fig in drawn.items():
+        text = " ".join(t.get_text() for t in fig.findobj(Text)).replace("\n", " ")
+        assert "no recorded layer" not in text and "(conv1)" in text and "no sample" in text, (name, text)
+    assert "(conv1)" in detect.judge(table.iloc[:0], record)["evidence"]["reason"]

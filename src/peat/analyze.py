@@ -30,6 +30,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from .detect import not_applicable  # noqa: E402
 from .io import atomic_path, iter_list_rows, open_h5, read_json, read_parquet_scalars, write_csv, write_json  # noqa: E402
 
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
@@ -240,15 +241,17 @@ def _note(fig, text: str) -> None:
     fig.suptitle(textwrap.fill(text, int(fig.get_figwidth() * 14)), y=1.0, va="bottom", fontsize=8)
 
 
-def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] = (), lists=None) -> None:
+def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] = (), lists=None,
+            unreplayed: str = "the context has no recorded layer of this kernel's op") -> None:
     """``lists(column, index)``: the arrays of a list column (``bits``, ``map``) at the increasing
-    index labels; by default from ``table``, which then holds them."""
+    index labels; by default from ``table``, which then holds them. ``unreplayed``: why a table
+    without rows or failures has none (``detect.not_applicable`` of the playback record)."""
     lists = lists or (lambda column, index: iter(table.loc[index, column]))
     failed = failures(table, outcomes)
     own = _ok(table)
     own = own[own["fop"] == "output"] if len(own) else own
     if own.empty:
-        text = "no scored rows" if failed else "no playback rows: the context has no recorded layer of this kernel's op"
+        text = "no scored rows" if failed else f"no playback rows: {unreplayed}"
         for name in FIGURES:
             _empty(out / f"{name}.png", text, dpi, failed)
         return
@@ -411,9 +414,9 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], li
 
 
 def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int = 80, outcomes: list[dict] = (),
-            lists=None) -> dict:
+            lists=None, record: dict | None = None) -> dict:
     """``outcomes``: the playback record's, whose failed probes left no row to plot; ``lists``: see
-    ``figures``."""
+    ``figures``; ``record``: the playback record, which says why nothing was replayed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     layers = per_layer(table) if len(table) else pd.DataFrame(columns=KEYS)
@@ -425,7 +428,10 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
                    "propagation": propagation(own)}
     write_csv(out / "layers.csv", layers)
     write_json(out / "summary.json", summary)
-    figures(_results(table), out, dpi, outcomes, lists)
+    # Not "no recorded layer" alone: a context recording the kernel's layers at no step the replayed
+    # computations apply to (the first layer's input gradient, an idle expert) was said to have none.
+    unreplayed = {} if record is None else {"unreplayed": not_applicable(record)}
+    figures(_results(table), out, dpi, outcomes, lists, **unreplayed)
     return summary
 
 
@@ -438,6 +444,7 @@ def _results(frame: pd.DataFrame) -> pd.DataFrame:
 def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: int = 80,
             record: str | Path | None = None) -> dict:
     """One workflow job: tables and figures of one kernel's playback table (and its record's outcomes)."""
-    outcomes = read_json(record).get("outcomes", []) if record is not None else []
-    return analyze(read_parquet_scalars(table_path, COLUMNS), context, out, dpi, outcomes,
-                   lambda column, index: iter_list_rows(table_path, column, index))
+    record = read_json(record) if record is not None else None
+    return analyze(read_parquet_scalars(table_path, COLUMNS), context, out, dpi,
+                   record.get("outcomes", []) if record else [],
+                   lambda column, index: iter_list_rows(table_path, column, index), record)

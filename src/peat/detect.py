@@ -230,7 +230,7 @@ def rules_from(section: dict | None) -> Rules:
     return Rules(**{k: v for k, v in (section or {}).items() if k in names})
 
 
-def _not_applicable(record: dict) -> str:
+def not_applicable(record: dict) -> str:
     """Why a playback replayed nothing: no recorded layer of the kernel's op, or layers of it with no
     sample the configured computations apply to (the first layer has no input gradient)."""
     if record.get("layers"):
@@ -257,7 +257,7 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules = Rules()) -> dict:
         result = verdict(table, rules, outcome=outcome)
     else:
         result = {"verdict": "pass", "error_model": "none", "confidence": 0.0, "layers": [],
-                  "evidence": {"applicable": False, "reason": _not_applicable(record)}}
+                  "evidence": {"applicable": False, "reason": not_applicable(record)}}
     result["evidence"]["outcomes"] = record.get("outcomes", [])
     result["evidence"]["timings"] = record.get("timings", {})
     result["provenance"] = record.get("provenance", {})
