@@ -479,3 +479,21 @@ def test_bf16_gemm_on_gpt2_attention_weight_gradient_is_reduced_precision(gpt2_c
     # A tile fault of the fp32 kernel in the same tensor is still a tile: it leaves the rest exact.
     tile = kernels.call(errors.faulty(gold, "tile:16:splitk", "weight_grad", seed=0), "weight_grad", sample, attrs)
     assert classify(tile, golden, env) == "block_structured"
+
+
+def test_a_kernel_failed_for_reduced_precision_names_its_first_bug():
+    """With accept_reduced_precision false, an fp16 GEMM fails as reduced_precision: its evidence
+    named no first_bug (only the six bug classes counted), where every other fail names one."""
+    import pandas as pd
+
+    sample, attrs, golden, ref, env = case("linear")
+    fp16 = kernels.call(kernels.load("peat.alt_kernels.fp16_gemm", "linear"), "forward", sample, attrs)
+    rows = [{**evidence.evidence(candidate, golden, env), "case": "kernel", "fop": "output", "op": "linear",
+             "layer": "fc", "computation": "forward", "tensor": "O", "step": step, "rel_top10": 1.0,
+             "rel_var": 1.0, "allclose": False} for step, candidate in ((0, golden.clone()), (1, fp16))]
+    table = pd.DataFrame(rows)
+    strict = detect.verdict(table, detect.Rules(accept_reduced_precision=False))
+    assert (strict["verdict"], strict["error_model"]) == ("fail", "reduced_precision")
+    assert strict["evidence"]["first_bug"]["step"] == 1
+    assert strict["evidence"]["first_bug"]["error_model"] == "reduced_precision"
+    assert "first_bug" not in detect.verdict(table)["evidence"]  # a pass: nothing to name
