@@ -470,6 +470,19 @@ def test_forward_over_backward_does_not_depend_on_which_backward_median_is_nan()
         assert row["forward_over_backward"] == 2.0
 
 
+def test_propagation_compares_the_output_at_the_steps_followed_downstream():
+    """propagate_samples follows 1 of 4 replayed steps: the output's median over the 4 (163, fp16 at
+    the test config's conv1) sat beside the loss at the one followed, where the output was 982."""
+    rows = [{"case": "fp16", "computation": "forward", "layer": "conv1", "fop": "output", "step": s, "rel_top10": v}
+            for s, v in zip((0, 2, 4, 6), (982.0, 170.0, 156.0, 115.0))]
+    rows += [{"case": "fp16", "computation": "forward", "layer": "conv1", "fop": "loss", "step": 0, "rel_top10": 149.0},
+             {"case": "fp16", "computation": "forward", "layer": "fc", "fop": "output", "step": 0, "rel_top10": 5.0},
+             {"case": "fp16", "computation": "forward", "layer": "fc", "fop": "output", "step": 2, "rel_top10": 7.0}]
+    got = {r["layer"]: r for r in analyze.propagation(pd.DataFrame(rows))}
+    assert got["conv1"] == {"case": "fp16", "layer": "conv1", "output": 982.0, "loss": 149.0}
+    assert got["fc"] == {"case": "fp16", "layer": "fc", "output": 6.0}  # not followed: every replayed step
+
+
 def test_score_vs_iteration_panel_titles_do_not_overlap(context, tmp_path, monkeypatch):
     table, _ = replay(context, "linear", errors=[], max_samples=1)
     titles = []
