@@ -497,3 +497,18 @@ def test_a_kernel_failed_for_reduced_precision_names_its_first_bug():
     assert strict["evidence"]["first_bug"]["step"] == 1
     assert strict["evidence"]["first_bug"]["error_model"] == "reduced_precision"
     assert "first_bug" not in detect.verdict(table)["evidence"]  # a pass: nothing to name
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1 cut short"])
+def test_a_damaged_playback_table_is_one_line_naming_it(tmp_path, content):
+    """The detect and analyze jobs ended in pyarrow's "Parquet file size is 0 bytes", naming no file."""
+    from peat import analyze
+    from peat.io import PeatError
+
+    table = tmp_path / "k.parquet"
+    table.write_bytes(content)
+    (tmp_path / "k.json").write_text('{"outcomes": []}')
+    with pytest.raises(PeatError, match=rf"^{table}: not a readable parquet table \("):
+        detect.run_job(table, tmp_path / "k.json", tmp_path / "v.json")
+    with pytest.raises(PeatError, match=rf"^{table}: not a readable parquet table \("):
+        analyze.run_job(table, tmp_path / "context.h5", tmp_path / "analyze", record=tmp_path / "k.json")

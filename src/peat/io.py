@@ -101,7 +101,10 @@ def read_parquet_scalars(path: str | os.PathLike, columns=None):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as err:  # pyarrow's own message names no file ("file size is 0 bytes")
+        raise PeatError(f"{path}: not a readable parquet table ({err})") from None
     names = [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)]
     if columns is not None:
         names = [c for c in columns if c in names]
