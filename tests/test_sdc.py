@@ -1006,6 +1006,38 @@ def test_audit_with_gradients_zeroed_in_place(one_rank):
     assert guard.alarms == []
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("layer_before", [False, True])
+def test_audit_of_a_model_with_reentrant_checkpointing(one_rank, fused, layer_before):
+    # torch.utils.checkpoint(use_reentrant=True) (DDP with static_graph) runs a backward of its own:
+    # autograd.grad refused it (the first audit crashed every rank) or, with no parameter before the
+    # checkpoint, skipped it (zeros for the parameters inside: an audit alarm at every audit step).
+    # The replay must leave .grad as it was.
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Sequential):
+        def forward(self, x):
+            return self[2](checkpoint(self[1], self[0](x), use_reentrant=True))
+
+    torch.manual_seed(0)
+    model = Net(torch.nn.Linear(4, 4) if layer_before else torch.nn.Identity(), torch.nn.Linear(4, 4),
+                torch.nn.Linear(4, 2))
+    guard = sdc.Guard(DistributedDataParallel(model, static_graph=True), audit_every=1, fused=fused)
+    x = torch.randn(3, 4, requires_grad=True)  # checkpoint's reentrant backward needs an input with a gradient
+    loss = lambda module: module(x).square().sum()  # noqa: E731
+    for step in range(3):
+        guard.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        loss(guard.ddp).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        assert guard.check_gradients(replay=lambda r: loss(guard.module))
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        guard.check_weights()
+    guard.finish()
+    assert guard.alarms == []
+
+
 def test_sparse_gradients_are_audited_and_checked(one_rank):
     # nn.Embedding(sparse=True): every audit failed with "reshape is not implemented for sparse tensors",
     # and a non-finite sparse gradient crashed its rank (isfinite has no sparse kernel) instead of an alarm.

@@ -256,6 +256,7 @@ class Guard:
         self._fired, self._checked, self._weights_due = None, False, False
         self._weights = None  # (step, pending gather) of the last weight checksums
         self._retired = False  # replaced by a guard built later for the same model (_take_over)
+        self._replaying = False  # see _backward
         self._take_over()
         if self.fused:
             # DDP's comm hook sees each bucket's local gradients before they are shared: the check then
@@ -349,6 +350,8 @@ class Guard:
         and the step will be skipped), so that after the all-reduce every rank finds out from that
         one element of the reduced gradient, without exchanging flags on healthy steps.
         """
+        if self._replaying:
+            return
         grad = param.grad.detach()
         self._check_local([(param, grad)], grad)
 
@@ -365,7 +368,8 @@ class Guard:
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
     def _on_accumulated(self, param: torch.Tensor) -> None:
-        self._grad_storage[id(param)] = param.grad.untyped_storage().data_ptr()
+        if not self._replaying:
+            self._grad_storage[id(param)] = param.grad.untyped_storage().data_ptr()
 
     def _scale_as_ddp(self, bucket, buffer: torch.Tensor, world: int) -> None:
         """Scale a bucket as DDP's own all-reduce does before summing, bit for bit: x * (1/3) and x / 3
@@ -595,12 +599,37 @@ class Guard:
                 loss = replay(rank)
                 # Parameters frozen since the guard was built report no gradient (zeros), as here.
                 trained = [p for p in self.params if p.requires_grad]
-                grads = dict(zip(map(id, trained), torch.autograd.grad(loss, trained, allow_unused=True)))
+                nodes = _graph(loss)
+                # torch.utils.checkpoint(use_reentrant=True) runs a backward of its own, into .grad, where
+                # autograd.grad refuses it, or skips it with no path from a parameter into the checkpoint
+                # (the gradients of the parameters inside it were then zeros): a crash or a false alarm.
+                if any(type(node).__name__ == "CheckpointFunctionBackward" for node in nodes):
+                    leaves = trained + [n.variable for n in nodes if type(n).__name__ == "AccumulateGrad"]
+                    grads = self._backward(loss, leaves)
+                else:
+                    grads = torch.autograd.grad(loss, trained, allow_unused=True)
+                grads = dict(zip(map(id, trained), grads))
         finally:
             _set_rng_state(after, self.device)
             _set_buffers(self.module, buffers)
         return gradient_fingerprint([torch.zeros_like(p) if grads.get(id(p)) is None else grads[id(p)]
                                      for p in self.params])
+
+    def _backward(self, loss: torch.Tensor, leaves: list) -> list:
+        """The gradients of ``loss`` for ``leaves`` (the first ones: the rest only keep their ``.grad``)
+        by ``loss.backward()``, each leaf's ``.grad`` emptied before and restored after, the guard's
+        gradient hooks muted meanwhile."""
+        kept = [leaf.grad for leaf in leaves]
+        self._replaying = True
+        try:
+            for leaf in leaves:
+                leaf.grad = None
+            loss.backward()
+            return [leaf.grad for leaf in leaves]
+        finally:
+            self._replaying = False
+            for leaf, grad in zip(leaves, kept):
+                leaf.grad = grad
 
     # - alarms -
 
@@ -703,6 +732,17 @@ def _bucket_gradients(bucket, buffer: torch.Tensor) -> list:
         grads.append((param, buffer[start:start + size]))
         start += size
     return grads
+
+
+def _graph(loss: torch.Tensor) -> list:
+    """The nodes of ``loss``'s autograd graph (each once)."""
+    nodes, todo = {}, [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in nodes:
+            nodes[node] = None
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return list(nodes)
 
 
 def _flagged(bad) -> bool:
