@@ -512,3 +512,20 @@ def test_a_damaged_playback_table_is_one_line_naming_it(tmp_path, content):
         detect.run_job(table, tmp_path / "k.json", tmp_path / "v.json")
     with pytest.raises(PeatError, match=rf"^{table}: not a readable parquet table \("):
         analyze.run_job(table, tmp_path / "context.h5", tmp_path / "analyze", record=tmp_path / "k.json")
+
+
+def test_rule_of_thumb_on_an_all_nan_result_fails_it_without_a_warning():
+    """An all-NaN output has NaN scores: np.nanmin's "All-NaN slice encountered" went to the log of
+    every detect job of such a kernel; the layer fails with no variance floor, a norm's and a GEMM's alike."""
+    import warnings
+
+    import pandas as pd
+
+    rows = pd.DataFrame({"layer": ["ln", "ln", "fc"], "computation": "forward", "op": ["layer_norm", "layer_norm", "linear"],
+                         "tensor": "O", "rel_top10": [np.nan, 2.0, np.nan], "rel_var": [np.nan, 1e12, np.nan],
+                         "nonfinite": [8, 0, 8]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = detect.peat_rule_of_thumb(rows)
+    assert got["verdict"] == "fail" and [f["layer"] for f in got["failed"]] == ["fc", "ln"]
+    assert math.isnan(got["failed"][0]["log10_var_floor"]) and got["failed"][1]["log10_var_floor"] == 12.0
