@@ -1038,6 +1038,20 @@ def test_audit_of_a_model_with_reentrant_checkpointing(one_rank, fused, layer_be
     assert guard.alarms == []
 
 
+def _nan_at_step_one_is_the_one_alarm(guard, model, loss, param, poison) -> None:
+    """Two audited steps, ``param``'s gradient poisoned in the second: one non-finite alarm there."""
+    for step in range(2):
+        if step == 1:
+            param.register_hook(poison)
+        guard.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        loss(guard.ddp).backward()
+        assert guard.check_gradients(replay=lambda r: loss(guard.module)) is (step == 0)
+        guard.check_weights()
+    (alarm,) = guard.alarms
+    assert (alarm.step, alarm.check, alarm.detail["flags"]) == (1, "nonfinite", [1])
+
+
 def test_sparse_gradients_are_audited_and_checked(one_rank):
     # nn.Embedding(sparse=True): every audit failed with "reshape is not implemented for sparse tensors",
     # and a non-finite sparse gradient crashed its rank (isfinite has no sparse kernel) instead of an alarm.
@@ -1047,16 +1061,7 @@ def test_sparse_gradients_are_audited_and_checked(one_rank):
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
     guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
     loss = lambda module: module(torch.tensor([1, 2, 2])).sum()  # noqa: E731
-    for step in range(2):
-        if step == 1:
-            model[0].weight.register_hook(lambda g: g * float("nan"))
-        guard.begin_step(step)
-        model.zero_grad(set_to_none=True)
-        loss(guard.ddp).backward()
-        assert guard.check_gradients(replay=lambda r: loss(guard.module)) is (step == 0)
-        guard.check_weights()
-    (alarm,) = guard.alarms
-    assert (alarm.step, alarm.check, alarm.detail["flags"]) == (1, "nonfinite", [1])
+    _nan_at_step_one_is_the_one_alarm(guard, model, loss, model[0].weight, lambda g: g * float("nan"))
 
 
 @pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
@@ -1074,16 +1079,9 @@ def test_complex_gradients_are_audited_and_checked(one_rank, fused):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), Complex(), torch.nn.Linear(4, 4).to(torch.complex64))
     guard = sdc.Guard(DistributedDataParallel(model), audit_every=1, fused=fused)
     loss = lambda module: module(torch.ones(3, 4)).abs().sum()  # noqa: E731
-    for step in range(2):
-        if step == 1:  # NaN in one imaginary part
-            model[2].weight.register_hook(lambda g: g + torch.tensor([0, float("nan")]).view(torch.complex64))
-        guard.begin_step(step)
-        model.zero_grad(set_to_none=True)
-        loss(guard.ddp).backward()
-        assert guard.check_gradients(replay=lambda r: loss(guard.module)) is (step == 0)
-        guard.check_weights()
-    (alarm,) = guard.alarms
-    assert (alarm.step, alarm.check, alarm.detail["flags"]) == (1, "nonfinite", [1])
+    # NaN in one imaginary part
+    nan = lambda g: g + torch.tensor([0, float("nan")]).view(torch.complex64)  # noqa: E731
+    _nan_at_step_one_is_the_one_alarm(guard, model, loss, model[2].weight, nan)
     imaginary_nan = torch.ones(3, dtype=torch.complex64)
     imaginary_nan.imag[1] = float("nan")
     assert sdc._flagged([sdc._mark_nonfinite_on_device(imaginary_nan)]) and imaginary_nan.real[0].isnan()
