@@ -334,3 +334,18 @@ def test_figures_of_a_context_whose_layers_the_computations_skip_say_so(table, t
         text = " ".join(t.get_text() for t in fig.findobj(Text)).replace("\n", " ")
         assert "no recorded layer" not in text and "(conv1)" in text and "no sample" in text, (name, text)
     assert "(conv1)" in detect.judge(table.iloc[:0], record)["evidence"]["reason"]
+
+
+def test_a_kernel_failure_message_with_dollar_signs_is_written_as_it_is(table, tmp_path, drawn):
+    """The failures under the panels were parsed as mathtext: a kernel's message holding "$x^$" ended
+    the analyze job in a ParseSyntaxException (and "$A_{ij}$" was drawn as a formula)."""
+    from matplotlib.text import Text
+
+    message = "RuntimeError: bad shape for $A_{ij}$ and $x^$"
+    outcomes = [{"computation": "weight_grad", "layer": "a", "status": "crash", "message": message}]
+    analyze.figures(table, tmp_path, outcomes=outcomes)
+    analyze.figures(table.iloc[:0], tmp_path / "none", outcomes=outcomes)  # nothing scored: the "no rows" figures
+    for name, fig in drawn.items():  # as matplotlib draws them: plain text, the message whole
+        drawn_texts = [t._preprocess_math(t.get_text()) for t in fig.findobj(Text)]
+        assert any(message in text and not math for text, math in drawn_texts), name
+    assert (tmp_path / "none" / "heatmap.png").exists()

@@ -213,17 +213,23 @@ def _save(fig, path: Path, dpi: int, failed: list[str] = ()) -> None:
     if failed:  # under everything drawn, tick labels included (the figure's bottom edge cuts through them)
         box = fig.get_tightbbox()  # in inches
         fig.text(box.x0 / fig.get_figwidth(), box.y0 / fig.get_figheight(),
-                 "\n".join(["kernel failures, not plotted:", *failed]), ha="left", va="top", fontsize=7,
+                 _literal("\n".join(["kernel failures, not plotted:", *failed])), ha="left", va="top", fontsize=7,
                  color="firebrick", wrap=True)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
     plt.close(fig)
 
 
+def _literal(text: str) -> str:
+    """``text`` drawn as it is: a kernel's failure message holding "$x^$" ended the job in mathtext's
+    ParseSyntaxException (``parse_math=False`` does not reach a wrapped text's measuring)."""
+    return text.replace("$", r"\$")
+
+
 def _empty(path: Path, text: str, dpi: int, failed: list[str] = ()) -> None:
     fig, ax = plt.subplots(figsize=(5, 1.2))
     ax.axis("off")
-    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True)
+    ax.text(0.5, 0.5, _literal(text), ha="center", va="center", wrap=True)
     _save(fig, path, dpi, failed)
 
 
