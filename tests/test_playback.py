@@ -380,6 +380,20 @@ def test_variants_injecting_into_results_reuse_the_kernels_result(context, tmp_p
     assert set(table.loc[table["case"] == "rv:2", "error_model"]) == {"random_value"}
 
 
+def test_a_kernel_returning_one_buffer_does_not_change_the_result_variants_inject_into(context, tmp_path):
+    """rv:2 and lane:4 inject into the kernel case's result; bf16 calls the kernel again before them,
+    which overwrote a persistent output buffer: they were scored on bf16's output."""
+    buffered = tmp_path / "buffered.py"
+    buffered.write_text("import torch\nBUF = {}\ndef forward(x, weight, bias):\n"
+                        "    out = BUF.setdefault(x.shape, torch.empty(x.shape[0], weight.shape[0]))\n"
+                        "    return out.copy_(torch.nn.functional.linear(x, weight, bias))\n")
+    specs = dict(errors=["bf16", "rv:2", "lane:4"], layers=["4"], computations=("forward",), max_samples=2)
+    fresh, _ = replay(context, **specs)
+    table, _ = replay(context, kernel=kernels.load(str(buffered), "linear"), **specs)
+    cols = ["step", "case", "err_max", "err_mean"]
+    pd.testing.assert_frame_equal(table[cols], fresh[cols])
+
+
 def test_each_case_is_scored_and_dropped_before_the_next_is_computed(context, monkeypatch):
     """Playback held every case's result of a computation (golden, fp64, the rounded references,
     the kernel, every error model) until all were scored: 4 GB per computation of a 45M-element

@@ -204,7 +204,10 @@ def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32)
     updated = {}
     with timer("kernel"):
         out = kernels.call(kernel, computation, sample, attrs, dtype, updated=updated)
-    return {kernels.TARGET[computation]: out.cpu(), **{name: t.cpu() for name, t in updated.items()}}
+    # A copy even on the CPU (where .cpu() is the result itself): a kernel returning one persistent
+    # buffer overwrote the kernel case's result with the next variant's call, and the variants
+    # injecting into that result (errors.reuses) were scored on another case's output.
+    return {kernels.TARGET[computation]: out.to("cpu", copy=True), **{name: t.cpu() for name, t in updated.items()}}
 
 
 def _injected(timer: Timer, kernel, computation, result: torch.Tensor, sample, attrs) -> torch.Tensor:
