@@ -1009,6 +1009,21 @@ def test_one_pass_summary_statistics_agree_with_torch(name):
     assert got[5] == (~torch.isfinite(t)).sum().item()
 
 
+def test_summary_statistics_of_finite_values_near_the_float32_maximum_are_finite():
+    """A diverging layer's finite outputs near 3e38: their float32 sum overflowed, so the torch
+    fallback (non-contiguous tensors such as channels-last activations, no compiler, or the C loop
+    whose float deviations overflowed) summarised them as mean NaN, std NaN, none non-finite."""
+    near_max = torch.tensor([3e38, -3e38] * 16)
+    channels_last = (torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(0)) * 1e37 + 2e38) \
+        .contiguous(memory_format=torch.channels_last)
+    for t in (near_max, channels_last, channels_last.contiguous()):
+        d = t.double()
+        for row in (tensor_stats.stats(t), tensor_stats.stats_torch(t)):
+            row = np.asarray(row, dtype=np.float64)
+            np.testing.assert_allclose(row[:2], [d.mean().item(), d.std().item()], rtol=1e-6, atol=1e-6 * d.std().item())
+            assert row[5] == 0
+
+
 def test_summary_statistics_of_an_empty_tensor_are_nan_with_none_bad():
     row = np.asarray(tensor_stats.stats(torch.zeros(0, 8)), dtype=np.float64)
     assert np.isnan(row[:5]).all() and row[5] == 0

@@ -458,17 +458,16 @@ def stats_torch(t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([math.nan] * 5 + [0.0], device=t.device)
     if t.device.type != "cpu":
         return _stats_batch([t])[0]
-    # sum and a norm are an order of magnitude faster than torch.std_mean on CPU.
-    mean = t.sum() / t.numel()
+    # sum and a norm are an order of magnitude faster than torch.std_mean on CPU. Summed in float64:
+    # a float32 sum of finite values near the float32 maximum (a diverging layer) is inf or NaN.
+    mean = t.sum(dtype=torch.float64) / t.numel()
     lo, hi = torch.aminmax(t)
-    deviations = t - mean
-    # Float squares of tiny or huge deviations under- or overflow: scale them near 1 first.
-    scale = _scale(max(hi.item() - mean.item(), mean.item() - lo.item()))
-    if scale != 1.0:
-        deviations.mul_(scale)
-    std = torch.linalg.vector_norm(deviations) / max(t.numel() - 1, 1) ** 0.5
-    if scale != 1.0:  # apart: float32 scale * sqrt(n - 1) may overflow
-        std = std / scale
+    # Float32 squares of tiny or huge deviations under- or overflow, and huge deviations themselves
+    # may: those (rare) are taken in float64, where neither happens.
+    wide = _scale(max(hi.item() - mean.item(), mean.item() - lo.item())) != 1.0
+    deviations = t.double() - mean if wide else t - mean.float()
+    std = (torch.linalg.vector_norm(deviations) / max(t.numel() - 1, 1) ** 0.5).float()
+    mean = mean.float()
     absmax = torch.maximum(lo.abs(), hi.abs())
     # One cheap reduction in the common case: the sum of finite tensors is finite.
     bad = (~torch.isfinite(t)).sum().float() if not torch.isfinite(mean) else torch.zeros((), device=t.device)
