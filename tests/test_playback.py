@@ -806,6 +806,29 @@ def test_the_rebuild_draws_training_dropout_masks_at_an_epochs_first_step(digits
     recon = table[table["fop"] == "loss"].groupby("step")["recon_error"].max()
     assert recon[0] == 0 and recon[2] == 0 and recon[1] > 0
 
+def test_a_kernel_drawing_random_numbers_leaves_the_dropout_masks_downstream_alone(digits, tmp_path):
+    """MobileNet's classifier drops its input after the last conv: a conv kernel drawing one number
+    from the global generator shifted that mask, and golden's own results scored an error at the loss."""
+    from peat.propagate import Propagator
+    from peat.train import train_model
+
+    spec = {"arch": "mobilenet_v2", "dataset": "digits", "epochs": 1, "batch_size": 16, "max_train_samples": 16,
+            "optimizer": {"name": "sgd", "lr": 0.05}, "record": {"layers": ["features.18.0"], "every": 1}}
+    train_model("mobilenet", spec, digits, tmp_path, seed=0, threads=1, config_hash="h", progress=False)
+
+    def drawing(x, weight, bias, **hp):
+        torch.rand(())
+        return nn.functional.conv2d(x, weight, bias, **hp)
+
+    kernel = kernels.Kernel("drawing", "conv2d", **(kernels.GOLDEN["conv2d"] | {"forward": drawing}),
+                            custom=("forward",))
+    prop = Propagator(context=tmp_path / "context.h5", spec=spec, data=digits, checkpoints=tmp_path / "checkpoints",
+                      samples=None)
+    table, _ = replay(tmp_path / "context.h5", kernel=kernel, errors=[], computations=("forward",), propagate=prop)
+    own = table[table["case"] == "kernel"].set_index("fop")
+    assert set(own.index) == {"output", "loss"} and (own["err_max"] == 0).all()
+
+
 def test_downstream_variants_injecting_into_results_reuse_the_kernels_output_there(golden_run, tmp_path):
     from peat.propagate import Propagator
 

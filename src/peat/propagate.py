@@ -208,7 +208,9 @@ class Propagator:
             own, kept = variants.get("kernel"), {}  # the kernel itself; its output at L, and its input there
 
             def call(kernel, live, a):
-                with timed("kernel"):
+                # Under a forked generator: a kernel drawing from the global one (stochastic rounding)
+                # shifted the dropout masks after L, an error at the loss that was none of its results'.
+                with timed("kernel"), torch.random.fork_rng(devices=[a.device] if a.is_cuda else []):
                     if kept and kernel is not own and torch.equal(kept["A"], a) and errors.reuses(kernel, "forward", own):
                         # As at the kernel's output (playback._injected): the variant's error on the kernel's result.
                         return errors.inject(kernel, "forward", kept["O"], *kernels.operands(attrs["op"], "forward",
