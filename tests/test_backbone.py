@@ -1187,6 +1187,35 @@ def test_a_run_interrupted_saving_its_final_checkpoint_resumes_in_this_process(t
         assert_bit_identical(tmp_path / "whole" / name, tmp_path / "resumed" / name)
 
 
+def test_a_recorded_run_started_from_a_checkpoint_resumes_its_context(tmp_path):
+    """fit's ``start``: the context begins at the checkpoint's step, so did its first snapshot; a
+    resumed run looked for one from step 0 and refused to resume ('hold the steps before 0')."""
+    from peat.train import Run, fit
+
+    g = torch.Generator().manual_seed(0)
+    ds = data.Dataset("image", *(data.Split(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
+                                 for n in (16, 4)), {})
+
+    def train(out, epochs, start=None, before_step=None):
+        torch.manual_seed(0)
+        run = Run(epochs=epochs, batch_size=8, optimizer={"name": "sgd", "lr": 0.1}, checkpoint_epochs=[1])
+        return fit(torch.nn.Sequential(torch.nn.Linear(4, 3)), ds, run, out, progress=False, start=start,
+                   before_step=before_step, profiler=Profiler(out / "context.h5", ["*"], every=1))
+
+    def die(step, epoch):
+        if epoch == 3:
+            raise KeyboardInterrupt("killed")
+
+    train(tmp_path / "base", 1)
+    start = tmp_path / "base" / "checkpoints" / "epoch001.h5"
+    train(tmp_path / "whole", 3, start=start)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "resumed", 3, start=start, before_step=die)
+    train(tmp_path / "resumed", 3, start=start)
+    assert_bit_identical(tmp_path / "whole" / "context.h5", tmp_path / "resumed" / "context.h5")
+    assert profiler.recorded_steps(tmp_path / "resumed" / "context.h5", "0") == [2, 3, 4, 5]
+
+
 def test_resume_of_a_model_with_dropout_matches_uninterrupted_run(digits, tmp_path):
     """The generator's state is not in the checkpoint: a resumed mobilenet_v2 (dropout before its
     classifier) drew other masks than the uninterrupted run and ended with other weights."""

@@ -242,6 +242,9 @@ class Profiler:
         uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         self._tied = {n for n, m in self.targets.items() if uses[id(_weight(m))] > 1}
         self.first_step, self.last_step = first_step, first_step - 1
+        # The context's first step: a run started from a checkpoint (fit's ``start``) records from its
+        # step, not 0. Kept in every snapshot: a resumed run reads it back (``_restore``).
+        self.origin = first_step
         self.naive_bytes_per_step = 0
         self._rows: list[tuple] = []
         # (layer, tensor) -> six statistics: a numpy row, or a tensor still on the device
@@ -290,8 +293,12 @@ class Profiler:
     def _restore(self) -> None:
         """Rebuild what was recorded before ``first_step`` from the snapshots: the file a killed
         run had open for writing may be corrupt, they were closed whole."""
-        restored = 0  # every step before it
-        for shard in sorted(self._shards.glob("*.h5")) if self._shards.is_dir() else []:
+        shards = sorted(self._shards.glob("*.h5")) if self._shards.is_dir() else []
+        if shards and int(shards[0].stem) < self.first_step:
+            with open_h5(shards[0]) as f:
+                self.origin = int(f.attrs.get("origin", 0))
+        restored = self.origin  # every step from the context's first before it
+        for shard in shards:
             if int(shard.stem) >= self.first_step:  # taken after the resume point (killed before its checkpoint)
                 shard.unlink()
             elif int(shard.stem) == restored:
@@ -402,7 +409,8 @@ class Profiler:
         with atomic_path(self._shards / f"{first:07d}.h5") as tmp, open_h5(tmp, "w") as shard:
             _copy_steps(self.file, shard, self.targets, self.last_step + 1, since=first)
             shard.create_dataset("summaries", data=self.file["summaries"][self._snapped_rows:])
-            shard.attrs.update(naive_bytes_per_step=self.naive_bytes_per_step, last_step=self.last_step)
+            shard.attrs.update(naive_bytes_per_step=self.naive_bytes_per_step, last_step=self.last_step,
+                               origin=self.origin)
         self._snapped, self._snapped_rows = self.last_step, len(self.file["summaries"])
 
     def abandon(self) -> None:
