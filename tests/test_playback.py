@@ -846,6 +846,25 @@ def test_downstream_variants_injecting_into_results_reuse_the_kernels_output_the
     assert (loss.loc[["rv:2", "lane:4"], "err_max"] > loss.loc["kernel", "err_max"]).all()  # carried downstream
 
 
+def test_a_correct_result_in_column_major_layout_carries_downstream_as_golden(golden_run):
+    """Training hands a kernel's forward result on contiguous; downstream it went on as returned,
+    and GPT-2's next Conv1D (c_proj, which views its input) crashed the kernel case there."""
+    from peat.propagate import Propagator
+
+    def column_major(x, weight, bias):
+        return nn.functional.linear(x, weight, bias).transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+    prop = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=1)
+    kernel = kernels.Kernel("column_major", "linear", **(kernels.GOLDEN["linear"] | {"forward": column_major}),
+                            custom=("forward",))
+    table, _ = replay(context, kernel=kernel, errors=[], layers=["transformer.h.0.mlp.c_fc"],
+                      computations=("forward",), max_samples=1, propagate=prop)
+    own = table[table["case"] == "kernel"].set_index("fop")
+    assert set(own.index) == {"output", "next:transformer.h.1.ln_1", "loss"} and (own["err_max"] == 0).all()
+
+
 def test_downstream_twins_of_variants_on_a_faulty_kernels_operands_repeat_their_own_call(golden_run, monkeypatch):
     """A faulty kernel (a config ``error:``) draws at every call, and a variant on its operands
     calls it after the kernel case: its downstream twin, copied before the kernel case's call,

@@ -222,8 +222,10 @@ class Propagator:
 
             def through(kernel):
                 live = dict(sample)
-                return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a), prefix=prefix,
-                                    seed=seed)
+                # Contiguous, as a routed layer hands it on (kernels._kernel_forward): a correct result in
+                # another layout (a column-major GEMM's) crashed GPT-2's next Conv1D, which views its input.
+                return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a).contiguous(),
+                                    prefix=prefix, seed=seed)
 
             golden_kernel = kernels.golden(attrs["op"])
             rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in PRECISIONS}
