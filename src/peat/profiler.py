@@ -307,6 +307,7 @@ class Profiler:
                     rows = f["summaries"][()]
                     self._append_summaries(rows[rows["step"] < self.first_step])
                     self.naive_bytes_per_step = int(f.attrs["naive_bytes_per_step"])
+                    self.flush()  # as the snapshot did: HDF5 places what follows by what is flushed
                     restored = int(f.attrs["last_step"]) + 1
         if restored < self.first_step:
             raise PeatError(f"{self._shards}: the Profiler's snapshots hold the steps before {restored}, not every "
@@ -546,7 +547,7 @@ class Profiler:
         training = module.training or (attrs["op"] == "batch_norm" and module.running_mean is None)
         group.attrs.update(step=self.step, epoch=self.epoch, training=training,
                            **{"input_grad": False} | self._step_attrs.pop(name, {}))
-        for key, tensor in cap.items():
+        for key, tensor in sorted(cap.items(), key=lambda item: _order(_ORDER)(item[0])):
             if tensor is None:
                 continue
             if id(tensor) in self._written:
@@ -557,21 +558,37 @@ class Profiler:
             self._written[id(tensor)] = (tensor, group.create_dataset(key, data=data.numpy(), **_filters(data)))
 
 
+# The order in which _write creates a step's tensors and attributes, which _copy_steps repeats.
+_ORDER = ("W", "B", "running_mean", "running_var", "A", "O", "dO", "dA", "dW", "dB")
+_ATTRS = ("step", "epoch", "training", "input_grad", "momentum")
+
+
+def _order(names: tuple[str, ...]):
+    return lambda name: (names.index(name), "") if name in names else (len(names), name)
+
+
 def _copy_steps(src: h5py.File, dst: h5py.File, layers, before: int, since: int = 0) -> None:
     """Copy the recorded steps ``since`` <= step < ``before`` of ``layers`` from ``src`` to ``dst``
-    (datasets shared by hard links stay shared: one copy, linked again)."""
+    (datasets shared by hard links stay shared: one copy, linked again). Written as ``_write`` wrote
+    them (step by step, layers, attributes and tensors in its order, the same storage options), not
+    by HDF5's object copy: a resumed run's file is then byte for byte the uninterrupted run's."""
     copied = {}  # source dataset id -> its copy
-    for name in layers:
-        steps = src.get(f"layers/{name}", {})
-        for key in [k for k in steps if since <= int(k) < before]:  # names only: opening every group costs
+    groups = {name: src.get(f"layers/{name}", {}) for name in layers}
+    # names only: opening every group costs
+    keys = sorted({k for steps in groups.values() for k in steps if since <= int(k) < before})
+    for key in keys:
+        for name, steps in groups.items():
+            if key not in steps:
+                continue
             group, out = steps[key], dst.create_group(f"layers/{name}/{key}")
-            out.attrs.update(group.attrs)
-            for tensor, dataset in group.items():
+            out.attrs.update({k: group.attrs[k] for k in sorted(group.attrs, key=_order(_ATTRS))})
+            for tensor in sorted(group, key=_order(_ORDER)):
+                dataset = group[tensor]
                 if dataset.id in copied:
                     out[tensor] = copied[dataset.id]
                 else:
-                    src.copy(dataset, out, name=tensor)
-                    copied[dataset.id] = out[tensor]
+                    copied[dataset.id] = out.create_dataset(tensor, data=dataset[()], compression=dataset.compression,
+                                                            chunks=dataset.chunks)
 
 
 def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True) -> tuple[dict, list[dict]]:
