@@ -494,12 +494,15 @@ def profile_gated(path: Path, steps: int, first: int = 0, killed_at: int | None 
     return prof
 
 
+@pytest.mark.parametrize("held", [profiler.SUMMARY_ROWS_HELD, 5])
 @pytest.mark.parametrize("resume_at", [4, 2])
-def test_snapshots_hold_their_own_epochs_and_rebuild_a_killed_runs_context(tmp_path, resume_at):
+def test_snapshots_hold_their_own_epochs_and_rebuild_a_killed_runs_context(tmp_path, monkeypatch, resume_at, held):
     """A snapshot copied the whole context so far, every epoch (quadratic in the epochs). Each now
     holds only the steps since the last; a resumed run rebuilds the context from them, whatever
-    state the killed run left its open file in, and ends with the uninterrupted run's datasets
-    (a resume point before the last snapshot: killed between it and the checkpoint)."""
+    state the killed run left its open file in, and ends with the uninterrupted run's bytes
+    (a resume point before the last snapshot: killed between it and the checkpoint; summary rows
+    written every step, as a large model's are, ``held`` 5)."""
+    monkeypatch.setattr(profiler, "SUMMARY_ROWS_HELD", held)
     profile_gated(tmp_path / "whole" / "context.h5", 6)
     killed = profile_gated(tmp_path / "resumed" / "context.h5", 6, killed_at=5)
     shards = killed.partial.with_name("context.snapshots")

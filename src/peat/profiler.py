@@ -303,11 +303,25 @@ class Profiler:
                 shard.unlink()
             elif int(shard.stem) == restored:
                 with open_h5(shard) as f:
-                    _copy_steps(f, self.file, self.targets, self.first_step)
                     rows = f["summaries"][()]
-                    self._append_summaries(rows[rows["step"] < self.first_step])
+                    rows = rows[rows["step"] < self.first_step]
+                    written = done = 0  # rows appended; rows of the steps replayed so far
+
+                    def through(step: int) -> None:
+                        # The rows end_step appended (SUMMARY_ROWS_HELD) up to this step, before its
+                        # recorded tensors: HDF5 places what follows by what came before.
+                        nonlocal written, done
+                        while done < len(rows) and rows["step"][done] <= step:
+                            done += int(np.searchsorted(rows["step"][done:], rows["step"][done], side="right"))
+                            if done - written >= SUMMARY_ROWS_HELD:
+                                self._append_summaries(rows[written:done])
+                                written = done
+
+                    _copy_steps(f, self.file, self.targets, self.first_step, on_step=through)
+                    through(self.first_step)
+                    self._append_summaries(rows[written:])
                     self.naive_bytes_per_step = int(f.attrs["naive_bytes_per_step"])
-                    self.flush()  # as the snapshot did: HDF5 places what follows by what is flushed
+                    self.flush()  # as the snapshot did
                     restored = int(f.attrs["last_step"]) + 1
         if restored < self.first_step:
             raise PeatError(f"{self._shards}: the Profiler's snapshots hold the steps before {restored}, not every "
@@ -567,16 +581,19 @@ def _order(names: tuple[str, ...]):
     return lambda name: (names.index(name), "") if name in names else (len(names), name)
 
 
-def _copy_steps(src: h5py.File, dst: h5py.File, layers, before: int, since: int = 0) -> None:
+def _copy_steps(src: h5py.File, dst: h5py.File, layers, before: int, since: int = 0, on_step=None) -> None:
     """Copy the recorded steps ``since`` <= step < ``before`` of ``layers`` from ``src`` to ``dst``
     (datasets shared by hard links stay shared: one copy, linked again). Written as ``_write`` wrote
     them (step by step, layers, attributes and tensors in its order, the same storage options), not
-    by HDF5's object copy: a resumed run's file is then byte for byte the uninterrupted run's."""
+    by HDF5's object copy: a resumed run's file is then byte for byte the uninterrupted run's.
+    ``on_step(step)`` is called before each step's tensors are written."""
     copied = {}  # source dataset id -> its copy
     groups = {name: src.get(f"layers/{name}", {}) for name in layers}
     # names only: opening every group costs
     keys = sorted({k for steps in groups.values() for k in steps if since <= int(k) < before})
     for key in keys:
+        if on_step is not None:
+            on_step(int(key))
         for name, steps in groups.items():
             if key not in steps:
                 continue
