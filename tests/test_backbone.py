@@ -1029,6 +1029,16 @@ def test_summary_statistics_of_finite_values_near_the_float32_maximum_are_finite
             assert row[5] == 0
 
 
+def test_summary_statistics_of_infinities_warn_nothing():
+    """numpy's 'invalid value encountered in scalar subtract' at every layer holding -inf first (or
+    +inf and -inf): a RuntimeWarning, and under -W error a golden run that ended in it."""
+    for t in (torch.tensor([float("-inf"), float("inf")] * 10), torch.tensor([float("inf"), 1.0] * 10)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            row = np.asarray(tensor_stats.stats(t), dtype=np.float64)
+        assert row[5] == (~torch.isfinite(t)).sum().item() and row[4] == math.inf
+
+
 def test_summary_statistics_of_an_empty_tensor_are_nan_with_none_bad():
     row = np.asarray(tensor_stats.stats(torch.zeros(0, 8)), dtype=np.float64)
     assert np.isnan(row[:5]).all() and row[5] == 0

@@ -481,11 +481,13 @@ def stats(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     t = t.detach()
     if lib is None or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() or not t.numel():
         return stats_torch(t)
-    total, squares, lo, hi, shift = _moments(lib, t, 1.0)
+    # Python floats: inf - inf is NaN without numpy's RuntimeWarning (an error under -W error) at
+    # every layer holding an inf.
+    total, squares, lo, hi, shift = _moments(lib, t, 1.0).tolist()
     scale = _scale(max(hi - shift, shift - lo))
     if scale != 1.0:  # rare: a second pass, rather than a slower first one for every tensor
-        total, squares, *_ = _moments(lib, t, scale)
-    if not np.isfinite(total + squares):  # inf/NaN inside: the torch ops say which
+        total, squares, *_ = _moments(lib, t, scale).tolist()
+    if not math.isfinite(total + squares):  # inf/NaN inside: the torch ops say which
         return stats_torch(t)
     n = t.numel()
     mean = shift + total / scale / n
