@@ -380,6 +380,29 @@ def test_variants_injecting_into_results_reuse_the_kernels_result(context, tmp_p
     assert set(table.loc[table["case"] == "rv:2", "error_model"]) == {"random_value"}
 
 
+@pytest.mark.parametrize("returned, message", [
+    ("bfloat16()", "returned (16, 24) torch.bfloat16, expected (16, 24) torch.float32"),
+    ("double()", "returned (16, 24) torch.float64, expected (16, 24) torch.float32"),
+    ("to('meta')", "ShapeMismatch: kernel 'later' forward returned (16, 24) torch.float32 on meta, "
+                   "expected (16, 24) torch.float32 on cpu")])
+def test_a_result_in_another_dtype_or_device_after_the_probe_is_a_shape_mismatch(context, tmp_path, returned, message):
+    """The probe judges the first sample alone: a later bfloat16 result ended the job in the
+    scoring (TypeError), a float64 one was scored as if it were float32, and one on another
+    device was moved to the CPU (or, from meta, failed there as a crash)."""
+    later = tmp_path / "later.py"
+    later.write_text(f"import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                     f"    out = torch.nn.functional.linear(x, weight, bias)\n"
+                     f"    return out if len(CALLS) == 1 else out.{returned}\n")
+    table, record = replay(context, kernel=kernels.load(str(later), "linear"), errors=[], layers=["4"],
+                           computations=("forward",), max_samples=2)
+    own = table[table["case"] == "kernel"]
+    assert record["outcome"]["status"] == "ok" and own["status"].isna().sum() == 1  # the first sample, scored
+    assert own["error"].dropna().tolist() == [message] and set(own["status"].dropna()) == {"shape_mismatch"}
+    playback.write(table, record, tmp_path / "t.parquet", tmp_path / "t.json")
+    got = detect.run_job(tmp_path / "t.parquet", tmp_path / "t.json", tmp_path / "v.json")
+    assert got["verdict"] == "fail" and got["error_model"] == "shape_mismatch"
+
+
 def test_a_kernel_returning_one_buffer_does_not_change_the_result_variants_inject_into(context, tmp_path):
     """rv:2 and lane:4 inject into the kernel case's result; bf16 calls the kernel again before them,
     which overwrote a persistent output buffer: they were scored on bf16's output."""

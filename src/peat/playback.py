@@ -204,6 +204,10 @@ def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32)
     updated = {}
     with timer("kernel"):
         out = kernels.call(kernel, computation, sample, attrs, dtype, updated=updated)
+    device = sample["A"].device
+    if torch.is_tensor(out) and out.device != device:  # moved to the CPU below, it would pass (see _Scored.add)
+        raise kernels.ShapeMismatch(f"kernel {kernel.name!r} {computation} "
+                                    f"{kernels.wrong_result(out, out.shape, out.dtype, device)}")
     # A copy even on the CPU (where .cpu() is the result itself): a kernel returning one persistent
     # buffer overwrote the kernel case's result with the next variant's call, and the variants
     # injecting into that result (errors.reuses) were scored on another case's output.
@@ -382,7 +386,8 @@ def _cases(plan: Plan, timer: Timer, variants: dict, base: dict, sample: dict, a
                     twins[case] = errors.replica(kernel, computation)
                 out = _call(timer, kernel, computation, sample, attrs)
         except Exception as err:  # a kernel failing later than its probe: a row saying so
-            status = "not_applicable" if isinstance(err, errors.NotApplicable) else "crash"
+            status = ("not_applicable" if isinstance(err, errors.NotApplicable) else
+                      "shape_mismatch" if isinstance(err, kernels.ShapeMismatch) else "crash")
             failed.append({**plan.meta, "layer": base["layer"], "step": base["step"], "computation": computation,
                            "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
             twins.pop(case, None)  # no row downstream either: its row is above
@@ -390,7 +395,8 @@ def _cases(plan: Plan, timer: Timer, variants: dict, base: dict, sample: dict, a
             with timer("score"):
                 for tensor, of_tensor in scored.items():
                     of_tensor.add(case, out[tensor])
-            if case == "kernel" and reusing and out[target].shape == scored[target].golden.shape:
+            gold = scored[target].golden
+            if case == "kernel" and reusing and not kernels.wrong_result(out[target], gold.shape, gold.dtype, gold.device):
                 own = out
             del out
         if reusing and case == reusing[-1]:
@@ -415,10 +421,12 @@ class _Scored:
         self.add("ref:fp64", ref["fp64"])
 
     def add(self, case: str, cand: torch.Tensor, diff: scores.Diff | None = None) -> None:
-        cand = cand.float() if cand.dtype == torch.float64 else cand
-        if cand.shape != self.golden.shape:
-            self.rows.append({**self.base, "case": case, "status": "shape_mismatch",
-                              "error": f"returned {tuple(cand.shape)}, expected {tuple(self.golden.shape)}"})
+        if case == "ref:fp64":  # float64 by design, scored as golden's dtype
+            cand = cand.to(self.golden.dtype)
+        # The dtype as well as the shape: the probe judges a kernel's first sample only, and a later
+        # result in another dtype was scored as golden's (float16, float64) or ended the job (bfloat16).
+        if mismatch := kernels.wrong_result(cand, self.golden.shape, self.golden.dtype, self.golden.device):
+            self.rows.append({**self.base, "case": case, "status": "shape_mismatch", "error": mismatch})
             return
         # The envelopes hold the noise summary: fp64 itself is not needed again (hence None).
         self.rows.append({**self.base, "case": case, **score_row(cand, self.golden, None, self.env, self.plan.rules,
