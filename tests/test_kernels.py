@@ -285,6 +285,25 @@ def test_a_kernel_forward_may_return_a_view_or_its_input(returned):
     assert torch.equal(*grads)
 
 
+@pytest.mark.parametrize("computation, training", [("forward", False), ("input_grad", True)])
+def test_a_batch_norm_kernel_writing_into_running_statistics_it_may_only_read_fails_naming_them(computation, training):
+    """Only a training forward updates them: an eval forward computing 1/sqrt(var + eps) in place
+    (validation in candidate training) changed the layer's running_var for good, with no error."""
+    gold = kernels.golden("batch_norm")
+
+    def slip(*args, **kwargs):
+        kwargs["running_var"].add_(0.0)
+        return gold.computation(computation)(*args, **kwargs)
+
+    kernel = dataclasses.replace(gold, custom=(computation,), **{computation: slip})
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    kernels.route(model, kernel)
+    model.train(training)
+    with pytest.raises(kernels.WroteInput, match=rf"^kernel 'golden' {computation} at layer '1' wrote into its input "
+                                                 "running_var in place"):
+        model(torch.randn(2, 3, 6, 6)).sum().backward()
+
+
 def layout_spy(seen: set) -> list[kernels.Kernel]:
     """Golden kernels of every op that note (op, computation, (shape, strides) of each tensor argument)."""
     def spy(op, computation):

@@ -981,9 +981,14 @@ def _untouched(plan: _Plan, computation: str, sample: dict):
     that input is another layer's output or a parameter, which the rest of the forward, autograd's
     saved tensors and the optimizer then read changed, and the run trained on with no error
     (playback's fresh copies hide it). Only the version counter is read, so writes through ``.data``
-    or from C++ pass unseen; the running statistics a batch norm updates by contract are not inputs."""
+    or from C++ pass unseen; the running statistics a training batch norm forward updates by contract
+    are not inputs there."""
     args, kwargs = arguments(plan.kernel.op, computation, sample, plan.attrs)
     inputs = {name: sample[key] for key, name in _INPUT_NAMES.items() if torch.is_tensor(sample.get(key))}
+    if not updates(plan.kernel.op, computation, sample):
+        # Only a training forward may update them: elsewhere (an eval forward, any backward) a write
+        # changed the layer's buffers for good, e.g. running_var.add_(eps).rsqrt_() at validation.
+        inputs |= {name: sample[name] for name in ("running_mean", "running_var") if torch.is_tensor(sample.get(name))}
     versions = {name: t._version for name, t in inputs.items()}
     value = plan.kernel.computation(computation)(*args, **kwargs)
     for name, t in inputs.items():
