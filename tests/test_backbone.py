@@ -1231,6 +1231,34 @@ def test_a_recorded_run_started_from_a_checkpoint_resumes_its_context(tmp_path):
     assert profiler.recorded_steps(tmp_path / "resumed" / "context.h5", "0") == [2, 3, 4, 5]
 
 
+def test_a_resumed_recorded_training_writes_the_uninterrupted_runs_bytes(tmp_path):
+    """README: a resumed golden run produces the same bytes. The restored steps held their datasets
+    open for a whole snapshot where training holds a step's: HDF5 laid the next ones out elsewhere."""
+    from peat.train import Run, fit
+
+    g = torch.Generator().manual_seed(0)
+    ds = data.Dataset("image", *(data.Split(torch.randn(n, 3, 12, 12, generator=g), torch.randint(3, (n,), generator=g))
+                                 for n in (40, 8)), {})
+
+    def train(out, before_step=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, stride=2),
+                                    torch.nn.Flatten(), torch.nn.Linear(8 * 5 * 5, 3))
+        run = Run(epochs=3, batch_size=8, optimizer={"name": "sgd", "lr": 0.1})
+        fit(model, ds, run, out, progress=False, before_step=before_step,
+            profiler=Profiler(out / "context.h5", ["*"], every=1))
+
+    def die(step, epoch):
+        if epoch == 3 and step == 12:
+            raise KeyboardInterrupt("killed")
+
+    train(tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "resumed", before_step=die)
+    train(tmp_path / "resumed")
+    assert (tmp_path / "whole" / "context.h5").read_bytes() == (tmp_path / "resumed" / "context.h5").read_bytes()
+
+
 def test_resume_of_a_model_with_dropout_matches_uninterrupted_run(digits, tmp_path):
     """The generator's state is not in the checkpoint: a resumed mobilenet_v2 (dropout before its
     classifier) drew other masks than the uninterrupted run and ended with other weights."""

@@ -587,13 +587,13 @@ def _copy_steps(src: h5py.File, dst: h5py.File, layers, before: int, since: int 
     them (step by step, layers, attributes and tensors in its order, the same storage options), not
     by HDF5's object copy: a resumed run's file is then byte for byte the uninterrupted run's.
     ``on_step(step)`` is called before each step's tensors are written."""
-    copied = {}  # source dataset id -> its copy
     groups = {name: src.get(f"layers/{name}", {}) for name in layers}
     # names only: opening every group costs
     keys = sorted({k for steps in groups.values() for k in steps if since <= int(k) < before})
     for key in keys:
         if on_step is not None:
             on_step(int(key))
+        copied = {}  # source dataset id -> its copy; held for a step only, as _write holds its datasets
         for name, steps in groups.items():
             if key not in steps:
                 continue
