@@ -379,11 +379,9 @@ class Guard:
         if getattr(self.ddp, "batched_grad_copy", False):
             buffer.div_(world)
             return
-        if not self._grad_storage:  # without gradient_as_bucket_view: no loop over the parameters
-            buffer.mul_(1.0 / world)
-            return
-        bucket_storage = buffer.untyped_storage().data_ptr()
-        in_view = [self._grad_storage.get(id(p)) == bucket_storage for p in bucket.parameters()]
+        # Only with gradient_as_bucket_view are there gradients DDP accumulated in its views.
+        storage = buffer.untyped_storage().data_ptr() if self._grad_storage else None
+        in_view = [self._grad_storage.get(id(p)) == storage for p in bucket.parameters()] if storage else []
         if not any(in_view):
             buffer.mul_(1.0 / world)
         elif all(in_view):
