@@ -631,6 +631,29 @@ def test_a_module_called_twice_in_a_step_records_its_first_call(tmp_path, derive
     assert torch.allclose(sample["dW"], sample["dO"].t() @ x, rtol=1e-6, atol=1e-7)
     assert torch.allclose(sample["dB"], sample["dO"].sum(0), rtol=1e-6, atol=1e-7)
     assert not torch.allclose(sample["dW"], fc.weight.grad)
+    # Its summary describes the same call (it described the last one), as for a layer not recorded.
+    with h5py.File(tmp_path / "context.h5") as f:
+        [row] = f["summaries"][f["summaries"]["tensor"] == b"act"]
+    assert (row["min"], row["max"]) == (first.min().item(), first.max().item())
+
+
+def test_a_training_forward_between_steps_leaves_no_summary_in_the_next_step(tmp_path):
+    """A training-mode forward after end_step (a user's accuracy check) put its layers' summaries
+    into the next step's rows, where that step did not call them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.a, model.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    prof = Profiler(tmp_path / "context.h5", ["a"], every=1)
+    prof.attach(model)
+    for step in range(2):
+        prof.begin_step(step, 1)
+        model.a(torch.randn(3, 4)).sum().backward()
+        prof.end_step()
+        model(torch.randn(3, 4))  # b is called only here
+    prof.close()
+    with h5py.File(tmp_path / "context.h5") as f:
+        rows = f["summaries"][f["summaries"]["tensor"] == b"act"]
+    assert list(zip(rows["step"], rows["layer"])) == [(0, b"a"), (1, b"a")]
 
 
 @pytest.mark.parametrize("derived", [False, True])

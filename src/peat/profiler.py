@@ -334,6 +334,10 @@ class Profiler:
     def begin_step(self, step: int, epoch: int) -> None:
         self.step, self.epoch = step, epoch
         self.recording = self.want(step, epoch)
+        # A training-mode forward since the last step (say, a user's accuracy check) is no part of this one.
+        self._pending.clear()
+        self._held.clear()
+        self._held_elements = 0
         self._input_hooks = []
         self._repeated = set()  # targets called more than once this step: their first call is recorded
         self._graded = set()  # targets whose recorded call this step produced an output needing a gradient
@@ -469,14 +473,18 @@ class Profiler:
             if target and out.dtype != torch.float32:  # golden replays it in float32
                 raise PeatError(f"Profiler: layer {name!r} computed in {out.dtype} (under torch.autocast?); "
                                 "the context records float32 layers only")
-            self._summarise(name, out)
+            cap = self._captured.get(name) if self.recording and target else None
+            recorded = cap is not None and self._records(name, module) and not ("A" in cap and not out.requires_grad)
+            # One call per step is summarised: the recorded one, so the Analyzer's statistics describe
+            # the tensors playback replays; for other layers the first.
+            if recorded or (name, "act") not in self._pending:
+                self._summarise(name, out)
             if self.naive_bytes_per_step == 0:
                 w = _weight(module)
                 self._sizes = getattr(self, "_sizes", {})
                 self._sizes[name] = 4 * (x.numel() + out.numel() + (w.numel() if w is not None else 0))
-            if self.recording and name in self.targets:
-                cap = self._captured[name]
-                if not self._records(name, module) or ("A" in cap and not out.requires_grad):
+            if cap is not None:
+                if not recorded:
                     self._repeated.add(name)  # a later call (weights reused in one step): A, O, dO stay
                     return                    # the recorded call's
                 if self.derived and "A" not in cap and _holds_grad(module):  # accumulating over steps
