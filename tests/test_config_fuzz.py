@@ -146,3 +146,22 @@ def test_a_gpu_only_study_is_told_that_reference_vendor_defaults_to_cpu():
     with pytest.raises(PeatError, match=r"^config key 'reference_vendor': 'cpu' \(the default\) is not in 'vendors' "
                                         r"\(nvidia\): set it to one of them, whose golden context every vendor replays$"):
         validate(cfg, SCHEMA)
+
+
+@pytest.mark.parametrize("mutate,key,expected", [
+    (lambda c: c["models"]["gpt2"]["optimizer"].update(lr="3e-3"), "models.gpt2.optimizer.lr",
+     "'3e-3' is not of type 'number' (YAML reads 3e-3 as text; write 3.0e-3)"),
+    (lambda c: c["alter"].update(tolerance="2E2"), "alter.tolerance", "(YAML reads 2E2 as text; write 2.0E+2)"),
+    (lambda c: c["models"]["gpt2"].update(max_train_samples="1e3"), "models.gpt2.max_train_samples",
+     "'1e3' is not of type 'integer', 'null' (YAML reads 1e3 as text; write 1000)"),
+])
+def test_a_number_in_exponent_notation_yaml_reads_as_text_is_told_how_to_write_it(mutate, key, expected):
+    """PyYAML (YAML 1.1) reads lr: 1e-3 as the string '1e-3'; the line said only that it is not a
+    number, which it looks like."""
+    cfg = copy.deepcopy(VALID)
+    mutate(cfg)
+    with pytest.raises(PeatError) as err:
+        validate(cfg, SCHEMA)
+    assert str(err.value).startswith(f"config key '{key}': ") and str(err.value).endswith(expected)
+    written = expected.rsplit("write ", 1)[1].rstrip(")")
+    assert isinstance(yaml.safe_load(written), (int, float))

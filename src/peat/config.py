@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -31,11 +32,28 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit - 5]} ...{text[-1]}"
 
 
+def _number_as_text(value, types) -> str:
+    """YAML 1.1 (PyYAML, as Snakemake reads a config file) takes 1e-3 for text: a float needs a dot
+    and a signed exponent. The bare type error left a user looking at a number."""
+    match = re.fullmatch(r"([-+]?(?:\d+\.?\d*|\.\d+))([eE])([-+]?)(\d+)", value) if isinstance(value, str) else None
+    if match is None:
+        return ""
+    mantissa, e, sign, exponent = match.groups()
+    if "integer" in types and float(value).is_integer():
+        spelled = str(int(float(value)))
+    elif "number" in types:
+        spelled = f"{mantissa if '.' in mantissa else mantissa + '.0'}{e}{sign or '+'}{exponent}"
+    else:
+        return ""
+    return f" (YAML reads {value} as text; write {spelled})"
+
+
 def _message(err: jsonschema.ValidationError) -> str:
     key = _key(err.absolute_path)
     if err.validator == "type":
         types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
-        return f"config key '{key}': {_short(err.instance)} is not of type {', '.join(map(repr, types))}"
+        return (f"config key '{key}': {_short(err.instance)} is not of type {', '.join(map(repr, types))}"
+                f"{_number_as_text(err.instance, types)}")
     if err.validator == "enum":
         return f"config key '{key}': {err.instance!r} is not allowed; allowed: {', '.join(map(str, err.validator_value))}"
     if err.validator == "required":
