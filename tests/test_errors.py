@@ -251,6 +251,19 @@ def test_lane_stuck_rows_and_nchw_channels(t):
     assert changed(out, x)[:, channels].all()
 
 
+@pytest.mark.parametrize("shape", [(40,), (1, 40)])
+def test_a_stuck_lane_one_row_tall_is_stuck_at_its_first_element(shape):
+    """A norm layer's weight gradient is a vector: each of its lane's columns holds one value, so
+    stuck at the column's first value changed nothing, and a deliberately faulty kernel with
+    lane:K:stuck on it trained, and played back, exactly as golden."""
+    t = torch.randn(shape, generator=gen(2))
+    out = errors.parse("lane:8:stuck").apply(t, gen()).reshape(-1)
+    flat = t.reshape(-1)
+    lanes = changed(out, flat).nonzero().view(-1).tolist()
+    assert len(lanes) == 4 and lanes == list(range(lanes[0], 40, 8)) and 8 <= lanes[0] < 16
+    assert (out[lanes[0] - 8::8] == flat[lanes[0] - 8]).all()
+
+
 @pytest.mark.parametrize("spec", ["lane:4", "lane:4:stuck:row", "tile:4", "tile:4:zero"])
 @pytest.mark.parametrize("shape", [(0,), (5, 0), (0, 5), (0, 3, 2, 2), (2, 0, 2, 2)])
 def test_structured_errors_leave_an_empty_output_empty(spec, shape):

@@ -12,7 +12,8 @@ Spec grammar (also the schema's pattern, see ``SPEC_PATTERN``):
                                        (the burst starts there and runs towards the sign bit)
     lane:K[:offset|stuck][:col|row]    every K-th column (or row), from a random lane l < K, offset by the
                                        tensor's std (default; at least to the next value up) or stuck at
-                                       the lane's first value
+                                       the lane's first value (each column's first row; in a one-row view,
+                                       the lane's first element)
     tile:T[:stale|zero|splitk]         one random TxT tile keeps the previous call's values (stale, zeros on
                                        the first call), is zeroed, or misses one split-K partial sum
                                        (K chunks of T; GEMM-like computations via ``faulty`` only)
@@ -263,7 +264,9 @@ def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     lane = int(torch.randint(max(1, min(period, m.shape[1])), (1,), generator=generator))
     cols = m[:, lane::period]
     if model.mode == "stuck":
-        m[:, lane::period] = cols[:1].expand_as(cols)
+        # One row (a norm's weight gradient is a vector): each column's first value is itself, so the
+        # lane is stuck at its own first element instead.
+        m[:, lane::period] = (cols[:1] if len(m) > 1 else cols[:, :1]).expand_as(cols)
     else:
         # Where one std is below the dtype's spacing (bf16 near 300), the lane would round back, unchanged.
         m[:, lane::period] = _nudged(cols, _finite_stats(t)[1])
