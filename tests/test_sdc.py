@@ -1349,3 +1349,20 @@ def test_single_failed_audit_blames_a_rank_that_repeats_its_own_fault(tmp_path):
     # only the audit 0 -> 1 fails. A rerun on rank 1 agreed with its own report and blamed rank 0.
     (alarm,) = _run_guarded_loop(tmp_path, data_dependent=True)
     assert alarm[:3] == [2, "audit", [1]] and alarm[3]["failed_audits"] == [[0, 1]]
+
+
+def test_ddp_join_for_uneven_inputs_is_one_line(one_rank):
+    # The rank with fewer batches joined and shadowed DDP's all-reduces only: its peers waited in the guard's
+    # weight gather until the process group's timeout, then failed with gloo's 'Timed out waiting ... recv'.
+    from torch.nn.parallel import DistributedDataParallel
+
+    guard = sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)))
+    guard.begin_step(0)
+    with pytest.raises(PeatError, match=r"^sdc.Guard: DDP's join\(\) \(uneven inputs\) cannot be guarded: a rank that "
+                                        r"has joined runs none of the guard's collectives; give every rank the same "
+                                        r"number of steps \(drop or pad the last uneven batches\)$"):
+        with guard.ddp.join():
+            guard.ddp(torch.ones(3, 4)).sum().backward()
+    with guard.ddp.join(enable=False):  # off: DDP's plain step
+        guard.ddp(torch.ones(3, 4)).sum().backward()
+    assert guard.check_gradients()

@@ -337,6 +337,12 @@ class Guard:
         # adds its local gradients to already reduced ones, so every audit failed on every rank and a NaN
         # reached every rank's local check (an unlocalized alarm, the faulty rank unnamed). Forwards with
         # no gradient between them (a siamese or contrastive loss: two calls, one backward) are one all-reduce.
+        if self.ddp._join_config.enable:
+            # A rank that ran out of inputs shadows DDP's collectives only: its peers' checks then waited in
+            # gathers it never joins, until the timeout, with gloo's or nccl's error and no word of the guard.
+            raise PeatError("sdc.Guard: DDP's join() (uneven inputs) cannot be guarded: a rank that has joined "
+                            "runs none of the guard's collectives; give every rank the same number of steps "
+                            "(drop or pad the last uneven batches)")
         if self._fired is None or self._checked or not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
             return
         if self._synced_at is not None and self._fired > self._synced_at:
