@@ -879,25 +879,52 @@ def test_userblock_and_h5py_fallback_storage(tmp_path):
     assert len(rows) == 72
 
 
-def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(tmp_path):
-    """The study's baseline: any difference from golden comes from the flips, not from resuming."""
+@pytest.fixture(scope="module")
+def gpt2_golden(tmp_path_factory) -> tuple[dict, Path, Path]:
+    """The test config's gpt2 trained to its end, with a checkpoint at epoch 1: spec, data, golden folder."""
     import yaml
 
     from peat.data import prepare
     from peat.train import train_model
 
+    tmp = tmp_path_factory.mktemp("gpt2")
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "test.yaml").read_text())
     spec = {**config["models"]["gpt2"], "checkpoint_epochs": [1]}
-    prepare("pydoc", config["datasets"]["pydoc"], tmp_path / "pydoc.h5")
-    train_model("gpt2", spec, tmp_path / "pydoc.h5", tmp_path / "golden", record=False, progress=False)
-    golden = S._val_curve(pd.read_csv(tmp_path / "golden" / "metrics.csv"))
-    row = S._cell("gpt2", spec, "cpu", tmp_path / "golden" / "checkpoints" / "epoch001.h5", A.Plan(count=0), golden,
-                  1, 0.02, tmp_path / "pydoc.h5", 0, 1, "", tmp_path / "control.json")
+    prepare("pydoc", config["datasets"]["pydoc"], tmp / "pydoc.h5")
+    train_model("gpt2", spec, tmp / "pydoc.h5", tmp / "golden", record=False, progress=False)
+    return spec, tmp / "pydoc.h5", tmp / "golden"
+
+
+def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(gpt2_golden, tmp_path):
+    """The study's baseline: any difference from golden comes from the flips, not from resuming."""
+    spec, data, out = gpt2_golden
+    golden = S._val_curve(pd.read_csv(out / "metrics.csv"))
+    row = S._cell("gpt2", spec, "cpu", out / "checkpoints" / "epoch001.h5", A.Plan(count=0), golden,
+                  1, 0.02, data, 0, 1, "", tmp_path / "control.json")
     assert row["status"] == "ok" and row["altered_values"] == 0
     assert row["final_loss"] == row["golden_loss"] and row["final_accuracy"] == row["golden_accuracy"]
     assert row["accuracy_loss_pct"] == 0 and row["epochs_to_recover"] == 1 and not row["diverged"]
     # Right after the (empty) alteration, before resuming: golden's own validation at that epoch.
     assert row["altered_accuracy"] == golden.loc[1, "accuracy"] and row["altered_loss"] == golden.loc[1, "loss"]
+
+
+def test_a_resumed_training_that_stops_with_an_error_is_a_diverged_cell_not_a_failed_job(gpt2_golden, tmp_path):
+    # AdamW's step counter flipped negative: 1 - beta2**step < 0, whose square root torch cannot apply
+    # (at -1.0, a division by zero). Drawn at random among the optimizer's values, as the study does.
+    spec, data, out = gpt2_golden
+    golden = S._val_curve(pd.read_csv(out / "metrics.csv"))
+    row = S._cell("gpt2", spec, "cpu", out / "checkpoints" / "epoch001.h5",
+                  A.Plan(select=["optimizer/state/*/step"], count=1, region="sign"), golden, 1, 0.02, data, 0, 1, "",
+                  tmp_path / "cell.json")
+    assert row["status"] == "ok" and row["altered_values"] == 1 and row["diverged"] is True
+    assert row["reason"] == ("resumed training stopped: RuntimeError: result type ComplexFloat can't be cast to "
+                             "the desired output type Float")
+    assert np.isnan([row["final_accuracy"], row["final_loss"], row["accuracy_loss_pct"], row["loss_change_pct"],
+                     row["epochs_to_recover"]]).all()
+    assert row["resumed_epochs"] == 0 and row["golden_accuracy"] == golden.loc[2, "accuracy"]
+    table = pd.DataFrame([{"model": "gpt2", "vendor": "cpu", "epoch": 1, "cls": "optimizer", "region": "sign",
+                           "flips": 1, "seed": 0, **row}], columns=list(S.COLUMNS))
+    assert S.absorbed(table, 1.0).iloc[0][["max_absorbed_flips", "absorbed_runs", "diverged_runs"]].tolist() == [0, 0, 1]
 
 
 def test_flips_in_a_tied_embedding_survive_loading(tmp_path):

@@ -82,6 +82,8 @@ def _write_table(path: str | Path, table: pd.DataFrame) -> None:
 
 
 def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run_seed, threads, config_hash, log):
+    import torch
+
     from .train import evaluate_checkpoint, train_model
 
     with tempfile.TemporaryDirectory(dir=log.parent, prefix=".cell") as tmp:
@@ -94,12 +96,22 @@ def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run
             return {"status": "not_applicable", "reason": str(err)}
         # The damage right after the flips, then what training makes of it.
         now = evaluate_checkpoint(model, spec, data, altered, vendor=vendor, seed=run_seed, threads=threads)
-        metrics = train_model(model, spec, data, Path(tmp) / "run", vendor=vendor, seed=run_seed, threads=threads,
-                              config_hash=config_hash, record=False, progress=False, start=altered)
+        rows = []
+        try:
+            metrics = train_model(model, spec, data, Path(tmp) / "run", vendor=vendor, seed=run_seed, threads=threads,
+                                  config_hash=config_hash, record=False, progress=False, start=altered,
+                                  on_row=rows.append)
+            outcome = {"reason": "", **compare(_val_curve(metrics), golden, epoch, tolerance)}
+        except (ArithmeticError, RuntimeError, ValueError) as err:
+            # Corrupted state can stop the training itself (AdamW's step counter flipped negative: a
+            # complex bias correction; -1.0: a division by zero): the cell's outcome, not the job's.
+            if isinstance(err, torch.cuda.OutOfMemoryError):
+                raise
+            outcome = {"reason": f"resumed training stopped: {type(err).__name__}: {str(err).strip().splitlines()[0]}",
+                       **stopped(pd.DataFrame(rows, columns=["split", "epoch", "accuracy", "loss"]), golden, epoch)}
     injected = sum(1 for r in result.records if isinstance(r["new"], str))
-    return {"status": "ok", "reason": "", "altered_values": result.flips, "datasets_hit": result.datasets,
-            "nonfinite_injected": injected, "altered_accuracy": now["accuracy"], "altered_loss": now["loss"],
-            **compare(_val_curve(metrics), golden, epoch, tolerance)}
+    return {"status": "ok", "altered_values": result.flips, "datasets_hit": result.datasets,
+            "nonfinite_injected": injected, "altered_accuracy": now["accuracy"], "altered_loss": now["loss"], **outcome}
 
 
 def _val_curve(metrics: pd.DataFrame) -> pd.DataFrame:
@@ -125,6 +137,19 @@ def compare(run: pd.DataFrame, golden: pd.DataFrame, epoch: int, tolerance: floa
         "loss_change_pct": 100.0 * (final["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
         if np.isfinite(final["loss"]) else math.inf,
         "diverged": diverged, "epochs_to_recover": recover, "resumed_epochs": len(resumed),
+    }
+
+
+def stopped(run: pd.DataFrame, golden: pd.DataFrame, epoch: int) -> dict:
+    """``compare`` for a resumed training that ended with an error: diverged, with no final values.
+
+    ``run`` holds the rows it made before it stopped.
+    """
+    ref = golden.iloc[-1]
+    return {
+        "final_accuracy": math.nan, "final_loss": math.nan, "golden_accuracy": float(ref["accuracy"]),
+        "golden_loss": float(ref["loss"]), "accuracy_loss_pct": math.nan, "loss_change_pct": math.nan,
+        "diverged": True, "epochs_to_recover": math.nan, "resumed_epochs": int((_val_curve(run).index > epoch).sum()),
     }
 
 
