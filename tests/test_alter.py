@@ -927,6 +927,34 @@ def test_a_resumed_training_that_stops_with_an_error_is_a_diverged_cell_not_a_fa
     assert S.absorbed(table, 1.0).iloc[0][["max_absorbed_flips", "absorbed_runs", "diverged_runs"]].tolist() == [0, 0, 1]
 
 
+def test_a_bfloat16_model_is_saved_as_peat_alter_reads_bfloat16_and_loads_back(tmp_path):
+    # numpy has no bfloat16: saved as its bits in uint16 tagged dtype=bfloat16, so that flips are bfloat16's.
+    import torch
+
+    from peat import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    checkpoint.save(tmp_path / "g.h5", model, optimizer, step=1, epoch=1, meta={})
+    layouts = {e.path: e.layout.name for e in A.scan(tmp_path / "g.h5")}
+    assert layouts["/model/weight"] == layouts["/optimizer/state/weight/exp_avg"] == "bfloat16"
+    assert layouts["/optimizer/state/weight/step"] == "float32"
+    rows = run_alter(tmp_path / "g.h5", tmp_path / "a.h5", select=["model/*"], fraction=1.0, bits=(1, 1)).records
+    assert len(rows) == 15 and {r["bit"] for r in rows} == {1}
+    resumed = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    again = torch.optim.AdamW(resumed.parameters(), lr=0.1)
+    checkpoint.load(tmp_path / "a.h5", resumed, again)
+    assert resumed.weight.dtype == torch.bfloat16
+    flipped = (model.weight.detach().view(torch.int16) ^ torch.tensor(0x4000, dtype=torch.int16)).view(torch.bfloat16)
+    assert torch.equal(resumed.weight.view(torch.int16), flipped.view(torch.int16))
+    assert [r["new"] for r in rows if r["dataset"] == "/model/weight"] == resumed.weight.float().flatten().tolist()
+    for key, value in optimizer.state[model.weight].items():
+        assert again.state[resumed.weight][key].dtype == value.dtype and torch.equal(again.state[resumed.weight][key], value)
+
+
 def test_flips_in_a_tied_embedding_survive_loading(tmp_path):
     # GPT-2's lm_head.weight is wte.weight: one tensor, so one dataset, or flips in one copy are undone by the other.
     import torch

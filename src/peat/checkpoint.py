@@ -37,12 +37,28 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, ste
                 f[f"model/{name}"] = h5py.SoftLink(f"/model/{first[id(tensor)]}")
                 continue
             first[id(tensor)] = name
-            ds = f.create_dataset(f"model/{name}", data=tensor.detach().cpu().numpy())
+            ds = _create(f, f"model/{name}", tensor)
             ds.attrs["module_type"] = types.get(name.rpartition(".")[0], "")
             ds.attrs["kind"] = "parameter" if name in params else "buffer"
         if optimizer is not None:
             _save_optimizer(f, model, optimizer)
         f.create_dataset("history", data=json.dumps(history or []))
+
+
+def _create(group: h5py.Group, name: str, value) -> h5py.Dataset:
+    # numpy has no bfloat16: its bits go in uint16, tagged as peat alter reads bfloat16 (README).
+    if torch.is_tensor(value) and value.dtype == torch.bfloat16:
+        ds = group.create_dataset(name, data=value.detach().cpu().view(torch.int16).numpy().view(np.uint16))
+        ds.attrs["dtype"] = "bfloat16"
+        return ds
+    return group.create_dataset(name, data=value.detach().cpu().numpy() if torch.is_tensor(value) else value)
+
+
+def _tensor(ds: h5py.Dataset) -> torch.Tensor:
+    data = np.asarray(ds[()])
+    if ds.attrs.get("dtype") == "bfloat16" and data.dtype == np.uint16:
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(data)
 
 
 def _param_names(model: nn.Module) -> list[str]:
@@ -59,8 +75,7 @@ def _save_optimizer(f, model, optimizer) -> None:
     group.attrs["class"] = type(optimizer).__name__
     for index, entries in state["state"].items():
         for key, value in entries.items():
-            data = value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
-            group.create_dataset(f"state/{names[index]}/{key}", data=data)
+            _create(group, f"state/{names[index]}/{key}", value if torch.is_tensor(value) else np.asarray(value))
 
 
 def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -89,7 +104,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         head = _head(model) if new_head else None
         new_state = {}
         for name, tensor in own.items():
-            data = torch.from_numpy(np.asarray(stored[name][()]))
+            data = _tensor(stored[name])
             if data.shape != tensor.shape:
                 if head is not None and name.rpartition(".")[0] == head:
                     continue
@@ -114,5 +129,5 @@ def _load_optimizer(group, model) -> dict:
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in json.loads(group.attrs["param_groups"])]
     state = {}
     for name, entries in group.get("state", {}).items():
-        state[index[name]] = {k: torch.from_numpy(np.asarray(v[()])) for k, v in entries.items()}
+        state[index[name]] = {k: _tensor(v) for k, v in entries.items()}
     return {"state": state, "param_groups": groups}
