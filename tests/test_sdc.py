@@ -235,6 +235,25 @@ def test_fused_is_refused_in_one_line_where_ddp_has_a_comm_hook_or_sparse_gradie
         sdc.Guard(delayed, fused=True)
 
 
+def test_a_comm_hook_registered_after_a_fused_guard_is_one_line(one_rank):
+    # DDP takes one comm hook, the fused guard's: a user's registered after it failed with DDP's 'register_comm_hook
+    # or register_builtin_comm_hook can only be called once', which names no guard (the default on a GPU).
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+    sdc.Guard(ddp, fused=True)
+    taken = (r"^sdc\.Guard: the guard's fused checks hold DDP's comm hook, which DDP takes once: register yours before "
+             r"building the guard \(it then checks per parameter\), or build the guard with fused=False$")
+    with pytest.raises(PeatError, match=taken):
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    with pytest.raises(PeatError, match=taken):
+        ddp._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.FP16_COMPRESS)
+    plain = DistributedDataParallel(torch.nn.Linear(4, 2))
+    assert sdc.Guard(plain, fused=False).fused is False
+    plain.register_comm_hook(None, default_hooks.allreduce_hook)  # per parameter: the comm hook stays the user's
+
+
 # Three steps of one model with each DDP setting, guarded fused and plain; prints the settings whose
 # reduced gradients differ from plain DDP's.
 FUSED_MEAN = """

@@ -262,6 +262,9 @@ class Guard:
             # DDP's comm hook sees each bucket's local gradients before they are shared: the check then
             # costs a few kernel launches per bucket, where the gradient hooks cost two per parameter.
             ddp.register_comm_hook(None, self._on_bucket)
+            # DDP takes one comm hook: a user's registered after this one failed with DDP's "can only be
+            # called once", which names no guard (fused is the default on a GPU).
+            ddp.register_comm_hook = ddp._register_builtin_comm_hook = self._refuse_comm_hook
             self._hooks = []
             self._grad_storage: dict[int, int] = {}  # id(param) -> its .grad's storage as last accumulated
             if ddp.gradient_as_bucket_view and not getattr(ddp, "batched_grad_copy", False):
@@ -297,6 +300,11 @@ class Guard:
         if fused is None:
             return self.device.type == "cuda" and not (taken or sparse or apart)
         return bool(fused)
+
+    def _refuse_comm_hook(self, *_args, **_kwargs):
+        raise PeatError("sdc.Guard: the guard's fused checks hold DDP's comm hook, which DDP takes once: register "
+                        "yours before building the guard (it then checks per parameter), or build the guard with "
+                        "fused=False")
 
     def _take_over(self) -> None:
         # A guard rebuilt for the same model (with a new DDP after unfreezing layers) replaces the last
