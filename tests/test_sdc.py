@@ -1385,3 +1385,26 @@ def test_ddp_join_for_uneven_inputs_is_one_line(one_rank):
     with guard.ddp.join(enable=False):  # off: DDP's plain step
         guard.ddp(torch.ones(3, 4)).sum().backward()
     assert guard.check_gradients()
+
+
+def test_audit_with_a_grad_scaler_compares_the_scaled_gradients(one_rank):
+    # README's recipe: the replay returns the loss scaled as for the backward; the unscaled loss fails the audit.
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = torch.randn(6, 4)
+    loss_of = lambda module: module(x).square().mean()  # noqa: E731
+    for step, replay in enumerate([lambda r: scaler.scale(loss_of(guard.module)), lambda r: loss_of(guard.module)]):
+        guard.begin_step(step)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(guard.ddp)).backward()
+        assert guard.check_gradients(replay=replay)
+        scaler.step(optimizer)
+        scaler.update()
+        guard.check_weights()
+    guard.finish()
+    assert [(alarm.step, alarm.check) for alarm in guard.alarms] == [(1, "audit")]
