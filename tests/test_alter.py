@@ -1038,6 +1038,31 @@ def test_a_diverged_loss_reads_nan_in_the_tables_not_empty_like_an_unmeasured_on
     assert pd.read_csv(tmp_path / "a.csv").loc[0, "diverged_runs"] == 1
 
 
+def test_counts_in_the_tables_read_as_integers_beside_never_and_not_applicable(mixed, tmp_path, monkeypatch):
+    cells = iter([{"status": "ok", "reason": "", "altered_values": 3, "datasets_hit": 2, "nonfinite_injected": 0,
+                   "altered_accuracy": 0.5, "altered_loss": 1.0, "final_accuracy": 0.5, "final_loss": 0.9,
+                   "golden_accuracy": 0.5, "golden_loss": 0.9, "accuracy_loss_pct": 0.0, "loss_change_pct": 0.0,
+                   "diverged": False, "epochs_to_recover": recover, "resumed_epochs": 1} for recover in (1, np.nan)])
+    monkeypatch.setattr(S, "_cell", lambda *args: next(cells))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes())
+    metrics = tmp_path / "metrics.csv"
+    pd.DataFrame({"split": ["val", "val"], "epoch": [1, 2], "accuracy": [0.5, 0.5], "loss": [1.0, 0.9]}).to_csv(metrics)
+    S.run_cells("m", {}, "cpu", 1, "weight", ["sign"], [1], [0, 1], checkpoints=tmp_path / "ckpt", data="",
+                golden_metrics=metrics, tolerance=0.02, run_seed=0, threads=1, config_hash="",
+                out_csv=tmp_path / "part.csv", log_dir=tmp_path / "logs")
+    lacks = dict(model="m", vendor="cpu", epoch=1, cls="weight", region="sign", flips=10**6, seed=0,
+                 status="not_applicable", reason="too few values")
+    pd.DataFrame([lacks], columns=list(S.COLUMNS)).to_csv(tmp_path / "lacks.csv", index=False)
+    S.summarize([tmp_path / "part.csv", tmp_path / "lacks.csv"], tmp_path / "s.csv", tmp_path / "a.csv",
+                tmp_path / "h.png", 1.0)
+    counts = ["altered_values", "datasets_hit", "nonfinite_injected", "epochs_to_recover", "resumed_epochs"]
+    assert pd.read_csv(tmp_path / "part.csv", dtype=str, keep_default_na=False)[counts].values.tolist() == [
+        ["3", "2", "0", "1", "1"], ["3", "2", "0", "", "1"]]
+    assert pd.read_csv(tmp_path / "s.csv", dtype=str, keep_default_na=False)[counts].values.tolist() == [
+        ["3", "2", "0", "1", "1"], ["3", "2", "0", "", "1"], ["", "", "", "", ""]]
+
+
 def test_a_hard_linked_dataset_is_altered_once_and_its_second_name_names_the_one_to_select(tmp_path):
     src = tmp_path / "in.h5"
     with h5py.File(src, "w") as f:

@@ -26,6 +26,7 @@ COLUMNS = GRID + ("status", "reason", "altered_values", "datasets_hit", "nonfini
                   "altered_loss", "final_accuracy",
                   "final_loss", "golden_accuracy", "golden_loss", "accuracy_loss_pct", "loss_change_pct", "diverged",
                   "epochs_to_recover", "resumed_epochs")
+COUNTS = ("altered_values", "datasets_hit", "nonfinite_injected", "epochs_to_recover", "resumed_epochs")
 # A diverged run's NaN loss is a measurement: written as "nan", since an empty cell reads as not
 # measured (a not_applicable row) or, in epochs_to_recover, as never.
 MEASURED = ("altered_accuracy", "altered_loss", "final_accuracy", "final_loss", "golden_accuracy", "golden_loss",
@@ -75,7 +76,8 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
 
 
 def _write_table(path: str | Path, table: pd.DataFrame) -> None:
-    out = table.astype({name: object for name in MEASURED})
+    # Counts stay integers beside the empty cells of a never-recovered or not_applicable row (not 3.0).
+    out = table.astype({name: object for name in MEASURED} | {name: "Int64" for name in COUNTS})
     for name in MEASURED:
         out.loc[(table["status"] == "ok") & table[name].isna(), name] = "nan"
     write_csv(path, out)
