@@ -532,3 +532,20 @@ def test_a_diverged_alteration_run_is_not_shown_as_a_cell_not_measured(tmp_path)
     final_loss = alter_study.COLUMNS.index("final_loss")  # the page keeps the study's columns
     assert [c[final_loss] for c in cells] == ["nan", ""]
     assert pd.read_csv(tmp_path / "out/alter_sensitivity.csv", keep_default_na=False)["final_loss"].tolist() == ["nan", ""]
+
+
+def test_a_candidate_run_that_crashed_says_so_on_its_figure(tmp_path, monkeypatch):
+    """A kernel that raised at its first call: the figure drew golden's loss alone, and its empty
+    difference panel said "no step with both losses finite", which reads as a candidate whose loss
+    went NaN; its status (in candidate.csv, far above) was not on it."""
+    figs, png = [], report._png
+    monkeypatch.setattr(report, "_png", lambda fig: figs.append(fig) or png(fig))
+    run = tmp_path / "results/candidate/m/cpu/k"
+    run.mkdir(parents=True)
+    pd.DataFrame({"step": [0, 1, 2], "split": "train", "loss_golden": [2.0, 1.5, 1.2],
+                  "loss_candidate": [float("nan")] * 3}).to_csv(run / "compare.csv", index=False)
+    (run / "outcome.json").write_text(json.dumps({"status": "crash", "steps_trained": 0, "message": "ValueError: x"}))
+    page = build([run / "compare.csv", run / "outcome.json"], tmp_path / "out", name="t", models=["m"],
+                 vendors=["cpu"]).read_text()
+    assert re.findall(r'<img src="[^"]*" alt="([^"]*)"', page) == ["m / cpu / k / training vs golden (crash after 0 steps)"]
+    assert figs[0].get_suptitle() == "m / cpu / k (crash after 0 steps)"

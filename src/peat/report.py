@@ -224,9 +224,9 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
     elif stage == "rfi" and path.name == "outcome.json" and len(parts) == 7:
         _append(section, "rfi.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel", "case"), parts[2:6]))))
     elif path.name == "compare.csv" and len(parts) == {"candidate": 6, "rfi": 7}.get(stage):  # whether training recovers
-        group = tuple(parts[2:-1])
-        section.figures.append(Figure(compare_figure(path, title=" / ".join(group), dpi=dpi),
-                                      " / ".join(group) + " / training vs golden", "", group))
+        group, stopped = tuple(parts[2:-1]), _stopped(path.with_name("outcome.json"))
+        section.figures.append(Figure(compare_figure(path, title=" / ".join(group) + stopped, dpi=dpi),
+                                      " / ".join(group) + " / training vs golden" + stopped, "", group))
     elif key == "sdc" and path.suffix == ".json" and len(parts) == 4:
         _append(section, "sdc.csv", _flat_row(path, model=parts[2], drill=path.stem))
     elif key == "benchmarks" and path.name == "results.json":
@@ -288,6 +288,17 @@ def _flat_row(path: Path, **keys) -> dict:
     # alphabetical order, beyond the page's width).
     first = {k: scalars.pop(k) for k in OUTCOME_COLUMNS if k in scalars}
     return {**keys, **first, **scalars}
+
+
+def _stopped(outcome: Path) -> str:
+    """" (crash after 3 steps)" for a candidate or RFI run that did not finish, else "": without it, a
+    kernel that crashed at once drew golden's curve alone, its empty difference panel read as NaN losses."""
+    data = read_json(outcome) if outcome.exists() else {}
+    status = data.get("status", "ok") if isinstance(data, dict) else "ok"
+    if status == "ok":
+        return ""
+    steps = data.get("steps_trained")
+    return f" ({status} after {steps} step{'' if steps == 1 else 's'})" if isinstance(steps, int) else f" ({status})"
 
 
 def _benchmark_table(path: Path) -> pd.DataFrame:
