@@ -1063,6 +1063,24 @@ def test_counts_in_the_tables_read_as_integers_beside_never_and_not_applicable(m
         ["3", "2", "0", "1", "1"], ["3", "2", "0", "", "1"], ["", "", "", "", ""]]
 
 
+def test_the_heatmap_marks_a_cell_whose_resumed_training_stopped(tmp_path):
+    # No final accuracy to colour it by (S.stopped): still a diverged run, marked †, without a warning.
+    import warnings
+
+    stopped = dict(model="m", vendor="cpu", epoch=1, cls="optimizer", region="sign", flips=1, seed=0, status="ok",
+                   reason="resumed training stopped: RuntimeError", altered_values=1, datasets_hit=1,
+                   nonfinite_injected=0, altered_accuracy=0.5, altered_loss=1.0,
+                   **S.stopped(pd.DataFrame(columns=["split", "epoch", "accuracy", "loss"]),
+                               pd.DataFrame({"accuracy": [0.4, 0.5], "loss": [1.0, 0.9]}, index=[1, 2]), 1))
+    pngs = []
+    for diverged in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            S.heatmap(pd.DataFrame([{**stopped, "diverged": diverged}], columns=list(S.COLUMNS)), tmp_path / "h.png")
+        pngs.append((tmp_path / "h.png").read_bytes())
+    assert pngs[0] != pngs[1]
+
+
 def test_a_hard_linked_dataset_is_altered_once_and_its_second_name_names_the_one_to_select(tmp_path):
     src = tmp_path / "in.h5"
     with h5py.File(src, "w") as f:

@@ -218,7 +218,8 @@ def heatmap(table: pd.DataFrame, out_png: str | Path, dpi: int = 110) -> None:
     classes = [c for c in CLASSES if c in set(ok["cls"])]
     fig, axes = plt.subplots(1, len(counts), figsize=(max(3.4 * len(counts) + 2.0, 7.0), 0.5 * max(len(classes), 2) + 2.4),
                              squeeze=False)
-    vmax = max(100.0, float(np.nanmax(ok["accuracy_loss_pct"], initial=0)))
+    # A training that stopped with an error has no final accuracy (NaN): no colour, yet its † is shown.
+    vmax = max(100.0, float(ok["accuracy_loss_pct"].fillna(0).max()))
     for ax, n in zip(axes[0], counts):
         part = ok[ok["flips"] == n]
         grid = part.pivot_table(index="cls", columns="region", values="accuracy_loss_pct", aggfunc="mean")
@@ -227,6 +228,8 @@ def heatmap(table: pd.DataFrame, out_png: str | Path, dpi: int = 110) -> None:
         labels = grid.map(lambda v: "" if np.isnan(v) else f"{v:.1f}") + div.map(lambda d: "†" if d == 1 else "")
         sns.heatmap(grid, annot=labels, fmt="", cmap="rocket_r", vmin=0, vmax=vmax, cbar=ax is axes[0][-1], ax=ax,
                     linewidths=0.5)
+        for i, j in zip(*np.nonzero(grid.isna().to_numpy() & (labels != "").to_numpy())):
+            ax.text(j + 0.5, i + 0.5, labels.iloc[i, j], ha="center", va="center")  # seaborn leaves NaN cells bare
         ax.set_title(f"{n} flipped value{'s' if n != 1 else ''}")
         ax.set_xlabel("bit region")
         ax.set_ylabel("location class" if ax is axes[0][0] else "")
