@@ -557,6 +557,20 @@ def test_a_malformed_hand_written_log_fails_with_one_line(tmp_path, field, value
     assert A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log).flips == 1
 
 
+def test_a_hand_written_log_may_name_datasets_without_the_leading_slash(tmp_path):
+    # As --select and h5py take them; the same value named both ways is still one value altered twice.
+    src, log = tmp_path / "in.h5", tmp_path / "log.json"
+    with h5py.File(src, "w") as f:
+        f["g/x"] = np.ones(8, np.float32)
+    log.write_text(json.dumps({"injections": [{"dataset": "g/x", "index": [3], "bit": 0}]}))
+    rows = A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log, keep_records=True).records
+    assert rows == [{"dataset": "/g/x", "index": [3], "bit": 0, "old": 1.0, "new": -1.0}]
+    log.write_text(json.dumps({"injections": [{"dataset": "g/x", "index": [3], "bit": 0},
+                                              {"dataset": "/g/x", "index": [3], "bit": 1}]}))
+    with pytest.raises(PeatError, match=r"alters /g/x at index \[3\] twice"):
+        A.alter(src, tmp_path / "o2.h5", A.Plan(), replay=log)
+
+
 def test_cli_alter_and_h5diff(mixed, tmp_path, capsys):
     out, log, js = tmp_path / "o.h5", tmp_path / "log.json", tmp_path / "diff.json"
     assert main(["alter", str(mixed), str(out), "--select", "model/*", "--select", "re:kernel", "--count", "20",

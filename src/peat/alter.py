@@ -807,8 +807,8 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> tuple
     rows, scale = _read_log(log)
     by_path = {e.path: e for e in entries}
     groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(row["dataset"], []).append(row)
+    for row in rows:  # a hand-written name may leave out the leading "/", as --select and h5py allow
+        groups.setdefault("/" + row["dataset"].lstrip("/"), []).append(row)
     edits = []
     for name, group in sorted(groups.items()):
         entry = by_path.get(name)
