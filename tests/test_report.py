@@ -549,3 +549,14 @@ def test_a_candidate_run_that_crashed_says_so_on_its_figure(tmp_path, monkeypatc
                  vendors=["cpu"]).read_text()
     assert re.findall(r'<img src="[^"]*" alt="([^"]*)"', page) == ["m / cpu / k / training vs golden (crash after 0 steps)"]
     assert figs[0].get_suptitle() == "m / cpu / k (crash after 0 steps)"
+
+
+def test_each_configurations_report_keeps_its_own_log(tmp_path):
+    """Every configuration's report job wrote logs/report/collate.log: a failed report's log was
+    overwritten by the next run of another configuration in the same directory."""
+    config = yaml.safe_load(TEST_CONFIG.read_text()) | {"name": "other"}
+    path = tmp_path / "other.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = snakemake(tmp_path / "work", "-n", "reports/other/index.html", configfile=path).stdout
+    job = out.split("rule collate_report:", 1)[1]
+    assert job.split("    log: ", 1)[1].split("\n", 1)[0] == "logs/report/other/collate.log"

@@ -48,7 +48,8 @@ rule collate_report:
         html=f"{REPORT_DIR}/index.html",
         tables=expand(f"{REPORT_DIR}/{{table}}", table=REPORT_TABLES),
     log:
-        "logs/report/collate.log",
+        # Per configuration, as the page: another configuration's report overwrote a failed one's log.
+        f"logs/report/{config['name']}/collate.log",
     conda:
         "../../envs/peat.yaml"
     params:
