@@ -147,6 +147,27 @@ def test_monitored_runs_what_a_kernel_leaves_to_golden_as_golden_on_a_transposed
     assert rows[0]["changed"] == 0 and rows[0]["max"] == 0
 
 
+def test_a_faulty_golden_weight_gradient_on_a_transposed_layer_differs_from_golden_by_the_fault_alone():
+    """A deliberately faulty kernel (impl golden, error rv:1 on weight_grad) computed GPT-2's Conv1D
+    weight gradient as dO^T x, not as PyTorch's x^T dO: on this AMD EPYC calls.csv counted ~250
+    changed elements for rv:1, and candidate training trained on that other rounding too."""
+    transposed = kernels.golden("linear", {"transposed": True})
+    faulty = errors.faulty(kernels.golden("linear"), "rv:1", "weight_grad")
+    rows = []
+    kernel = candidate.monitored(faulty, "proj", rows.append, {"step": 0, "epoch": 0}, {"transposed": True})
+    torch.manual_seed(0)
+    x, grad_out = torch.randn(37, 48), torch.randn(37, 10)
+    out = kernel.weight_grad(grad_out, x)
+    assert int((out != transposed.weight_grad(grad_out, x)).sum()) == 1 and rows[0]["changed"] == 1
+    # Routed in candidate training (hidden 10: a 10-wide weight gradient, which MKL rounds differently here).
+    model = build({"arch": "gpt2", "size": {"hidden": 10, "layers": 1, "heads": 2}}, {"vocab_size": 40, "seq_len": 8}, 0)
+    routed = copy.deepcopy(model)
+    kernels.route(routed, faulty, ["transformer.h.0.mlp.c_proj"])
+    gpt2_step(model), gpt2_step(routed)
+    grads = [m.get_submodule("transformer.h.0.mlp.c_proj").weight.grad for m in (model, routed)]
+    assert int((grads[0] != grads[1]).sum()) == 1
+
+
 def test_monitored_counts_no_error_where_the_kernel_reproduces_golden_nan_or_inf():
     """Once a faulty forward's NaN reached the weights, every later call of every computation had
     NaN inputs: a kernel matching golden bit for bit there (its golden input_grad) showed every

@@ -347,6 +347,8 @@ def _injecting(func, model: ErrorModel, generator: torch.Generator, op: str, com
         return model.apply(func(*args, **kwargs), generator, operands=(op, computation, args, kwargs))
 
     wrapped.error, wrapped.inner, wrapped.generator, wrapped.where = model, func, generator, (op, computation)
+    # The same fault (model state, draws) around another base: golden as on a transposed layer (kernels.on_layer).
+    wrapped.around = lambda inner: _injecting(inner, model, generator, op, computation)
     return wrapped
 
 

@@ -177,10 +177,25 @@ def on_layer(kernel: Kernel, attrs: dict) -> Kernel:
     """``kernel`` with the computations it leaves to golden computed as golden does on a layer of
     ``attrs`` (a transposed layer's weight gradient, see ``golden``); ``kernel`` itself where that changes nothing."""
     gold = golden(kernel.op, attrs)
-    fallback = {c: gold.computation(c) for c in COMPUTATIONS
-                if c not in kernel.custom and kernel.computation(c) is GOLDEN[kernel.op][c]
-                and gold.computation(c) is not GOLDEN[kernel.op][c]}
+    fallback = {}
+    for c in COMPUTATIONS:
+        func, base, own = kernel.computation(c), GOLDEN[kernel.op][c], gold.computation(c)
+        if own is not base and (c not in kernel.custom or hasattr(func, "inner")):
+            if (rebased := _rebased(func, base, own)) is not func:
+                fallback[c] = rebased
     return dataclasses.replace(kernel, **fallback) if fallback else kernel
+
+
+def _rebased(func: Callable, base: Callable, own: Callable) -> Callable:
+    """``func`` with golden's ``base`` replaced by ``own``, also beneath an error injected into its
+    result (``peat.errors.faulty`` of golden: a deliberately faulty kernel's fault alone differs)."""
+    if func is base:
+        return own
+    inner = getattr(func, "inner", None)
+    if inner is None:
+        return func
+    rebased = _rebased(inner, base, own)
+    return func if rebased is inner else func.around(rebased)
 
 
 # -- loading user kernels -------------------------------------------------------------------
@@ -785,6 +800,7 @@ class _Plan:
 
 
 def _plan(kernel: Kernel, attrs: dict, layer: str = "", outputs: _Outputs | None = None) -> _Plan:
+    kernel = on_layer(kernel, attrs)
     return _Plan(kernel, attrs, _golden_hp(kernel.op, attrs), golden_forward="forward" not in kernel.custom,
                  own=frozenset(kernel.custom) & {"input_grad", "weight_grad"}, layer=layer, outputs=outputs)
 
