@@ -497,7 +497,7 @@ def test_a_runtime_fi_case_shows_its_loss_against_golden_as_a_candidate_run_does
 
 
 @pytest.mark.parametrize("candidate, said", [
-    ([2.0, 1.5, 1.2], "candidate = golden at every step"),  # the test run's my_gemm on gpt2
+    ([2.0, 1.5, 1.2], "candidate = golden at every step"),  # no validation row differs
     ([2.0, 1.5, float("nan")], "candidate = golden at every step with both losses finite"),  # stopped at step 2
     ([float("nan")] * 3, "no step with both losses finite"),
 ])
@@ -560,3 +560,17 @@ def test_each_configurations_report_keeps_its_own_log(tmp_path):
     out = snakemake(tmp_path / "work", "-n", "reports/other/index.html", configfile=path).stdout
     job = out.split("rule collate_report:", 1)[1]
     assert job.split("    log: ", 1)[1].split("\n", 1)[0] == "logs/report/other/collate.log"
+
+
+def test_a_loss_difference_panel_does_not_call_a_run_whose_validation_differs_equal(tmp_path, monkeypatch):
+    """The test run's my_gemm on gpt2: training loss equal to golden's at every step, validation loss
+    4.8e-07 off (its max_abs_loss_diff in the table above); the panel said candidate = golden at every step."""
+    figs, png = [], report._png
+    monkeypatch.setattr(report, "_png", lambda fig: figs.append(fig) or png(fig))
+    compare = tmp_path / "compare.csv"
+    pd.DataFrame({"step": [0, 1, 2, 2], "split": ["train", "train", "train", "val"],
+                  "loss_golden": [2.0, 1.5, 1.2, 1.3],
+                  "loss_candidate": [2.0, 1.5, 1.2, 1.3000005]}).to_csv(compare, index=False)
+    compare_figure(compare, title="m / cpu / k")
+    assert [t.get_text() for t in figs[0].axes[1].texts] == [
+        "candidate = golden at every training step\n(not at validation: see max_abs_loss_diff)"]

@@ -463,18 +463,24 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
         if (diff > 0).any():
             right.set_yscale("log")
         else:  # blank, ticked -0.04..0.04: it read as a plot that failed to draw
-            right.text(0.5, 0.5, _no_difference(diff), ha="center", va="center", transform=right.transAxes,
-                       color="grey")
+            val = compare[compare["split"] == "val"]
+            right.text(0.5, 0.5, _no_difference(diff, (val["loss_candidate"] - val["loss_golden"]).abs()),
+                       ha="center", va="center", transform=right.transAxes, color="grey")
             right.set_yticks([])
         fig.suptitle(title)
     return _png(fig)
 
 
-def _no_difference(diff: pd.Series) -> str:
-    """What an empty loss-difference panel means: no step differs, or none has both losses."""
+def _no_difference(diff: pd.Series, val_diff: pd.Series) -> str:
+    """What an empty loss-difference panel means: no step differs, or none has both losses. Not
+    "equal at every step" where a validation loss (not drawn) differs: the run's max_abs_loss_diff,
+    in the table above the figure, counts it."""
     if not (diff == 0).any():
         return "no step with both losses finite"
-    return "candidate = golden at every step" + (" with both losses finite" if diff.isna().any() else "")
+    val_differs = (val_diff > 0).any()
+    return (f"candidate = golden at every {'training ' if val_differs else ''}step"
+            + (" with both losses finite" if diff.isna().any() else "")
+            + ("\n(not at validation: see max_abs_loss_diff)" if val_differs else ""))
 
 
 def loss_scale(*losses: pd.Series, decades: float = 2.0) -> str:
