@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import REPO, TEST_CONFIG
+from conftest import REPO, TEST_CONFIG, snakemake
 from peat import data, models
 from peat.candidate import _declared_op, _parsed
 from peat.io import PeatError
@@ -124,3 +124,20 @@ def test_a_kernels_declared_op_is_read_without_running_it(name, tmp_path):
     path.write_text(text)
     tree = None if name.endswith(".cpp") else _parsed(str(path), "kernels.k.impl")
     assert _declared_op(str(path), "linear", tree) == declared
+
+
+@pytest.mark.parametrize("overlay,line", [
+    # The overlay's one key misspelled: it was taken for a target named after --configfile.
+    ("kernls:\n  mine: {op: conv2d, impl: peat.alt_kernels.im2col}\n",
+     "peat: config key '<top level>': Additional properties are not allowed ('kernls' was unexpected); "
+     "did you mean 'kernels' for 'kernls'?"),
+    ("models:\n  gpt2:\n    optimiser: {name: sgd, lr: 0.1}\n",
+     "peat: config key 'models.gpt2': Additional properties are not allowed ('optimiser' was unexpected); "
+     "did you mean 'optimizer' for 'optimiser'?"),
+])
+def test_a_misspelled_key_in_an_overlay_is_named_with_the_key_it_means(overlay, line, tmp_path):
+    path = tmp_path / "overlay.yaml"
+    path.write_text(overlay)
+    proc = snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(path), configfile=None, check=False)
+    lines = [text for text in proc.stderr.splitlines() if text.startswith("peat:")]
+    assert proc.returncode != 0 and lines == [line], proc.stderr

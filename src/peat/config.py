@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -48,6 +49,17 @@ def _number_as_text(value, types) -> str:
     return f" (YAML reads {value} as text; write {spelled})"
 
 
+def _misspelled(keys, known) -> dict:
+    """Unknown key -> the known key it most likely misspells."""
+    close = {key: difflib.get_close_matches(str(key), list(known), n=1) for key in keys if key not in known}
+    return {key: match[0] for key, match in close.items() if match}
+
+
+def _did_you_mean(instance, known) -> str:
+    guesses = _misspelled(instance, known) if isinstance(instance, dict) else {}
+    return "".join(f"; did you mean {match!r} for {key!r}?" for key, match in guesses.items())
+
+
 def _message(err: jsonschema.ValidationError) -> str:
     key = _key(err.absolute_path)
     if err.validator == "type":
@@ -60,7 +72,7 @@ def _message(err: jsonschema.ValidationError) -> str:
         missing = err.message.split("'")[1]
         return f"config key '{_key([*err.absolute_path, missing])}' is missing"
     if err.validator == "additionalProperties":
-        return f"config key '{key}': {err.message}"
+        return f"config key '{key}': {err.message}{_did_you_mean(err.instance, err.schema.get('properties', {}))}"
     if err.validator in ("oneOf", "anyOf") and err.context and all(
             e.validator == "type" and not e.relative_path for e in err.context):  # said only "not valid under any"
         return f"config key '{key}': {_short(err.instance)} is not of type {', '.join(repr(e.validator_value) for e in err.context)}"
@@ -100,8 +112,11 @@ def check_is_config(path: str | Path, schema_path: str | Path) -> None:
         return
     known = yaml.safe_load(Path(schema_path).read_text())["properties"]
     # A result may share a key with the config (a drill's JSON its "seed", a playback record its
-    # "errors"): a config's top-level keys are mostly config keys, a result's mostly not.
-    if not isinstance(content, dict) or len(content.keys() & known.keys()) < len(content.keys() - known.keys()):
+    # "errors"): a config's top-level keys are mostly config keys, a result's mostly not. A
+    # misspelled one ("kernls") counts as the config key it means: an overlay of that one key was
+    # taken for a target, and the schema names the key.
+    ours = content.keys() & known.keys() | _misspelled(content, known).keys() if isinstance(content, dict) else set()
+    if not isinstance(content, dict) or len(ours) < len(content.keys() - ours):
         raise PeatError(f"{path}: not a peat config (few or no config keys at its top level); --configfile reads "
                         "every path after it, so name targets before --configfile")
 
