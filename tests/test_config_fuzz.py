@@ -165,3 +165,14 @@ def test_a_number_in_exponent_notation_yaml_reads_as_text_is_told_how_to_write_i
     assert str(err.value).startswith(f"config key '{key}': ") and str(err.value).endswith(expected)
     written = expected.rsplit("write ", 1)[1].rstrip(")")
     assert isinstance(yaml.safe_load(written), (int, float))
+
+
+@pytest.mark.parametrize("section", ["datasets", "models", "kernels"])
+def test_a_name_yaml_reads_as_a_number_is_named_not_a_crash(section):
+    """kernels: {123: ...} passed the schema (a pattern checks strings only) and the Snakefile ended
+    in a TypeError joining the kernel names into its wildcard constraint."""
+    cfg = copy.deepcopy(VALID)
+    name = next(iter(cfg[section]))
+    cfg[section][123] = cfg[section].pop(name)
+    with pytest.raises(PeatError, match=rf"^config key '{section}': 123 is not of type 'string'$"):
+        validate(cfg, SCHEMA)
