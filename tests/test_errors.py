@@ -251,6 +251,17 @@ def test_lane_stuck_rows_and_nchw_channels(t):
     assert changed(out, x)[:, channels].all()
 
 
+@pytest.mark.parametrize("spec", ["lane:64", "lane:99999999999999999999", "lane:99999999999999999999:stuck:row"])
+def test_a_lane_period_beyond_the_width_hits_one_lane(t, spec):
+    """The schema takes any period: one past int64 wrapped in the slice, and lane:K offset nothing
+    (a faulty kernel trained as golden) or lane:K:stuck:row ended its run in as_strided's error."""
+    row = spec.endswith("row")
+    wrong = changed(out := errors.parse(spec).apply(t, gen()), t)
+    lanes = wrong.any(1 if row else 0).nonzero().view(-1).tolist()
+    assert len(lanes) == 1
+    assert (out[lanes[0]] == t[lanes[0], 0]).all() if row else wrong[:, lanes[0]].all()
+
+
 @pytest.mark.parametrize("shape", [(40,), (1, 40)])
 def test_a_stuck_lane_one_row_tall_is_stuck_at_its_first_element(shape):
     """A norm layer's weight gradient is a vector: each of its lane's columns holds one value, so

@@ -259,9 +259,10 @@ def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     m = matrix(t.detach())
     if model.axis == "row":
         m = m.t()
-    period = model.count
+    # A period past the width hits one lane, as the width does (a longer one past int64 wrapped in the slice).
     # At least one lane to draw: an empty tensor's selects nothing.
-    lane = int(torch.randint(max(1, min(period, m.shape[1])), (1,), generator=generator))
+    period = max(1, min(model.count, m.shape[1]))
+    lane = int(torch.randint(period, (1,), generator=generator))
     cols = m[:, lane::period]
     if model.mode == "stuck":
         # One row (a norm's weight gradient is a vector): each column's first value is itself, so the
