@@ -141,3 +141,18 @@ def test_a_misspelled_key_in_an_overlay_is_named_with_the_key_it_means(overlay, 
     proc = snakemake(tmp_path, "-n", "--configfile", str(TEST_CONFIG), str(path), configfile=None, check=False)
     lines = [text for text in proc.stderr.splitlines() if text.startswith("peat:")]
     assert proc.returncode != 0 and lines == [line], proc.stderr
+
+
+def test_a_relative_dataset_path_that_does_not_exist_names_the_directory_it_was_looked_for_in(tmp_path):
+    """With --directory the jobs (and the check) resolve a relative path from the working directory,
+    not the shell's: 'data/texts does not exist' named a folder the user could see."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text to learn from. " * 40)
+    work = tmp_path / "work"
+    work.mkdir()
+    overlay = tmp_path / "corpus.yaml"
+    overlay.write_text("datasets:\n  corpus: {source: text, path: texts, seq_len: 16}\n")
+    proc = snakemake(work, "-n", "--configfile", str(TEST_CONFIG), str(overlay), configfile=None, check=False)
+    lines = [text for text in proc.stderr.splitlines() if text.startswith("peat:")]
+    assert proc.returncode != 0 and lines == [
+        f"peat: config key 'datasets.corpus.path': texts does not exist (relative to the working directory {work})"]

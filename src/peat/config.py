@@ -189,7 +189,9 @@ def _check_dataset(name: str, spec: dict, keys: dict) -> None:
         if path is None:
             raise PeatError(f"config key 'datasets.{name}.path' is missing (source {spec['source']} reads local files)")
         if not Path(path).expanduser().exists():
-            raise PeatError(f"config key 'datasets.{name}.path': {path} does not exist")
+            # Relative to where jobs run, which --directory moves away from the shell's directory.
+            where = "" if Path(path).expanduser().is_absolute() else f" (relative to the working directory {Path.cwd()})"
+            raise PeatError(f"config key 'datasets.{name}.path': {path} does not exist{where}")
     part = spec.get("part")
     if part and part[0] >= part[1]:  # an empty text failed in data preparation, naming seq_len
         raise PeatError(f"config key 'datasets.{name}.part': start {part[0]:g} is not below end {part[1]:g}")
