@@ -407,6 +407,20 @@ def test_config_cross_checks():
     candidate.check(bad)
 
 
+def test_config_refuses_a_kernel_seed_its_generator_cannot_take():
+    """torch.Generator takes 64 bits: a larger seed passed the schema, and each candidate and RFI run
+    of the kernel was its 'crash' (ValueError: Overflow when unpacking long long) after golden training."""
+    config = yaml.safe_load(TEST_CONFIG.read_text())
+    config["kernels"]["lane_fc"]["seed"] = 2**64 - 1
+    errors.faulty(kernels.golden("linear"), "lane:4", seed=2**64 - 1)
+    validate(copy.deepcopy(config), REPO / "workflow/schemas/config.schema.yaml")
+    config["kernels"]["lane_fc"]["seed"] = 2**64
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow/schemas/config.schema.yaml")
+    assert str(err.value) == ("config key 'kernels.lane_fc.seed': 18446744073709551616 is greater than the maximum "
+                              "of 18446744073709551615")
+
+
 def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path):
     """A misspelt function (def fwd) loaded as all-golden nowhere: load() refused it in the playback
     job, after golden training. Sources that may bind the names dynamically are let through."""
