@@ -284,6 +284,22 @@ def test_request_the_cluster_cannot_meet_fails_before_submitting(cluster, tmp_pa
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.xdist_group("workflow")
+def test_the_on_demand_benchmark_is_checked_under_the_profile_that_sets_no_cores(cluster, tmp_path):
+    """The bench job asks for the cores of the run, and the SLURM profile (as a user runs it) sets
+    none: the preflight ended in Snakemake's WorkflowError asking for --cores, not the one line."""
+    before = set(cluster.squeue())
+    cmd = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path), "bench",
+           *_slurm_args(), "--set-resources", "bench:mem_mb=4000", *_configs()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "WorkflowError" not in out, out[-2000:]
+    assert ("peat: rule bench asks for 4000 MB (mem_mb), but the largest node of partition 'cpu' has 2000 MB; "
+            "lower it, e.g. --set-resources bench:mem_mb=2000 or --default-resources mem_mb=2000") in out.splitlines()
+    assert set(cluster.squeue()) == before
+
+
 # -- without a cluster: the mapping the rules use, and the profiles parse ----------------------
 GPU_CONFIG = {"vendors": ["cpu", "nvidia", "amd"], "slurm": {
     "cpu_partition": "short",
@@ -315,6 +331,11 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
     with pytest.raises(PeatError, match=r"^rule g asks for 9000 MB \(mem_mb\), but the largest node of the default "
                                         r"partition has 8000 MB"):
         slurm.check_sizes([job("g", 1, mem_mb=9000)], largest)
+    # --set-threads below the config's threads would stop the job on its node (device.job_threads).
+    with pytest.raises(PeatError, match=r"^rule golden_train asks for 8 CPUs per task, but the largest node of the "
+                                        r"default partition has 4: it would pend forever; lower the config's "
+                                        r"'threads' to 4 \(reruns everything\)$"):
+        slurm.check_sizes([job("golden_train", 8)], largest, threads=8)
 
 
 

@@ -11,7 +11,8 @@ rule bench:
     conda:
         "../../envs/peat.yaml"
     # Read when the job is made: `snakemake --report` takes no --cores, and workflow.cores raised.
-    threads: lambda wildcards: workflow.cores
+    # The SLURM profile sets none either (a WorkflowError at the preflight): this machine's CPUs.
+    threads: lambda wildcards: workflow.resource_settings.cores or os.cpu_count()
     resources:
         **CPU_RESOURCES,
     params:
