@@ -235,6 +235,31 @@ def test_an_edited_or_added_text_file_prepares_the_dataset_again(tmp_path):
     assert "Nothing to be done" not in dry and str(corpus / "b.txt") in dry  # the reason names the new input
 
 
+@pytest.mark.parametrize("grant", [["--cores", "1"], ["--set-threads", "golden_train=1"]])
+def test_a_job_granted_fewer_cpus_than_its_threads_stops_with_one_line(tmp_path, grant):
+    """Jobs ran the config's torch threads whatever Snakemake granted: `--cores 1` capped nothing on a
+    shared machine, and a SLURM job lowered with --set-threads used more CPUs than it asked for.
+    Fewer threads would round differently under the same config hash, so the job stops instead."""
+    config = write_config(tmp_path, lambda c: c.update(threads=2))
+    proc = snakemake(tmp_path, "results/golden/resnet18/cpu/metrics.csv", *grant, configfile=config, check=False)
+    assert proc.returncode != 0
+    last = (tmp_path / "logs/golden/resnet18/cpu.log").read_text().strip().splitlines()[-1]
+    assert last == (
+        "peat.io.PeatError: config key 'threads': rule golden_train runs 2 torch threads, but Snakemake granted "
+        "it 1 CPUs; fewer threads would change its results, so grant 2 (--cores 2 or more, also above this "
+        "machine's cores; on SLURM, no --set-threads golden_train=1) or lower 'threads' (reruns everything)")
+    assert not (tmp_path / "results/golden/resnet18/cpu/.partial").exists()
+
+
+def test_the_sdc_drill_asks_for_every_thread_of_every_rank(tmp_path):
+    """It asked for sdc.world_size CPUs, one per rank, while each rank runs the config's threads:
+    with threads: 2 a SLURM job got half the CPUs its ranks used."""
+    config = write_config(tmp_path, lambda c: c.update(threads=2))
+    dry = snakemake(tmp_path, "-n", "--cores", "64", "results/sdc/gpt2/clean.json", configfile=config).stdout
+    job = dry[dry.index("rule sdc_drill:"):]
+    assert re.search(r"^    threads: (\d+)$", job, re.M).group(1) == "6"  # 3 ranks (the default) x 2
+
+
 def test_model_and_dataset_names_with_regex_characters(tmp_path):
     """Names went into the wildcard constraints as regular expressions: a model "gpt2+ln" or a
     dataset "py+doc" matched no path and the dry run died with MissingInputException."""

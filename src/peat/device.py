@@ -23,6 +23,24 @@ def for_vendor(vendor: str) -> torch.device:
     return torch.device("cuda")
 
 
+def job_threads(snakemake) -> int:
+    """The torch threads of a workflow job: the config's ``threads``, checked
+    against the CPUs Snakemake granted the job (``--cores``, ``--max-threads``, ``--set-threads``; on
+    SLURM its ``--cpus-per-task``). The thread count decides the results (a CPU sum split over more
+    threads rounds differently, and the config hash names it), so a smaller grant stops the job:
+    running the config's threads anyway took CPUs the user did not give (``--cores 1`` capped
+    nothing), and running fewer would give other bits under the same hash."""
+    threads = snakemake.config["threads"]
+    if snakemake.threads < threads:
+        raise PeatError(
+            f"config key 'threads': rule {snakemake.rule} runs {threads} torch threads, but Snakemake granted it "
+            f"{snakemake.threads} CPUs; fewer threads would change its results, so grant {threads} "
+            f"(--cores {threads} or more, also above this machine's cores; on SLURM, no --set-threads "
+            f"{snakemake.rule}={snakemake.threads}) or lower 'threads' (reruns everything)"
+        )
+    return threads
+
+
 def seed_everything(seed: int, threads: int) -> None:
     """Fix every source of run-to-run variation we control on one machine, and make float32
     mean IEEE float32 on every GPU."""

@@ -84,9 +84,10 @@ def check_partitions(requested: dict[str, str], origins: dict[str, str], availab
             )
 
 
-def check_sizes(jobs, largest: dict[str, tuple[int, int]]) -> None:
+def check_sizes(jobs, largest: dict[str, tuple[int, int]], threads: int = 1) -> None:
     """Fail on the first job that asks for more CPUs or memory than any node of its partition has:
-    sbatch refuses such memory, but such CPUs pend forever (squeue's reason PartitionConfig)."""
+    sbatch refuses such memory, but such CPUs pend forever (squeue's reason PartitionConfig).
+    ``threads``: the config's, which every training job runs whatever it is granted."""
     for job in jobs:
         if getattr(job, "is_local", False):  # localrules (plots, the report) run here, never through sbatch
             continue
@@ -97,8 +98,11 @@ def check_sizes(jobs, largest: dict[str, tuple[int, int]]) -> None:
         where = f"partition {partition!r}" if partition else "the default partition"
         rule = job.rule.name
         if job.threads > cpus:
+            # Granted fewer than the config's threads, a training job stops (device.job_threads).
+            fix = (f"lower the config's 'threads' to {cpus} (reruns everything)" if threads > cpus
+                   else f"lower it, e.g. --set-threads {rule}={cpus}")
             raise PeatError(f"rule {rule} asks for {job.threads} CPUs per task, but the largest node of {where} has "
-                            f"{cpus}: it would pend forever; lower it, e.g. --set-threads {rule}={cpus}")
+                            f"{cpus}: it would pend forever; {fix}")
         if (job.resources.get("mem_mb") or 0) > mem_mb:
             raise PeatError(f"rule {rule} asks for {job.resources['mem_mb']} MB (mem_mb), but the largest node of "
                             f"{where} has {mem_mb} MB; lower it, e.g. --set-resources {rule}:mem_mb={mem_mb} "
@@ -116,4 +120,4 @@ def preflight(config: dict, jobs) -> None:
         requested.setdefault(partition, job.rule.name)
     largest = cluster_nodes()
     check_partitions(requested, config_origins(config), sorted(name for name in largest if name))
-    check_sizes(jobs, largest)
+    check_sizes(jobs, largest, config["threads"])

@@ -13,7 +13,8 @@ rule sdc_drill:
         "logs/sdc/{model}.log",
     conda:
         "../../envs/peat.yaml"
-    threads: config["sdc"]["world_size"]
+    # One process per rank, each with the config's torch threads.
+    threads: config["sdc"]["world_size"] * config["threads"]
     resources:
         **CPU_RESOURCES,
     params:

@@ -2,6 +2,7 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "w")
 
+from peat.device import job_threads
 from peat.alter_study import run_cells
 
 w = snakemake.wildcards
@@ -19,7 +20,7 @@ run_cells(
     golden_metrics=snakemake.input.metrics,
     tolerance=snakemake.params.tolerance,
     run_seed=snakemake.params.seed,
-    threads=snakemake.config["threads"],
+    threads=job_threads(snakemake),
     config_hash=snakemake.params.config_hash,
     out_csv=snakemake.output.table,
     log_dir=snakemake.output.logs,

@@ -2,6 +2,7 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "w")
 
+from peat.device import job_threads
 from peat.train import train_model
 
 train_model(
@@ -11,7 +12,7 @@ train_model(
     snakemake.output.checkpoints.rsplit("/", 1)[0],
     vendor=snakemake.wildcards.vendor,
     seed=snakemake.params.seed,
-    threads=snakemake.config["threads"],
+    threads=job_threads(snakemake),
     init=snakemake.input.init[0] if snakemake.input.init else None,
     config_hash=snakemake.params.config_hash,
 )

@@ -2,6 +2,7 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "w")
 
+from peat.device import job_threads
 from peat.playback import run_job
 
 inp, params = snakemake.input, snakemake.params
@@ -17,7 +18,7 @@ run_job(
     settings=params.settings,
     rules=params.rules,
     seed=params.seed,
-    threads=snakemake.config["threads"],
+    threads=job_threads(snakemake),
     config_hash=params.config_hash,
     propagate_from=(
         {"spec": params.spec, "data": inp.data, "checkpoints": inp.checkpoints,
