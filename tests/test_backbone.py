@@ -323,9 +323,17 @@ def test_hdf5_open_errors_keep_hdf5s_short_reason(tmp_path):
         open_h5(tmp_path / "held.h5", "w")
     assert str(err.value) == (f"{tmp_path / 'held.h5'}: cannot create this HDF5 file (Unable to synchronously create "
                               "file: unable to truncate a file which is already open)")
-    with pytest.raises(PeatError) as err:  # HDF5's detail here is a dump of flags: left out
+    with pytest.raises(PeatError) as err:  # HDF5's detail here is a dump of flags: only its cause is kept
         open_h5(tmp_path / "no" / "x.h5", "w")
-    assert str(err.value) == f"{tmp_path / 'no' / 'x.h5'}: cannot create this HDF5 file ([Errno 2] Unable to synchronously create file)"
+    assert str(err.value) == (f"{tmp_path / 'no' / 'x.h5'}: cannot create this HDF5 file ([Errno 2] Unable to "
+                              "synchronously create file: No such file or directory)")
+    # A folder given for a file said '[Errno 21] Unable to synchronously open file', naming no cause.
+    (tmp_path / "no").mkdir()
+    for mode, what in (("r", "not a readable HDF5 file ([Errno 21] Unable to synchronously open file"),
+                       ("w", "cannot create this HDF5 file ([Errno 21] Unable to synchronously create file")):
+        with pytest.raises(PeatError) as err:
+            open_h5(tmp_path / "no", mode)
+        assert str(err.value) == f"{tmp_path / 'no'}: {what}: Is a directory)"
 
 
 def test_truncated_or_foreign_hdf5_fails_naming_the_file(tmp_path):

@@ -190,10 +190,14 @@ def open_h5(path: str | os.PathLike, mode: str = "r") -> h5py.File:
 
 def _h5_reason(message: str) -> str:
     """h5py's reason in a few words: 'Unable to ... file', plus HDF5's own detail where it is short
-    ('file signature not found', 'unable to truncate a file which is already open'), not a dump of flags."""
+    ('file signature not found', 'unable to truncate a file which is already open'), or the system's
+    reason inside a dump of flags ('Is a directory')."""
     head, _, rest = message.partition("(")
     head, detail = head.strip() or "unreadable", rest.rpartition(")")[0]
-    return f"{head}: {detail}" if detail and "=" not in detail else head
+    if "=" in detail:  # a dump of call details: only the system's reason in it ('Is a directory') tells the cause
+        found = re.search(r"error message = '([^']*)'", detail)
+        detail = found.group(1) if found else ""
+    return f"{head}: {detail}" if detail else head
 
 
 def require(group: h5py.Group, name: str, path) -> h5py.Dataset | h5py.Group:
