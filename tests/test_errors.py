@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from pathlib import Path
@@ -102,6 +103,25 @@ def test_casts_leave_the_running_statistics_an_eval_batch_norm_only_reads():
         rounded = (errors.round_to(a, spec) for a in (x, *stats, w, b))
         want = torch.nn.functional.batch_norm(*rounded, False, 0.1, 1e-5)
         assert torch.equal(out, want.to(torch.float32))
+
+
+@pytest.mark.parametrize("computation", ["input_grad", "weight_grad"])
+def test_fp64_batch_norm_gradients_in_training_leave_the_running_statistics_alone(computation):
+    """A training batch norm's backward does not update its statistics, but fp64 wrote its float64
+    copies back there too: each candidate and RFI run of a faulty kernel with error fp64 on a batch norm
+    gradient was a 'crash', the kernel said to write into its input running_mean."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    routed = copy.deepcopy(plain)
+    kernels.route(routed, errors.faulty(kernels.golden("batch_norm"), "fp64", computation), ["1"])
+    x = torch.randn(4, 3, 8, 8)
+    for model in (plain, routed):
+        model(x).square().sum().backward()
+    assert torch.equal(plain[1].running_mean, routed[1].running_mean)
+    assert torch.equal(plain[1].running_var, routed[1].running_var)
+    grads = [(m[0].weight.grad, m[1].weight.grad) for m in (plain, routed)]
+    changed_grad = grads[1][0] if computation == "input_grad" else grads[1][1]
+    assert torch.allclose(changed_grad, grads[0][0] if computation == "input_grad" else grads[0][1], rtol=1e-4)
 
 
 # -- element errors ----------------------------------------------------------------------------

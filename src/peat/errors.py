@@ -344,7 +344,7 @@ def faulty(kernel, error, computation: str = "forward", seed: int = 0):
 def _injecting(func, model: ErrorModel, generator: torch.Generator, op: str, computation: str):
     def wrapped(*args, **kwargs):
         if model.on_operands:
-            return _cast_call(func, model.kind, args, kwargs)
+            return _cast_call(func, model.kind, args, kwargs, computation)
         return model.apply(func(*args, **kwargs), generator, operands=(op, computation, args, kwargs))
 
     wrapped.error, wrapped.inner, wrapped.generator, wrapped.where = model, func, generator, (op, computation)
@@ -383,14 +383,16 @@ def _replica(func):
     return _injecting(_replica(func.inner), dataclasses.replace(model), generator, *func.where)
 
 
-def _cast_call(func, precision: str, args, kwargs):
-    """Call ``func`` on operands rounded to ``precision``; the result keeps the input dtype."""
+def _cast_call(func, precision: str, args, kwargs, computation: str):
+    """Call ``func`` (a ``computation``) on operands rounded to ``precision``; the result keeps the input dtype."""
     dtype = next(a.dtype for a in args if torch.is_tensor(a))
     cast = lambda a: round_to(a, precision) if torch.is_tensor(a) and a.is_floating_point() else a  # noqa: E731
     # A training batch norm's output never reads its running statistics: it only updates them, and
     # they stay float32 buffers (nn.BatchNorm's, under autocast too). Rounding them would widen the
     # envelope of the updated statistics by the rounding of the old ones (200x: 0.7 % of running_var).
-    state = ("running_mean", "running_var") if kwargs.get("training") else ()
+    # Only the training forward updates them: a backward's float64 copies written back changed nothing but
+    # the buffers' version, which training's router takes for the kernel writing into its inputs.
+    state = ("running_mean", "running_var") if kwargs.get("training") and computation == "forward" else ()
     new = {k: _unrounded(v, precision) if k in state else cast(v) for k, v in kwargs.items()}
     out = func(*map(cast, args), **new)
     # Statistics a training call updates in place, under fp64 in a copy: written back. Elsewhere they are
