@@ -156,3 +156,19 @@ def test_a_relative_dataset_path_that_does_not_exist_names_the_directory_it_was_
     lines = [text for text in proc.stderr.splitlines() if text.startswith("peat:")]
     assert proc.returncode != 0 and lines == [
         f"peat: config key 'datasets.corpus.path': texts does not exist (relative to the working directory {work})"]
+
+
+def test_a_kernel_file_under_the_home_directory_is_found_as_a_dataset_path_is(tmp_path, monkeypatch):
+    """impl: ~/kernels/mine.py was 'no such file (relative to <cwd> or <repo>)', where a dataset's
+    path: ~/... is the user's home; the check and the jobs resolve it there now."""
+    from peat import kernels
+    from peat.candidate import check
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "mine.py").write_text((REPO / "kernels" / "my_gemm.py").read_text())
+    assert kernels.source_files("~/kernels/mine.py") == [str(tmp_path / "kernels" / "mine.py")]
+    cfg = {**TEST, "kernels": {"mine": {"op": "linear", "impl": "~/kernels/mine.py", "models": ["gpt2"]}},
+           "rfi": {"kernels": []}}
+    check(cfg)
+    assert kernels.load("~/kernels/mine.py", "linear", name="mine") is not None

@@ -300,8 +300,9 @@ def source_files(impl: str) -> list[str]:
 def _resolve(path: str) -> Path:
     bases = list(dict.fromkeys((Path.cwd(), REPO)))  # one when run from the checkout
     for base in bases:
-        if (base / path).is_file():
-            return base / path
+        # ~/ as in a dataset's path: the user's home, not a folder named "~" under the base.
+        if (base / Path(path).expanduser()).is_file():
+            return base / Path(path).expanduser()
     raise PeatError(f"kernel impl {path!r}: no such file (relative to {' or '.join(map(str, bases))})")
 
 
