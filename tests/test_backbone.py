@@ -1480,6 +1480,35 @@ def test_rerun_after_dying_at_the_end_keeps_every_epoch_checkpoint(digits, golde
     assert not (tmp_path / ".partial").exists()
 
 
+def test_a_run_killed_before_its_inputs_changed_is_not_resumed(tmp_path):
+    """Only the settings were compared: a job killed after its first epoch, rerun once its inputs
+    had changed (a corpus file fixed, so the dataset prepared again; init_from's base model trained
+    again after an edit) under the same config, resumed the old run: epoch 1 trained on the old
+    data or from the old base weights, silently."""
+    from peat.train import Run, fit
+
+    g = torch.Generator().manual_seed(0)
+    old, new = (data.Dataset("image", *(data.Split(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
+                                         for n in (16, 4)), {}) for _ in range(2))
+    run = Run(epochs=2, batch_size=8, optimizer={"name": "sgd", "lr": 0.1}, meta={"config_hash": "same"})
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3))
+
+    def die(step, epoch):
+        if epoch == 2:
+            raise KeyboardInterrupt("killed")
+
+    fit(model(0), new, run, tmp_path / "whole", progress=False)
+    for name, killed_with in (("data", (model(0), old)), ("weights", (model(1), new))):
+        with pytest.raises(KeyboardInterrupt):
+            fit(*killed_with, run, tmp_path / name, progress=False, before_step=die)
+        assert (tmp_path / name / ".partial" / "resume.h5").exists()
+        fit(model(0), new, run, tmp_path / name, progress=False)
+        assert_bit_identical(tmp_path / "whole" / "final.h5", tmp_path / name / "final.h5")
+
+
 def test_a_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, tmp_path):
     """A job killed after its first epoch, then rerun after the config changed (another lr, so
     another config hash), resumed the old run's state: epoch 1 trained with the old lr."""

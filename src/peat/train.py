@@ -9,6 +9,7 @@ uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .data import Dataset
-from .io import PeatError, open_h5, write_csv
+from .io import PeatError, atomic_path, open_h5, write_csv
 from .models import loss_and_metrics
 from .profiler import check_records_a_step
 
@@ -81,13 +82,14 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     them is ever half written.
     """
     out_dir = Path(out_dir)
-    model.to(run.device)
-    optimizer = make_optimizer(model, run.optimizer)
     train_x, train_y = _subset(data.train, run.max_train_samples)
     val_x, val_y = _subset(data.val, run.max_val_samples)
+    inputs = _inputs_digest(model, (train_x, train_y, val_x, val_y), start)
+    model.to(run.device)
+    optimizer = make_optimizer(model, run.optimizer)
     partial = out_dir / ".partial"
     resume = partial / "resume.h5"
-    start = _resume_point(resume, run.meta) or start
+    start = _resume_point(resume, run.meta, inputs) or start
     step, first_epoch, history = 0, 1, []
     if start is not None:
         state = checkpoint.load(start, model, optimizer)
@@ -140,6 +142,8 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
                 # drops the newer snapshot.
                 if profiler is not None:
                     profiler.snapshot()
+                with atomic_path(partial / INPUTS) as tmp:  # before the resume point it vouches for
+                    tmp.write_text(inputs)
                 checkpoint.save(resume, model, optimizer, **save)
         bar.close()
         # Guarded too: a failure here (a full disk, Ctrl-C) must close the Profiler's file, or a rerun in
@@ -159,16 +163,36 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     return metrics
 
 
-def _resume_point(resume: Path, meta: dict) -> Path | None:
-    """``resume`` when a killed run of these settings (``meta``) left it; its folder is discarded
-    when a run of other settings (an edited config) did: resuming would mix the two."""
+# Beside the resume point: the digest of the inputs of the run that left it.
+INPUTS = "inputs.sha256"
+
+
+def _inputs_digest(model: torch.nn.Module, tensors, start) -> str:
+    """What a run starts from besides its settings: the data it trains and validates on, the model's
+    initial state (init_from's base weights) and ``start``'s bytes. The config hash names none of
+    them: a dataset prepared again from edited files, or a base model trained again, keeps it."""
+    digest = hashlib.sha256()
+    for t in (*tensors, *model.state_dict().values()):
+        if isinstance(t, torch.Tensor):  # bytes of any dtype (numpy has no bfloat16)
+            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    if start is not None:
+        with open(start, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _resume_point(resume: Path, meta: dict, inputs: str) -> Path | None:
+    """``resume`` when a killed run of these settings (``meta``) and ``inputs`` left it; its folder is
+    discarded when a run of other settings (an edited config) or inputs did: resuming would mix the two."""
     if not resume.exists():
         return None
     with open_h5(resume) as f:
         same = all(k in f.attrs and f.attrs[k] == v for k, v in meta.items())
-    if same:
+    marker = resume.with_name(INPUTS)
+    if same and marker.exists() and marker.read_text() == inputs:
         return resume
-    print(f"discarding {resume.parent}: left by a run with other settings", flush=True)
+    print(f"discarding {resume.parent}: left by a run with other settings or inputs", flush=True)
     shutil.rmtree(resume.parent)
     return None
 
