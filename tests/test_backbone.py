@@ -260,6 +260,22 @@ def test_the_sdc_drill_asks_for_every_thread_of_every_rank(tmp_path):
     assert re.search(r"^    threads: (\d+)$", job, re.M).group(1) == "6"  # 3 ranks (the default) x 2
 
 
+def test_a_fine_tuned_models_config_hash_names_its_base():
+    """The hash stamped on a model's results (checkpoints, contexts, provenance) left out init_from's
+    base: resnet18_parity's results from two configs whose resnet18 differed carried one hash."""
+    from peat.config import config_hash, model_hash
+
+    config = yaml.safe_load(TEST_CONFIG.read_text())
+    before = {m: model_hash(config, m) for m in config["models"]}
+    config["models"]["resnet18"]["optimizer"]["lr"] = 0.5
+    after = {m: model_hash(config, m) for m in config["models"]}
+    assert [m for m in before if before[m] != after[m]] == ["resnet18", "resnet18_parity"]
+    # A model without a base keeps the hash it had: its results are not trained again.
+    spec = config["models"]["gpt2"]
+    assert after["gpt2"] == config_hash({"model": spec, "dataset": config["datasets"][spec["dataset"]],
+                                         "seed": config["seed"], "threads": config["threads"]})
+
+
 def test_model_and_dataset_names_with_regex_characters(tmp_path):
     """Names went into the wildcard constraints as regular expressions: a model "gpt2+ln" or a
     dataset "py+doc" matched no path and the dry run died with MissingInputException."""

@@ -291,3 +291,15 @@ def config_hash(obj) -> str:
     """Short stable hash of a JSON-able config fragment (key order does not matter)."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def model_hash(config: dict, model: str) -> str:
+    """What a model's golden results depend on: its spec, its dataset, the seed and the torch
+    threads (a CPU sum split over more threads rounds differently), and a fine-tuned model's base
+    (init_from), whose final weights it starts from."""
+    spec = config["models"][model]
+    parts = {"model": spec, "dataset": config["datasets"][spec["dataset"]], "seed": config["seed"],
+             "threads": config["threads"]}
+    if spec.get("init_from"):  # only then: every other model keeps its hash, and its results
+        parts["base"] = model_hash(config, spec["init_from"])
+    return config_hash(parts)

@@ -6,6 +6,7 @@ import sys
 
 import peat.alter
 import peat.alter_study
+import peat.config
 import peat.device
 import peat.report
 import peat.slurm
@@ -124,17 +125,7 @@ def init_checkpoint(wildcards):
 
 
 def model_hash(model):
-    """What a model's golden results depend on: its spec, its dataset, the seed and the torch
-    threads (a CPU sum split over more threads rounds differently)."""
-    spec = config["models"][model]
-    return config_hash(
-        {
-            "model": spec,
-            "dataset": config["datasets"][spec["dataset"]],
-            "seed": config["seed"],
-            "threads": config["threads"],
-        }
-    )
+    return peat.config.model_hash(config, model)
 
 
 def kernel_sources(wildcards):
