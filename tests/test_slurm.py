@@ -88,7 +88,7 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=600
 NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=2000 State=UNKNOWN
-PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
+PartitionName=cpu Nodes={host} Default=YES MaxTime=1-00:00:00 State=UP
 """
 
 
@@ -266,6 +266,11 @@ done
     (["", "--set-resources", "golden_train:mem_mb=4000"],
      "peat: rule golden_train asks for 4000 MB (mem_mb), but the largest node of partition 'cpu' has 2000 MB; "
      "lower it, e.g. --set-resources golden_train:mem_mb=2000 or --default-resources mem_mb=2000"),
+    # Past the partition's MaxTime it pended forever too (squeue's reason PartitionTimeLimit).
+    (["", "--set-resources", "golden_train:runtime=2000"],
+     "peat: rule golden_train asks for 2000 min (runtime), but partition 'cpu' has a time limit of 1440 min: "
+     "it would pend forever; lower it, e.g. --set-resources golden_train:runtime=1440 "
+     "or --default-resources runtime=1440"),
 ])
 @pytest.mark.xdist_group("workflow")  # one worker owns the cluster (and /etc/slurm/slurm.conf)
 def test_request_the_cluster_cannot_meet_fails_before_submitting(cluster, tmp_path, args, message):
@@ -307,6 +312,12 @@ GPU_CONFIG = {"vendors": ["cpu", "nvidia", "amd"], "slurm": {
                 "amd": {"partition": "mi250", "gres": "gpu:1"}}}}
 
 
+@pytest.mark.parametrize("limit,minutes", [("infinite", None), ("n/a", None), ("1:00:00", 60), ("30:00", 30),
+                                           ("45", 45), ("2-00:00:00", 2880), ("1-12", 2160), ("0:30:59", 30)])
+def test_time_limits_read_as_sinfo_prints_them(limit, minutes):
+    assert slurm.time_limit_minutes(limit) == minutes
+
+
 def test_vendor_resources():
     assert slurm.resources(GPU_CONFIG, None) == {"slurm_partition": "short", "gres": ""}
     assert slurm.resources(GPU_CONFIG, "cpu") == {"slurm_partition": "short", "gres": ""}
@@ -319,12 +330,19 @@ def test_vendor_resources():
 
 
 def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
-    def job(rule, threads, partition="", mem_mb=1000):
+    def job(rule, threads, partition="", mem_mb=1000, runtime=240):
         return SimpleNamespace(rule=SimpleNamespace(name=rule), threads=threads,
-                               resources={"slurm_partition": partition, "mem_mb": mem_mb})
+                               resources={"slurm_partition": partition, "mem_mb": mem_mb, "runtime": runtime})
 
     largest = {"": (4, 8000), "short": (4, 8000), "gpu": (64, 512000)}  # short is the default
     slurm.check_sizes([job("a", 4), job("b", 64, "gpu", 512000), job("c", 99, "missing")], largest)
+    # A partition's time limit, as sinfo lists it (none: infinite).
+    timed = {"short": (4, 8000, slurm.time_limit_minutes("2:00:00")), "long": (4, 8000, None)}
+    slurm.check_sizes([job("a", 1, "short", runtime=120), job("b", 1, "long", runtime=99999)], timed)
+    with pytest.raises(PeatError, match=r"^rule a asks for 121 min \(runtime\), but partition 'short' has a time "
+                                        r"limit of 120 min: it would pend forever; lower it, e.g. --set-resources "
+                                        r"a:runtime=120 or --default-resources runtime=120$"):
+        slurm.check_sizes([job("a", 1, "short", runtime=121)], timed)
     with pytest.raises(PeatError, match=r"^rule sdc_drill asks for 8 CPUs per task, but the largest node of "
                                         r"partition 'short' has 4: it would pend forever"):
         slurm.check_sizes([job("sdc_drill", 8, "short")], largest)

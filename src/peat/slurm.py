@@ -51,22 +51,40 @@ def config_origins(config: dict) -> dict[str, str]:
     return origins
 
 
-def cluster_nodes() -> dict[str, tuple[int, int]]:
-    """Partition -> CPUs and memory (MB) of its largest node, as ``sinfo`` lists them; the default
-    partition (marked with '*') is also under "", which is how a job without a partition asks."""
+def cluster_nodes() -> dict[str, tuple[int, int, int | None]]:
+    """Partition -> CPUs and memory (MB) of its largest node and its time limit (minutes, None:
+    none), as ``sinfo`` lists them; the default partition (marked with '*') is also under "", which
+    is how a job without a partition asks."""
     if shutil.which("sinfo") is None:
         raise PeatError("executor 'slurm': 'sinfo' is not on PATH (run this on a SLURM login node)")
-    proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c %m"], capture_output=True, text=True)
+    proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c %m %l"], capture_output=True, text=True)
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise PeatError(f"executor 'slurm': sinfo failed: {reason}")
-    largest: dict[str, tuple[int, int]] = {}
+    largest: dict[str, tuple[int, int, int | None]] = {}
     for line in proc.stdout.splitlines():
-        partition, cpus, mem = line.split()
+        partition, cpus, mem, limit = line.split()
         for name in {partition.rstrip("*"), *([""] if partition.endswith("*") else [])}:
-            have = largest.get(name, (0, 0))
-            largest[name] = (max(have[0], int(cpus.rstrip("+"))), max(have[1], int(mem.rstrip("+"))))
+            have = largest.get(name, (0, 0, None))
+            largest[name] = (max(have[0], int(cpus.rstrip("+"))), max(have[1], int(mem.rstrip("+"))),
+                             time_limit_minutes(limit))
     return largest
+
+
+def time_limit_minutes(limit: str) -> int | None:
+    """Minutes of a time limit as sinfo prints it ([D-]H:MM:SS; D-H[:MM], MM[:SS] read too), None for
+    infinite or n/a; seconds are dropped, as a job's runtime is whole minutes."""
+    if not limit[:1].isdigit():
+        return None
+    days, _, clock = limit.rpartition("-")
+    fields = [int(p) for p in clock.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        hours, minutes = (fields + [0])[:2]
+    elif len(fields) == 3:  # HH:MM:SS
+        hours, minutes = fields[:2]
+    else:  # MM[:SS]
+        hours, minutes = 0, fields[0]
+    return int(days or 0) * 1440 + hours * 60 + minutes
 
 
 def check_partitions(requested: dict[str, str], origins: dict[str, str], available: list[str]) -> None:
@@ -84,9 +102,10 @@ def check_partitions(requested: dict[str, str], origins: dict[str, str], availab
             )
 
 
-def check_sizes(jobs, largest: dict[str, tuple[int, int]], threads: int = 1) -> None:
-    """Fail on the first job that asks for more CPUs or memory than any node of its partition has:
-    sbatch refuses such memory, but such CPUs pend forever (squeue's reason PartitionConfig).
+def check_sizes(jobs, largest: dict[str, tuple], threads: int = 1) -> None:
+    """Fail on the first job that asks for more CPUs or memory than any node of its partition has,
+    or more time than the partition allows: sbatch refuses such memory, but such CPUs pend forever
+    (squeue's reason PartitionConfig), and such time too.
     ``threads``: the config's, which every training job runs whatever it is granted."""
     for job in jobs:
         if getattr(job, "is_local", False):  # localrules (plots, the report) run here, never through sbatch
@@ -94,7 +113,7 @@ def check_sizes(jobs, largest: dict[str, tuple[int, int]], threads: int = 1) -> 
         partition = job.resources.get("slurm_partition") or ""
         if partition not in largest:  # no such partition (check_partitions), or no default one
             continue
-        cpus, mem_mb = largest[partition]
+        cpus, mem_mb, limit = (*largest[partition], None)[:3]
         where = f"partition {partition!r}" if partition else "the default partition"
         rule = job.rule.name
         if job.threads > cpus:
@@ -107,6 +126,12 @@ def check_sizes(jobs, largest: dict[str, tuple[int, int]], threads: int = 1) -> 
             raise PeatError(f"rule {rule} asks for {job.resources['mem_mb']} MB (mem_mb), but the largest node of "
                             f"{where} has {mem_mb} MB; lower it, e.g. --set-resources {rule}:mem_mb={mem_mb} "
                             f"or --default-resources mem_mb={mem_mb}")
+        # Past the partition's MaxTime the job pends forever (reason PartitionTimeLimit), as for CPUs.
+        runtime = job.resources.get("runtime") or 0
+        if limit is not None and runtime > limit:
+            raise PeatError(f"rule {rule} asks for {runtime} min (runtime), but {where} has a time limit of {limit} "
+                            f"min: it would pend forever; lower it, e.g. --set-resources {rule}:runtime={limit} "
+                            f"or --default-resources runtime={limit}")
 
 
 def preflight(config: dict, jobs) -> None:
