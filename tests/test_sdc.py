@@ -763,6 +763,10 @@ def train():
     if transient_in_subgroup and rank == 1:
         model[3].register_forward_hook(lambda module, inputs, out: out * 1.01 if armed and armed.pop() else out)
     model.to(getattr(torch, options["dtype"]))
+    if options["ignored"]:  # DDP leaves the last layer to each rank: trained on local gradients, it differs
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["3.weight", "3.bias"])
+    if options["ignored"] == "nan" and rank == 1:  # at step 1, rank 1's local gradient of the ignored bias
+        model[3].bias.register_hook(lambda g: g * float("nan") if guard.step == 1 else g)
     ddp = DistributedDataParallel(model, process_group=group)
     if options["comm_hook"]:
         ddp.register_comm_hook(None, getattr(default_hooks, options["comm_hook"]))
@@ -810,7 +814,7 @@ def _run_guarded_loop(tmp_path: Path, world: int = 3, **options) -> list:
     options = {"seed_per_rank": False, "global_batch": 12, "audit_every": 1, "frozen_flip": False,
                "transient_in_subgroup": False, "spectral_norm": False, "diverge": False, "data_dependent": False,
                "dtype": "float32", "comm_hook": None, "huge": None, "fused": None, "transient_checksum": False,
-               **options}
+               "ignored": False, **options}
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
                            str(script), json.dumps(options)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -831,6 +835,19 @@ def test_weight_fingerprint_covers_frozen_parameters(tmp_path):
     # A frozen layer's weight changes on rank 1 after step 2; the audit is off.
     alarms = _run_guarded_loop(tmp_path, frozen_flip=True, audit_every=0)
     assert alarms[0] == [2, "fingerprint", [1], {"first_differing_parameter": "0.weight"}]
+
+
+@pytest.mark.parametrize("fused, ignored, alarms", [
+    (False, True, []),
+    (True, True, []),
+    # Unchecked, the NaN reaches rank 1's ignored bias, and through it each later step's shared gradients.
+    (False, "nan", [[step, "nonfinite", [1], {"flags": [0, 1, 0]}] for step in (2, 3)]),
+])
+def test_parameters_ddp_ignores_are_left_out_of_the_checks(tmp_path, fused, ignored, alarms):
+    # DDP never syncs them, so each rank's differ after the first step: every step was an unlocalized fingerprint
+    # alarm (policy stop: exit 65 at step 0), and a NaN in one rank's local gradient, never all-reduced, sent that
+    # rank alone into the flag exchange: the process group crashed. fused=True was refused.
+    assert _run_guarded_loop(tmp_path, audit_every=0, fused=fused, ignored=ignored) == alarms
 
 
 def test_fused_weight_alarm_whose_tensors_agree_when_read_again(tmp_path):

@@ -230,7 +230,13 @@ class Guard:
         self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
         self.audit_every, self.fingerprint_every, self.tolerance = audit_every, fingerprint_every, audit_tolerance
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        # DDP never syncs the parameters it ignores (delayed ones aside: reduced after the backward), so
+        # replicas may differ there by design: their weights compared as replicas raised an alarm at every
+        # step, and a NaN in one rank's gradient, never shared, sent that rank alone into the flag exchange.
+        delayed = {id(p) for p in getattr(ddp, "_delay_all_reduce_params", ())}
+        ignored = getattr(ddp, "parameters_to_ignore", ())
+        self._replicated = [(n, p) for n, p in self.module.named_parameters() if n not in ignored or id(p) in delayed]
+        self.params = [p for _, p in self._replicated if p.requires_grad]
         if not self.params:
             raise PeatError("sdc.Guard: the model has no trainable parameters")
         self.device = self.params[0].device  # nccl gathers need device tensors
@@ -292,7 +298,7 @@ class Guard:
         # DDP reduces these outside its buckets (delay_all_reduce_named_params, or not at all): the comm
         # hook never sees them, so their NaN reached every replica unseen and the audit had no report.
         ignored = getattr(self.ddp, "parameters_to_ignore", ())
-        apart = [n for n, p in self.module.named_parameters() if p.requires_grad and n in ignored]
+        apart = [n for n, p in self._replicated if p.requires_grad and n in ignored]
         if fused and (taken or sparse or apart):
             why = ("the DDP model has a comm hook already" if taken else "the model has sparse gradients" if sparse
                    else f"DDP reduces trainable parameters outside its buckets ({', '.join(apart)})")
@@ -516,7 +522,7 @@ class Guard:
             return
         t0 = time.perf_counter()
         # Frozen parameters too: nothing re-syncs them, so a flip in one stays in that replica.
-        params = list(self.module.parameters())
+        params = [p for _, p in self._replicated]
         weights = (group_checksums(params) if self.fused else checksum(params)).to(self.device)
         self._weights = (self.step, self._start_gather(weights, "weight fingerprints"))
         self.timers["fingerprint"].append(time.perf_counter() - t0)
@@ -543,9 +549,9 @@ class Guard:
         self.timers["fingerprint"][-1] += time.perf_counter() - t0
         if suspects:
             if self.fused:  # the groups' checksums tell which ranks differ; each tensor's, where
-                prints = self._all_gather(checksum(list(self.module.parameters())).to(self.device),
+                prints = self._all_gather(checksum([p for _, p in self._replicated]).to(self.device),
                                           "weight fingerprints per tensor")
-            names = [n for n, _ in self.module.named_parameters()]
+            names = [n for n, _ in self._replicated]
             first = next((n for i, n in enumerate(names) if len({int(p[i]) for p in prints}) > 1), None)
             detail = {"first_differing_parameter": first}
             if first is None:  # fused: the groups' checksums differed, each tensor's (computed after) do not
