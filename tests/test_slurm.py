@@ -266,6 +266,10 @@ done
     (["", "--set-resources", "golden_train:mem_mb=4000"],
      "peat: rule golden_train asks for 4000 MB (mem_mb), but the largest node of partition 'cpu' has 2000 MB; "
      "lower it, e.g. --set-resources golden_train:mem_mb=2000 or --default-resources mem_mb=2000"),
+    # sbatch refused it, but only once the jobs before it (data preparation) had run.
+    (['slurm:\n  cpu_partition: cpu\n  vendors:\n    cpu: {partition: cpu, gres: "gpu:1"}\n'],
+     "peat: rule golden_train asks for --gres=gpu:1 (config key 'slurm.vendors.cpu.gres'), but no node of "
+     "partition 'cpu' has it (gres there: none): sbatch would refuse it"),
     # Past the partition's MaxTime it pended forever too (squeue's reason PartitionTimeLimit).
     (["", "--set-resources", "golden_train:runtime=2000"],
      "peat: rule golden_train asks for 2000 min (runtime), but partition 'cpu' has a time limit of 1440 min: "
@@ -343,6 +347,17 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
                                         r"limit of 120 min: it would pend forever; lower it, e.g. --set-resources "
                                         r"a:runtime=120 or --default-resources runtime=120$"):
         slurm.check_sizes([job("a", 1, "short", runtime=121)], timed)
+    # A GPU request, against each node's generic resources as sinfo lists them.
+    nodes = [slurm.gres_counts("gpu:a100:4(S:0-1)"), slurm.gres_counts("gpu:v100:2,mps:100")]
+    gpus = {"gpu": (64, 512000, None, nodes)}
+    asking = [job(str(i), 1, "gpu") for i in range(4)]
+    for each, gres in zip(asking, ["gpu", "gpu:4", "gpu:v100:2", "gpu:a100:1"]):
+        each.resources["gres"] = gres
+    slurm.check_sizes(asking, gpus)
+    asking[0].resources["gres"] = "gpu:v100:4"
+    with pytest.raises(PeatError, match=r"^rule 0 asks for --gres=gpu:v100:4, but no node of partition 'gpu' has it "
+                                        r"\(gres there: gpu:a100:4, gpu:v100:2, mps:100\): sbatch would refuse it$"):
+        slurm.check_sizes(asking, gpus)
     with pytest.raises(PeatError, match=r"^rule sdc_drill asks for 8 CPUs per task, but the largest node of "
                                         r"partition 'short' has 4: it would pend forever"):
         slurm.check_sizes([job("sdc_drill", 8, "short")], largest)

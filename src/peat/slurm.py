@@ -8,6 +8,7 @@ The mapping lives in the config's ``slurm:`` section so that one profile
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -51,24 +52,35 @@ def config_origins(config: dict) -> dict[str, str]:
     return origins
 
 
-def cluster_nodes() -> dict[str, tuple[int, int, int | None]]:
-    """Partition -> CPUs and memory (MB) of its largest node and its time limit (minutes, None:
-    none), as ``sinfo`` lists them; the default partition (marked with '*') is also under "", which
-    is how a job without a partition asks."""
+def cluster_nodes() -> dict[str, tuple[int, int, int | None, list[dict]]]:
+    """Partition -> CPUs and memory (MB) of its largest node, its time limit (minutes, None: none)
+    and each node's generic resources ({(name, type): count}), as ``sinfo`` lists them; the default
+    partition (marked with '*') is also under "", which is how a job without a partition asks."""
     if shutil.which("sinfo") is None:
         raise PeatError("executor 'slurm': 'sinfo' is not on PATH (run this on a SLURM login node)")
-    proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c %m %l"], capture_output=True, text=True)
+    proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c %m %l %G"], capture_output=True, text=True)
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise PeatError(f"executor 'slurm': sinfo failed: {reason}")
-    largest: dict[str, tuple[int, int, int | None]] = {}
+    largest: dict[str, tuple[int, int, int | None, list[dict]]] = {}
     for line in proc.stdout.splitlines():
-        partition, cpus, mem, limit = line.split()
+        partition, cpus, mem, limit, gres = line.split()
         for name in {partition.rstrip("*"), *([""] if partition.endswith("*") else [])}:
-            have = largest.get(name, (0, 0, None))
+            have = largest.get(name, (0, 0, None, []))
             largest[name] = (max(have[0], int(cpus.rstrip("+"))), max(have[1], int(mem.rstrip("+"))),
-                             time_limit_minutes(limit))
+                             time_limit_minutes(limit), [*have[3], gres_counts(gres)])
     return largest
+
+
+def gres_counts(gres: str) -> dict[tuple[str, str], int]:
+    """{(name, type): count} of a gres list as sinfo prints a node's ("gpu:a100:4(S:0-1),mps:100",
+    "(null)") or as a job asks ("gpu", "gpu:2", "gpu:a100:1"; type "" when none is named)."""
+    counts = {}
+    for item in filter(None, re.sub(r"\([^)]*\)", "", gres).split(",")):
+        name, *rest = item.split(":")
+        count = int(rest.pop()) if rest and rest[-1].isdigit() else 1
+        counts[(name, rest[0] if rest else "")] = count
+    return counts
 
 
 def time_limit_minutes(limit: str) -> int | None:
@@ -113,7 +125,7 @@ def check_sizes(jobs, largest: dict[str, tuple], threads: int = 1) -> None:
         partition = job.resources.get("slurm_partition") or ""
         if partition not in largest:  # no such partition (check_partitions), or no default one
             continue
-        cpus, mem_mb, limit = (*largest[partition], None)[:3]
+        cpus, mem_mb, limit, nodes = (*largest[partition], None, None)[:4]
         where = f"partition {partition!r}" if partition else "the default partition"
         rule = job.rule.name
         if job.threads > cpus:
@@ -132,6 +144,19 @@ def check_sizes(jobs, largest: dict[str, tuple], threads: int = 1) -> None:
             raise PeatError(f"rule {rule} asks for {runtime} min (runtime), but {where} has a time limit of {limit} "
                             f"min: it would pend forever; lower it, e.g. --set-resources {rule}:runtime={limit} "
                             f"or --default-resources runtime={limit}")
+        gres = job.resources.get("gres") or ""
+        if gres and nodes is not None and not any(_has(node, gres) for node in nodes):
+            vendor = getattr(getattr(job, "wildcards", None), "vendor", None)
+            key = f" (config key 'slurm.vendors.{vendor}.gres')" if vendor else ""
+            have = sorted({f"{n}:{t}:{c}" if t else f"{n}:{c}" for node in nodes for (n, t), c in node.items()})
+            raise PeatError(f"rule {rule} asks for --gres={gres}{key}, but no node of {where} has it "
+                            f"(gres there: {', '.join(have) or 'none'}): sbatch would refuse it")
+
+
+def _has(node: dict, gres: str) -> bool:
+    """Whether a node holds the request: its count of that name, of that type if one is named."""
+    (name, kind), count = next(iter(gres_counts(gres).items()))
+    return sum(c for (n, t), c in node.items() if n == name and kind in ("", t)) >= count
 
 
 def preflight(config: dict, jobs) -> None:
