@@ -1425,3 +1425,48 @@ def test_audit_with_a_grad_scaler_compares_the_scaled_gradients(one_rank):
         guard.check_weights()
     guard.finish()
     assert [(alarm.step, alarm.check) for alarm in guard.alarms] == [(1, "audit")]
+
+
+# Two data-parallel groups, {0, 1} and {2, 3}, each training its own model (another parallel dimension's shard).
+TWO_GROUPS = """
+import json
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from peat import sdc
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+group = groups[dist.get_rank() // 2]
+torch.manual_seed(dist.get_rank() // 2)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+ddp = DistributedDataParallel(model, process_group=group)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+guard = sdc.Guard(ddp, audit_every=1)  # no group: DDP's
+x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+loss_of = lambda module, r: module(x[sdc.shard(range(8), r, 2)]).square().mean()
+for step in range(3):
+    guard.begin_step(step)
+    optimizer.zero_grad(set_to_none=True)
+    loss_of(ddp, guard.rank).backward()
+    if guard.check_gradients(replay=lambda r: loss_of(guard.module, r)):
+        optimizer.step()
+    guard.check_weights()
+guard.finish()
+print("ALARMS", dist.get_rank(), guard.rank, guard.world, json.dumps([[e.step, e.check] for e in guard.alarms]))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_guard_of_a_ddp_over_a_subgroup_checks_that_group(tmp_path):
+    # Built without group=, the guard compared the replicas of every rank in the world: the other group's
+    # model differs, an unlocalized fingerprint alarm at every step (policy stop: exit 65 at step 0).
+    script = tmp_path / "two_groups.py"
+    script.write_text(TWO_GROUPS)
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
+                           str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("ALARMS "))
+    assert lines == [f"ALARMS {r} {r % 2} 2 []" for r in range(4)]

@@ -225,6 +225,9 @@ class Guard:
             raise PeatError(f"sdc.Guard: pass the DistributedDataParallel wrapper, DDP(model), not a {type(ddp).__name__}")
         check_int("sdc.Guard: audit_every", audit_every, 0, "every N steps needs an integer N >= 0 (0 = off)")
         check_int("sdc.Guard: fingerprint_every", fingerprint_every, 1, "every N steps needs an integer N >= 1")
+        # The replicas are DDP's group: over the whole world, a DDP in a subgroup (another parallel dimension
+        # beside it) was compared with models that are not its replicas, an alarm at every step.
+        group = ddp.process_group if group is None else group
         self.ddp, self.module, self.group = ddp, ddp.module, group
         self.policy, self.events, self.save = policy, events, save
         self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
