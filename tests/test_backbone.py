@@ -1525,6 +1525,19 @@ def test_a_run_killed_before_its_inputs_changed_is_not_resumed(tmp_path):
         assert_bit_identical(tmp_path / "whole" / "final.h5", tmp_path / name / "final.h5")
 
 
+def test_a_diverged_golden_training_stops_naming_the_optimizer(tmp_path):
+    """Golden trained on to its end with a NaN loss from its first epoch on, and every later stage
+    judged kernels against it: past a NaN every kernel's output matches golden's."""
+    config = write_config(tmp_path, lambda c: c["models"]["resnet18"]["optimizer"].update(lr=1e4))
+    proc = snakemake(tmp_path, "results/golden/resnet18/cpu/metrics.csv", configfile=config, check=False)
+    assert proc.returncode != 0
+    log = (tmp_path / "logs/golden/resnet18/cpu.log").read_text().strip().splitlines()
+    assert log[-1] == ("peat.io.PeatError: config key 'models.resnet18.optimizer': golden training diverged (val loss "
+                       "nan at step 4, epoch 1); past a NaN every kernel's output matches golden's, so it is no "
+                       "reference: lower the lr, or raise batch_size")
+    assert sorted(p.name for p in (tmp_path / "results/golden/resnet18/cpu").iterdir()) == [".partial"]
+
+
 def test_a_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, tmp_path):
     """A job killed after its first epoch, then rerun after the config changed (another lr, so
     another config hash), resumed the old run's state: epoch 1 trained with the old lr."""

@@ -153,6 +153,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
         if profiler is not None:
             profiler.close()
     except BaseException:
+        bar.close()  # now, not at exit: its last refresh came after the error, no longer last in the log
         if profiler is not None:
             profiler.abandon()
         raise
@@ -180,6 +181,18 @@ def _inputs_digest(model: torch.nn.Module, tensors, start) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def stop_if_diverged(name: str) -> Callable[[dict], None]:
+    """``on_row`` of golden training: a loss gone NaN or inf stops it. Golden is the reference every
+    kernel is judged against, and past a NaN every kernel's output matches golden's (a NaN
+    reproduced is no error)."""
+    def check(row: dict) -> None:
+        if not math.isfinite(row["loss"]):
+            raise PeatError(f"config key 'models.{name}.optimizer': golden training diverged ({row['split']} loss "
+                            f"{row['loss']} at step {row['step']}, epoch {row['epoch']}); past a NaN every kernel's "
+                            "output matches golden's, so it is no reference: lower the lr, or raise batch_size")
+    return check
 
 
 def _resume_point(resume: Path, meta: dict, inputs: str) -> Path | None:
