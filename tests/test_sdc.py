@@ -1470,3 +1470,22 @@ def test_guard_of_a_ddp_over_a_subgroup_checks_that_group(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("ALARMS "))
     assert lines == [f"ALARMS {r} {r % 2} 2 []" for r in range(4)]
+
+
+def test_a_guard_kept_for_many_steps_keeps_a_bounded_record_of_its_costs(one_rank):
+    # Every check's time of every step was kept for the median: memory growing with the training's length.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(2, 1)
+    guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
+    x = torch.ones(3, 2)
+    for step in range(sdc.TIMED_STEPS + 5):
+        guard.begin_step(step)
+        guard.ddp(x).sum().backward()
+        assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
+        guard.check_weights()
+        model.zero_grad(set_to_none=True)
+    guard.finish()
+    assert {check: len(times) for check, times in guard.timers.items()} == dict.fromkeys(sdc.CHECKS, sdc.TIMED_STEPS)
+    assert guard.alarms == [] and all(cost > 0 for cost in guard.costs().values())
+    assert guard.spent > sum(sum(times) for times in guard.timers.values())

@@ -29,7 +29,7 @@ import socket
 import sys
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -47,6 +47,7 @@ EXIT_SDC = 75  # EX_TEMPFAIL: "try again later" - requeue the job on healthy nod
 EXIT_SDC_UNLOCALIZED = 65
 POLICIES = ("raise", "log", "stop")
 CHECKS = ("nonfinite", "audit", "fingerprint")
+TIMED_STEPS = 1000  # each check's times kept for ``Guard.costs``: a guard lives for the whole training
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GUARDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(model) -> the guard that checks it
 
@@ -258,7 +259,10 @@ class Guard:
                 values = ", ".join(f"rank {r}: {other[key]!r}" for r, (_, other) in enumerate(ranks))
                 raise PeatError(f"sdc.Guard: {key} differs between ranks ({values}): build the guard alike on every rank")
         self.alarms: list[Event] = []
-        self.timers: dict[str, list[float]] = {c: [] for c in CHECKS}
+        # The last TIMED_STEPS times of each check: kept for every step, they grew without bound (a float a
+        # check and step). ``spent`` is the total, for a caller timing its step without the checks.
+        self.timers: dict[str, deque] = {c: deque(maxlen=TIMED_STEPS) for c in CHECKS}
+        self.spent = 0.0
         self.step = -1
         # Gradient (or bucket) hook calls since begin_step (None: no step begun), and whether check_gradients
         # ran: a call out of order (no begin_step, check before backward) is one line, not a false alarm.
@@ -454,7 +458,7 @@ class Guard:
         healthy = not self._reduced_nonfinite()
         if not healthy:
             self._localize_nonfinite()
-        self.timers["nonfinite"].append(self._hook_time + time.perf_counter() - t0)
+        self._timed("nonfinite", self._hook_time + time.perf_counter() - t0)
         if healthy and self._auditing:
             gathered = self._all_gather(torch.cat([self._reported_fingerprint(), self._rng.to(self.device)]),
                                         "audit fingerprints")
@@ -528,7 +532,7 @@ class Guard:
         params = [p for _, p in self._replicated]
         weights = (group_checksums(params) if self.fused else checksum(params)).to(self.device)
         self._weights = (self.step, self._start_gather(weights, "weight fingerprints"))
-        self.timers["fingerprint"].append(time.perf_counter() - t0)
+        self._timed("fingerprint", time.perf_counter() - t0)
 
     def finish(self) -> None:
         """After the last step: settle the last weight comparison."""
@@ -549,7 +553,7 @@ class Guard:
         (step, pending), self._weights = self._weights, None
         prints = self._finish_gather(pending)
         suspects, localized = majority_outliers(prints)
-        self.timers["fingerprint"][-1] += time.perf_counter() - t0
+        self._timed("fingerprint", time.perf_counter() - t0, same_step=True)
         if suspects:
             if self.fused:  # the groups' checksums tell which ranks differ; each tensor's, where
                 prints = self._all_gather(checksum([p for _, p in self._replicated]).to(self.device),
@@ -585,7 +589,7 @@ class Guard:
             (auditor, audited), third = failed[0], (failed[0][1] + 1) % self.world
             suspects, localized = self._second_opinion(replay, auditor, audited, third, reported, rng), True
             detail["rerun"] = f"rank {third} also replayed rank {audited}'s micro-batch"
-        self.timers["audit"].append(time.perf_counter() - t0)
+        self._timed("audit", time.perf_counter() - t0)
         if suspects:
             if not localized:
                 detail["note"] = self._unlocalized("failed audits have no common rank")
@@ -709,9 +713,16 @@ class Guard:
     def _all_gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
         return self._finish_gather(self._start_gather(tensor, what))
 
+    def _timed(self, check: str, seconds: float, same_step: bool = False) -> None:
+        if same_step:
+            self.timers[check][-1] += seconds
+        else:
+            self.timers[check].append(seconds)
+        self.spent += seconds
+
     def costs(self) -> dict:
-        """Median seconds of each check per step where it ran."""
-        return {c: (float(torch.tensor(v).median()) if v else None) for c, v in self.timers.items()}
+        """Median seconds of each check per step where it ran (of its last ``TIMED_STEPS``)."""
+        return {c: (float(torch.tensor(list(v)).median()) if v else None) for c, v in self.timers.items()}
 
 
 def exit_code(event: Event) -> int:

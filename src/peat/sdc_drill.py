@@ -525,7 +525,7 @@ def _drill_step(trainer: Trainer, guard: sdc.Guard, fault: "Fault | None", step:
     """One guarded DDP step; returns its time outside the checks (the plain DDP step)."""
     if fault is not None:
         fault.before(step)
-    spent = _check_time(guard)
+    spent = guard.spent
     t0 = time.perf_counter()
     guard.begin_step(step)
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -540,11 +540,7 @@ def _drill_step(trainer: Trainer, guard: sdc.Guard, fault: "Fault | None", step:
     if fault is not None:
         fault.after_step(step)
     guard.check_weights()
-    return time.perf_counter() - t0 - (_check_time(guard) - spent)
-
-
-def _check_time(guard: sdc.Guard) -> float:
-    return sum(sum(v) for v in guard.timers.values())
+    return time.perf_counter() - t0 - (guard.spent - spent)
 
 
 def summarize(drill: str, model: str, world: int, injected: int | None, cfg: dict, guard: sdc.Guard,
