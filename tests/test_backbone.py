@@ -251,13 +251,17 @@ def test_a_job_granted_fewer_cpus_than_its_threads_stops_with_one_line(tmp_path,
     assert not (tmp_path / "results/golden/resnet18/cpu/.partial").exists()
 
 
-def test_the_sdc_drill_asks_for_every_thread_of_every_rank(tmp_path):
+def test_jobs_ask_for_the_cpus_they_use(tmp_path):
     """It asked for sdc.world_size CPUs, one per rank, while each rank runs the config's threads:
     with threads: 2 a SLURM job got half the CPUs its ranks used."""
     config = write_config(tmp_path, lambda c: c.update(threads=2))
     dry = snakemake(tmp_path, "-n", "--cores", "64", "results/sdc/gpt2/clean.json", configfile=config).stdout
     job = dry[dry.index("rule sdc_drill:"):]
     assert re.search(r"^    threads: (\d+)$", job, re.M).group(1) == "6"  # 3 ranks (the default) x 2
+    # The detector benchmark replays on one thread: it held the config's CPUs idle.
+    dry = snakemake(tmp_path, "-n", "--cores", "64", "detector_benchmark", configfile=config).stdout
+    job = dry[dry.index("rule detector_benchmark:"):].split("\n[")[0]
+    assert "resources:" in job and "threads:" not in job  # Snakemake lists threads above 1 only
 
 
 def test_a_fine_tuned_models_config_hash_names_its_base():

@@ -101,7 +101,8 @@ rule detector_benchmark:
         "logs/benchmarks/detector.log",
     conda:
         "../../envs/peat.yaml"
-    threads: config["threads"]
+    # The benchmark replays on one torch thread (benchmarks/detector.py), whatever the config's.
+    threads: 1
     resources:
         **CPU_RESOURCES,
     params:
