@@ -314,6 +314,12 @@ def test_cifar10_folder_is_checked_by_its_file_names_before_any_job(tmp_path):
                               "(cifar-10-batches-py/batches.meta is missing)")
     (batches / "batches.meta").write_bytes(b"")
     assert data.sizes("cifar", spec) == (54000, 6000)
+    # The batches' own folder given, as unpacking the archive names it: 'cifar-10-batches-py/data_batch_1
+    # is missing' under a folder holding data_batch_1 said nothing of the folder above.
+    with pytest.raises(PeatError) as err:
+        data.sizes("cifar", dict(spec, path=str(batches)))
+    assert str(err.value) == (f"config key 'datasets.cifar.path': {batches} holds the CIFAR-10 batches themselves; "
+                              f"give the folder above it, {tmp_path}")
 
 
 def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):

@@ -145,6 +145,9 @@ def _cifar10_root(name: str, spec: dict) -> Path:
     """The folder holding ``cifar-10-batches-py/``, checked by file names only (no reading)."""
     root = _local_path(name, spec)
     missing = [f for f in _cifar10_files(root) if not f.is_file()]
+    if missing and all((root / f.name).is_file() for f in missing):
+        raise PeatError(f"config key 'datasets.{name}.path': {root} holds the CIFAR-10 batches themselves; "
+                        f"give the folder above it, {root.parent}")
     if missing:
         raise PeatError(f"config key 'datasets.{name}.path': no CIFAR-10 python batches under {root} "
                         f"(cifar-10-batches-py/{missing[0].name} is missing)")
