@@ -891,6 +891,19 @@ def test_guard_refuses_a_plain_module_and_bad_intervals(one_rank):
     assert guard.audit_every == 2
 
 
+@pytest.mark.parametrize("tolerance", ["1e-5", -1.0, float("nan"), float("inf"), True])
+def test_guard_refuses_a_tolerance_that_is_no_number_at_least_0(one_rank, tolerance):
+    # '1e-5' (as YAML reads it) crashed the first audit step with a TypeError, -1 failed every audit (an unlocalized
+    # alarm each time), NaN was said to differ between ranks (with one rank).
+    from torch.nn.parallel import DistributedDataParallel
+
+    with pytest.raises(PeatError, match=rf"^sdc.Guard: audit_tolerance={tolerance!r}: a relative tolerance needs a "
+                                        r"finite number >= 0 \(0 = bit-exact\)$"):
+        sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), audit_every=1, audit_tolerance=tolerance)
+    guard = sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), audit_tolerance=torch.tensor(1e-5).numpy()[()])
+    assert guard.tolerance == pytest.approx(1e-5)
+
+
 def test_guards_that_differ_between_ranks_are_one_line(one_rank, monkeypatch):
     # audit_every differing on one rank: gloo aborted both ranks on a collective size mismatch
     # (SIGABRT, "Invalid mt19937 state"); nccl may hang.

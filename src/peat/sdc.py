@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import cmath
 import json
+import math
+import numbers
 import os
 import socket
 import sys
@@ -226,13 +228,18 @@ class Guard:
             raise PeatError(f"sdc.Guard: pass the DistributedDataParallel wrapper, DDP(model), not a {type(ddp).__name__}")
         check_int("sdc.Guard: audit_every", audit_every, 0, "every N steps needs an integer N >= 0 (0 = off)")
         check_int("sdc.Guard: fingerprint_every", fingerprint_every, 1, "every N steps needs an integer N >= 1")
+        # Else '1e-5' (YAML's reading of 1e-5) crashed the first audit step, and a negative one failed every audit.
+        if (isinstance(audit_tolerance, bool) or not isinstance(audit_tolerance, numbers.Real)
+                or not 0 <= audit_tolerance < math.inf):
+            raise PeatError(f"sdc.Guard: audit_tolerance={audit_tolerance!r}: a relative tolerance needs a finite "
+                            "number >= 0 (0 = bit-exact)")
         # The replicas are DDP's group: over the whole world, a DDP in a subgroup (another parallel dimension
         # beside it) was compared with models that are not its replicas, an alarm at every step.
         group = ddp.process_group if group is None else group
         self.ddp, self.module, self.group = ddp, ddp.module, group
         self.policy, self.events, self.save = policy, events, save
         self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
-        self.audit_every, self.fingerprint_every, self.tolerance = audit_every, fingerprint_every, audit_tolerance
+        self.audit_every, self.fingerprint_every, self.tolerance = audit_every, fingerprint_every, float(audit_tolerance)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         # DDP never syncs the parameters it ignores (delayed ones aside: reduced after the backward), so
         # replicas may differ there by design: their weights compared as replicas raised an alarm at every
