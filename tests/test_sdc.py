@@ -891,6 +891,16 @@ def test_guard_refuses_a_plain_module_and_bad_intervals(one_rank):
     assert guard.audit_every == 2
 
 
+def test_guard_refuses_a_save_that_is_no_function(one_rank, tmp_path):
+    # A path given as save= was called at the first stop only: a TypeError on the saving rank while its peers
+    # waited in the stop's barrier until the process group's timeout.
+    from torch.nn.parallel import DistributedDataParallel
+
+    with pytest.raises(PeatError, match=r"^sdc.Guard: save='ckpt.pt': pass a function that writes the checkpoint to "
+                                        r"the path it is given \(checkpoint= names that path\)$"):
+        sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), policy="stop", save="ckpt.pt")
+
+
 @pytest.mark.parametrize("tolerance", ["1e-5", -1.0, float("nan"), float("inf"), True])
 def test_guard_refuses_a_tolerance_that_is_no_number_at_least_0(one_rank, tolerance):
     # '1e-5' (as YAML reads it) crashed the first audit step with a TypeError, -1 failed every audit (an unlocalized

@@ -228,6 +228,9 @@ class Guard:
             raise PeatError(f"sdc.Guard: pass the DistributedDataParallel wrapper, DDP(model), not a {type(ddp).__name__}")
         check_int("sdc.Guard: audit_every", audit_every, 0, "every N steps needs an integer N >= 0 (0 = off)")
         check_int("sdc.Guard: fingerprint_every", fingerprint_every, 1, "every N steps needs an integer N >= 1")
+        if save is not None and not callable(save):  # else a TypeError at the first stop, the peers in its barrier
+            raise PeatError(f"sdc.Guard: save={save!r}: pass a function that writes the checkpoint to the path it is "
+                            "given (checkpoint= names that path)")
         # Else '1e-5' (YAML's reading of 1e-5) crashed the first audit step, and a negative one failed every audit.
         if (isinstance(audit_tolerance, bool) or not isinstance(audit_tolerance, numbers.Real)
                 or not 0 <= audit_tolerance < math.inf):
