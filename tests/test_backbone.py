@@ -235,20 +235,20 @@ def test_an_edited_or_added_text_file_prepares_the_dataset_again(tmp_path):
     assert "Nothing to be done" not in dry and str(corpus / "b.txt") in dry  # the reason names the new input
 
 
-@pytest.mark.parametrize("grant", [["--cores", "1"], ["--set-threads", "golden_train=1"]])
+@pytest.mark.parametrize("grant", [["--cores", "1"], ["--set-threads", "golden_train=1"], ["--max-threads", "1"]])
 def test_a_job_granted_fewer_cpus_than_its_threads_stops_with_one_line(tmp_path, grant):
     """Jobs ran the config's torch threads whatever Snakemake granted: `--cores 1` capped nothing on a
     shared machine, and a SLURM job lowered with --set-threads used more CPUs than it asked for.
-    Fewer threads would round differently under the same config hash, so the job stops instead."""
+    Fewer threads would round differently under the same config hash, so the run stops instead,
+    before any job: the golden job stopped only after data preparation, its line in its log."""
     config = write_config(tmp_path, lambda c: c.update(threads=2))
     proc = snakemake(tmp_path, "results/golden/resnet18/cpu/metrics.csv", *grant, configfile=config, check=False)
-    assert proc.returncode != 0
-    last = (tmp_path / "logs/golden/resnet18/cpu.log").read_text().strip().splitlines()[-1]
-    assert last == (
-        "peat.io.PeatError: config key 'threads': rule golden_train runs 2 torch threads, but Snakemake granted "
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("peat:")]
+    assert proc.returncode != 0 and lines == [
+        "peat: config key 'threads': rule golden_train runs 2 torch threads, but Snakemake granted "
         "it 1 CPUs; fewer threads would change its results, so grant 2 (--cores 2 or more, also above this "
-        "machine's cores; on SLURM, no --set-threads golden_train=1) or lower 'threads' (reruns everything)")
-    assert not (tmp_path / "results/golden/resnet18/cpu/.partial").exists()
+        "machine's cores; on SLURM, no --set-threads golden_train=1) or lower 'threads' (reruns everything)"], proc.stderr
+    assert not (tmp_path / "results").exists()
 
 
 def test_jobs_ask_for_the_cpus_they_use(tmp_path):

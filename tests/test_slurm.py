@@ -270,6 +270,11 @@ done
     (['slurm:\n  cpu_partition: cpu\n  vendors:\n    cpu: {partition: cpu, gres: "gpu:1"}\n'],
      "peat: rule golden_train asks for --gres=gpu:1 (config key 'slurm.vendors.cpu.gres'), but no node of "
      "partition 'cpu' has it (gres there: none): sbatch would refuse it"),
+    # Granted fewer CPUs than the config's threads, the job stopped on its node (device.job_threads).
+    (["threads: 2\n", "--set-threads", "golden_train=1"],
+     "peat: config key 'threads': rule golden_train runs 2 torch threads, but Snakemake granted it 1 CPUs; fewer "
+     "threads would change its results, so grant 2 (--cores 2 or more, also above this machine's cores; on SLURM, "
+     "no --set-threads golden_train=1) or lower 'threads' (reruns everything)"),
     # Past the partition's MaxTime it pended forever too (squeue's reason PartitionTimeLimit).
     (["", "--set-resources", "golden_train:runtime=2000"],
      "peat: rule golden_train asks for 2000 min (runtime), but partition 'cpu' has a time limit of 1440 min: "

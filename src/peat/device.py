@@ -23,6 +23,10 @@ def for_vendor(vendor: str) -> torch.device:
     return torch.device("cuda")
 
 
+# The rules whose jobs run the config's torch threads (job_threads).
+THREADED_RULES = ("golden_train", "candidate_train", "rfi", "playback", "alter_cells")
+
+
 def job_threads(snakemake) -> int:
     """The torch threads of a workflow job: the config's ``threads``, checked
     against the CPUs Snakemake granted the job (``--cores``, ``--max-threads``, ``--set-threads``; on
@@ -32,13 +36,23 @@ def job_threads(snakemake) -> int:
     nothing), and running fewer would give other bits under the same hash."""
     threads = snakemake.config["threads"]
     if snakemake.threads < threads:
-        raise PeatError(
-            f"config key 'threads': rule {snakemake.rule} runs {threads} torch threads, but Snakemake granted it "
-            f"{snakemake.threads} CPUs; fewer threads would change its results, so grant {threads} "
-            f"(--cores {threads} or more, also above this machine's cores; on SLURM, no --set-threads "
-            f"{snakemake.rule}={snakemake.threads}) or lower 'threads' (reruns everything)"
-        )
+        raise PeatError(_too_few(snakemake.rule, threads, snakemake.threads))
     return threads
+
+
+def check_granted(jobs, threads: int) -> None:
+    """job_threads before the first job: otherwise each such job stopped only once the jobs before
+    it (data preparation, a golden training) had run."""
+    for job in jobs:
+        if job.rule.name in THREADED_RULES and job.threads < threads:
+            raise PeatError(_too_few(job.rule.name, threads, job.threads))
+
+
+def _too_few(rule: str, threads: int, granted: int) -> str:
+    return (f"config key 'threads': rule {rule} runs {threads} torch threads, but Snakemake granted it "
+            f"{granted} CPUs; fewer threads would change its results, so grant {threads} "
+            f"(--cores {threads} or more, also above this machine's cores; on SLURM, no --set-threads "
+            f"{rule}={granted}) or lower 'threads' (reruns everything)")
 
 
 def seed_everything(seed: int, threads: int) -> None:

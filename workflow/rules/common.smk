@@ -253,6 +253,11 @@ CPU_RESOURCES = {
 
 
 onstart:
+    # A job granted fewer CPUs than the config's threads stops (device.job_threads): here, before any.
+    try:
+        peat.device.check_granted(workflow.dag.needrun_jobs(), config["threads"])
+    except PeatError as err:
+        sys.exit(f"peat: {err}")
     # Before the first sbatch: a partition the cluster lacks, or a request no node meets, fails here.
     if workflow.executor_plugin.name == "slurm":
         try:
