@@ -154,6 +154,8 @@ BAD_CONFIGS = [
     # A drill's fault has no kernel operands to split: the injected rank failed at the injection step.
     (lambda c: c["sdc"].update(faults={"lane_fault": "tile:4:splitk"}), "sdc.faults.lane_fault",
      "'tile:4:splitk': split-K needs a kernel's operands, which a drill's fault does not have"),
+    # numpy's global seed takes 32 bits: every training job failed in np.random.seed, naming no key.
+    (lambda c: c.update(seed=2**32), "seed", "4294967296 is greater than the maximum of 4294967295"),
     # No fraction and no every-N case: the rfi kernels got no RFI job, and no word.
     (lambda c: c["rfi"].update(fractions=[]), "rfi.fractions",
      "[] and rfi.every [] leave rfi kernel 'lane_fc' no RFI case"),
