@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -899,6 +900,27 @@ def test_guard_refuses_a_save_that_is_no_function(one_rank, tmp_path):
     with pytest.raises(PeatError, match=r"^sdc.Guard: save='ckpt.pt': pass a function that writes the checkpoint to "
                                         r"the path it is given \(checkpoint= names that path\)$"):
         sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), policy="stop", save="ckpt.pt")
+
+
+def test_guard_refuses_files_it_could_not_write_at_an_alarm(one_rank, tmp_path):
+    # Found at the first alarm only, on the rank writing it: an OSError (a KeyError for an unknown placeholder of the
+    # drain marker) while its peers went on to the next collective, until the process group's timeout.
+    from torch.nn.parallel import DistributedDataParallel
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+    for options, message in [
+        ({"events": blocked / "sdc.jsonl"}, rf"events={str(blocked / 'sdc.jsonl')!r}: cannot create its folder"),
+        ({"drain_marker": str(blocked / "drain-{node}.json")},
+         rf"drain_marker={str(blocked / 'drain-{node}.json')!r}: cannot create its folder"),
+        ({"drain_marker": str(tmp_path / "drain-{host}.json")},
+         rf"drain_marker={str(tmp_path / 'drain-{host}.json')!r}: the only placeholder is {{node}}"),
+    ]:
+        with pytest.raises(PeatError, match=rf"^sdc.Guard: {re.escape(message)}"):
+            sdc.Guard(ddp, policy="stop", **options)
+    sdc.Guard(ddp, events=tmp_path / "new" / "sdc.jsonl", drain_marker=str(tmp_path / "m" / "drain-{node}.json"))
+    assert not (tmp_path / "new" / "sdc.jsonl").exists()  # written at the first alarm only
 
 
 @pytest.mark.parametrize("tolerance", ["1e-5", -1.0, float("nan"), float("inf"), True])

@@ -240,6 +240,14 @@ class Guard:
         # beside it) was compared with models that are not its replicas, an alarm at every step.
         group = ddp.process_group if group is None else group
         self.ddp, self.module, self.group = ddp, ddp.module, group
+        if events is not None:
+            _writable("events", events)
+        if drain_marker is not None:
+            try:
+                _writable("drain_marker", str(drain_marker).format(node=node_name()), drain_marker)
+            except (KeyError, IndexError, ValueError) as err:
+                raise PeatError(f"sdc.Guard: drain_marker={str(drain_marker)!r}: the only placeholder is {{node}} "
+                                f"({type(err).__name__}: {err})") from None
         self.policy, self.events, self.save = policy, events, save
         self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
         self.audit_every, self.fingerprint_every, self.tolerance = audit_every, fingerprint_every, float(audit_tolerance)
@@ -747,6 +755,18 @@ def collective_failure(rank: int, what: str, err: BaseException) -> str:
 def first_line(err: BaseException) -> str:
     """The first line of an error's message (at most 200 characters), or its type's name."""
     return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+
+
+def _writable(label: str, path, given=None) -> None:
+    """Make the folder of a file the guard writes at an alarm only: a path this rank cannot write failed
+    there, on the writing rank alone, while its peers went on to the next collective until the timeout."""
+    given, folder = str(path if given is None else given), Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PeatError(f"sdc.Guard: {label}={given!r}: cannot create its folder ({first_line(err)})") from None
+    if not os.access(folder, os.W_OK):
+        raise PeatError(f"sdc.Guard: {label}={given!r}: its folder {folder} is not writable")
 
 
 def _mark_nonfinite(grad: torch.Tensor, bad):
