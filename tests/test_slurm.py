@@ -356,7 +356,7 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
     nodes = [slurm.gres_counts("gpu:a100:4(S:0-1)"), slurm.gres_counts("gpu:v100:2,mps:100")]
     gpus = {"gpu": (64, 512000, None, nodes)}
     asking = [job(str(i), 1, "gpu") for i in range(4)]
-    for each, gres in zip(asking, ["gpu", "gpu:4", "gpu:v100:2", "gpu:a100:1"]):
+    for each, gres in zip(asking, ["gpu", "gpu:4", "gpu:v100:2", "gpu:A100:1"]):
         each.resources["gres"] = gres
     slurm.check_sizes(asking, gpus)
     asking[0].resources["gres"] = "gpu:v100:4"

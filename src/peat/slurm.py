@@ -79,7 +79,8 @@ def gres_counts(gres: str) -> dict[tuple[str, str], int]:
     for item in filter(None, re.sub(r"\([^)]*\)", "", gres).split(",")):
         name, *rest = item.split(":")
         count = int(rest.pop()) if rest and rest[-1].isdigit() else 1
-        counts[(name, rest[0] if rest else "")] = count
+        # Lowered: a false refusal here would block a request sbatch might take; sbatch judges the rest.
+        counts[(name.lower(), rest[0].lower() if rest else "")] = count
     return counts
 
 
