@@ -923,6 +923,38 @@ def test_guard_refuses_files_it_could_not_write_at_an_alarm(one_rank, tmp_path):
     assert not (tmp_path / "new" / "sdc.jsonl").exists()  # written at the first alarm only
 
 
+UNWRITABLE_ON_ONE_RANK = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from peat import sdc
+from peat.io import PeatError
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+try:  # rank 1's folder is a file there (a node without the mount)
+    sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), events=f"{sys.argv[1]}/r{dist.get_rank()}/sdc.jsonl")
+except PeatError as err:
+    print("REFUSED", dist.get_rank(), err)
+"""
+
+
+def test_a_file_one_rank_cannot_write_is_refused_on_every_rank(tmp_path):
+    (tmp_path / "r1").write_text("")
+    script = tmp_path / "unwritable.py"
+    script.write_text(UNWRITABLE_ON_ONE_RANK)
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    refused = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED "))
+    assert [ln.split(" ", 2)[:2] for ln in refused] == [["REFUSED", "0"], ["REFUSED", "1"]]
+    assert refused[0].split(" ", 2)[2] == refused[1].split(" ", 2)[2]
+    assert refused[0].split(" ", 2)[2].startswith(f"sdc.Guard: events={str(tmp_path / 'r1' / 'sdc.jsonl')!r}: cannot "
+                                                  "create its folder (")
+    assert refused[0].endswith(f") (rank 1 on node {sdc.node_name()})")
+
+
 @pytest.mark.parametrize("tolerance", ["1e-5", -1.0, float("nan"), float("inf"), True])
 def test_guard_refuses_a_tolerance_that_is_no_number_at_least_0(one_rank, tolerance):
     # '1e-5' (as YAML reads it) crashed the first audit step with a TypeError, -1 failed every audit (an unlocalized

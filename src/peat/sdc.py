@@ -240,14 +240,6 @@ class Guard:
         # beside it) was compared with models that are not its replicas, an alarm at every step.
         group = ddp.process_group if group is None else group
         self.ddp, self.module, self.group = ddp, ddp.module, group
-        if events is not None:
-            _writable("events", events)
-        if drain_marker is not None:
-            try:
-                _writable("drain_marker", str(drain_marker).format(node=node_name()), drain_marker)
-            except (KeyError, IndexError, ValueError) as err:
-                raise PeatError(f"sdc.Guard: drain_marker={str(drain_marker)!r}: the only placeholder is {{node}} "
-                                f"({type(err).__name__}: {err})") from None
         self.policy, self.events, self.save = policy, events, save
         self.checkpoint, self.drain_marker = Path(checkpoint), drain_marker
         self.audit_every, self.fingerprint_every, self.tolerance = audit_every, fingerprint_every, float(audit_tolerance)
@@ -270,11 +262,15 @@ class Guard:
                  "audit_tolerance": float(audit_tolerance), "trainable parameters": len(self.params),
                  "fused": self.fused}
         ranks: list = [None] * self.world
-        dist.all_gather_object(ranks, (node_name(), alike), group=group)
-        self.hosts = [host for host, _ in ranks]
+        # A file one node cannot write is refused on every rank: raised on that rank alone, its peers waited here.
+        dist.all_gather_object(ranks, (node_name(), alike, _unwritable(events, drain_marker)), group=group)
+        self.hosts = [host for host, _, _ in ranks]
+        for r, (host, _, problem) in enumerate(ranks):
+            if problem:
+                raise PeatError(f"sdc.Guard: {problem} (rank {r} on node {host})")
         for key, value in alike.items():
-            if any(other[key] != value for _, other in ranks):
-                values = ", ".join(f"rank {r}: {other[key]!r}" for r, (_, other) in enumerate(ranks))
+            if any(other[key] != value for _, other, _ in ranks):
+                values = ", ".join(f"rank {r}: {other[key]!r}" for r, (_, other, _) in enumerate(ranks))
                 raise PeatError(f"sdc.Guard: {key} differs between ranks ({values}): build the guard alike on every rank")
         self.alarms: list[Event] = []
         # The last TIMED_STEPS times of each check: kept for every step, they grew without bound (a float a
@@ -757,16 +753,27 @@ def first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
-def _writable(label: str, path, given=None) -> None:
-    """Make the folder of a file the guard writes at an alarm only: a path this rank cannot write failed
-    there, on the writing rank alone, while its peers went on to the next collective until the timeout."""
-    given, folder = str(path if given is None else given), Path(path).parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise PeatError(f"sdc.Guard: {label}={given!r}: cannot create its folder ({first_line(err)})") from None
-    if not os.access(folder, os.W_OK):
-        raise PeatError(f"sdc.Guard: {label}={given!r}: its folder {folder} is not writable")
+def _unwritable(events, drain_marker) -> str | None:
+    """Why this rank could not write the events file or the drain marker (their folders made now), or None.
+    The guard writes them at an alarm only: there, one rank failed alone while its peers went on to the
+    next collective until the timeout."""
+    paths = {"events": events}
+    if drain_marker is not None:
+        try:
+            paths["drain_marker"] = str(drain_marker).format(node=node_name())
+        except (KeyError, IndexError, ValueError) as err:
+            return f"drain_marker={str(drain_marker)!r}: the only placeholder is {{node}} ({type(err).__name__}: {err})"
+    for label, path in paths.items():
+        if path is None:
+            continue
+        given, folder = str(drain_marker if label == "drain_marker" else path), Path(path).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            return f"{label}={given!r}: cannot create its folder ({first_line(err)})"
+        if not os.access(folder, os.W_OK):
+            return f"{label}={given!r}: its folder {folder} is not writable"
+    return None
 
 
 def _mark_nonfinite(grad: torch.Tensor, bad):
