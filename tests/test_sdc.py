@@ -914,6 +914,7 @@ def test_guard_refuses_files_it_could_not_write_at_an_alarm(one_rank, tmp_path):
         ({"events": blocked / "sdc.jsonl"}, rf"events={str(blocked / 'sdc.jsonl')!r}: cannot create its folder"),
         ({"drain_marker": str(blocked / "drain-{node}.json")},
          rf"drain_marker={str(blocked / 'drain-{node}.json')!r}: cannot create its folder"),
+        ({"events": tmp_path}, rf"events={str(tmp_path)!r}: is a folder; name the file"),
         ({"drain_marker": str(tmp_path / "drain-{host}.json")},
          rf"drain_marker={str(tmp_path / 'drain-{host}.json')!r}: the only placeholder is {{node}}"),
     ]:

@@ -773,6 +773,8 @@ def _unwritable(events, drain_marker) -> str | None:
             return f"{label}={given!r}: cannot create its folder ({first_line(err)})"
         if not os.access(folder, os.W_OK):
             return f"{label}={given!r}: its folder {folder} is not writable"
+        if Path(path).is_dir():
+            return f"{label}={given!r}: is a folder; name the file"
     return None
 
 
