@@ -172,3 +172,13 @@ def test_a_kernel_file_under_the_home_directory_is_found_as_a_dataset_path_is(tm
            "rfi": {"kernels": []}}
     check(cfg)
     assert kernels.load("~/kernels/mine.py", "linear", name="mine") is not None
+
+
+@pytest.mark.parametrize("head", [b"\xef\xbb\xbf", b"# -*- coding: latin-1 -*-\n# caf\xe9\n"])
+def test_a_kernel_file_python_imports_is_read_by_the_config_check(head, tmp_path):
+    """A kernel saved with a UTF-8 BOM (Windows editors) imports in Python, but the config check read
+    it as UTF-8 text and refused it: 'SyntaxError: invalid non-printable character U+FEFF (line 1)'."""
+    path = tmp_path / "mine.py"
+    path.write_bytes(head + (REPO / "kernels" / "my_gemm.py").read_bytes())
+    tree = _parsed(str(path), "kernels.mine.impl")
+    assert _declared_op(str(path), "linear", tree) == "linear"

@@ -124,7 +124,9 @@ def _parsed(path: str, key: str) -> ast.Module:
     """A Python kernel source's syntax tree, read without running it; code that does not parse
     failed every job of its kernel, the first only after golden training."""
     try:
-        return ast.parse(Path(path).read_text(errors="replace"), filename=path)
+        # Bytes, as Python reads a module: a UTF-8 BOM (a Windows editor's) or a coding cookie is the
+        # file's encoding, where text decoded as UTF-8 made a BOM an "invalid non-printable character".
+        return ast.parse(Path(path).read_bytes(), filename=path)
     except (SyntaxError, ValueError) as err:  # ValueError: a null byte, before Python 3.12
         where = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
         raise PeatError(f"config key '{key}': {path}: {type(err).__name__}: {getattr(err, 'msg', err)}{where}") from None
