@@ -253,6 +253,19 @@ def test_a_job_granted_fewer_cpus_than_its_threads_stops_with_one_line(tmp_path,
     assert not (tmp_path / "results").exists()
 
 
+def test_touch_runs_no_job_so_it_needs_no_cpus(tmp_path):
+    """The check before the first job refused --touch, which runs none, for the CPUs it grants."""
+    config = write_config(tmp_path, lambda c: c.update(threads=2))
+    (tmp_path / "results/golden/gpt2/cpu/checkpoints").mkdir(parents=True)
+    (tmp_path / "results/data").mkdir()
+    for name in ("results/data/pydoc.h5", *(f"results/golden/gpt2/cpu/{n}" for n in
+                                            ("metrics.csv", "final.h5", "context.h5", "storage.json"))):
+        (tmp_path / name).touch()
+    proc = snakemake(tmp_path, "--touch", "--cores", "1", "results/golden/gpt2/cpu/final.h5", configfile=config,
+                     check=False)
+    assert proc.returncode == 0 and "peat:" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_jobs_ask_for_the_cpus_they_use(tmp_path):
     """It asked for sdc.world_size CPUs, one per rank, while each rank runs the config's threads:
     with threads: 2 a SLURM job got half the CPUs its ranks used."""

@@ -253,9 +253,13 @@ CPU_RESOURCES = {
 
 
 onstart:
-    # A job granted fewer CPUs than the config's threads stops (device.job_threads): here, before any.
+    # A job granted fewer CPUs than the config's threads stops (device.job_threads): here, before
+    # any. --touch runs none.
     try:
-        peat.device.check_granted(workflow.dag.needrun_jobs(), config["threads"])
+        if not workflow.touch:
+            peat.device.check_granted(
+                workflow.dag.needrun_jobs(), config["threads"]
+            )
     except PeatError as err:
         sys.exit(f"peat: {err}")
     # Before the first sbatch: a partition the cluster lacks, or a request no node meets, fails here.
