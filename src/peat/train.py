@@ -84,7 +84,8 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     out_dir = Path(out_dir)
     train_x, train_y = _subset(data.train, run.max_train_samples)
     val_x, val_y = _subset(data.val, run.max_val_samples)
-    inputs = _inputs_digest(model, (train_x, train_y, val_x, val_y), start)
+    # Only a resumable run leaves a resume point to vouch for (candidate runs hash nothing).
+    inputs = _inputs_digest(model, (train_x, train_y, val_x, val_y), start) if resumable else ""
     model.to(run.device)
     optimizer = make_optimizer(model, run.optimizer)
     partial = out_dir / ".partial"
