@@ -335,6 +335,12 @@ def test_cifar10_folder_is_checked_by_its_file_names_before_any_job(tmp_path):
         data.sizes("cifar", dict(spec, path=str(batches)))
     assert str(err.value) == (f"config key 'datasets.cifar.path': {batches} holds the CIFAR-10 batches themselves; "
                               f"give the folder above it, {tmp_path}")
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    archive.write_bytes(b"")
+    with pytest.raises(PeatError) as err:
+        data.sizes("cifar", dict(spec, path=str(archive)))
+    assert str(err.value) == (f"config key 'datasets.cifar.path': {archive} is a file; give the folder holding "
+                              "cifar-10-batches-py/ (where cifar-10-python.tar.gz is unpacked)")
 
 
 def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):

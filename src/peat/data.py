@@ -144,6 +144,9 @@ def _cifar10(name: str, spec: dict):
 def _cifar10_root(name: str, spec: dict) -> Path:
     """The folder holding ``cifar-10-batches-py/``, checked by file names only (no reading)."""
     root = _local_path(name, spec)
+    if root.is_file():  # the archive as downloaded: 'cifar-10-batches-py/... is missing' under a file
+        raise PeatError(f"config key 'datasets.{name}.path': {root} is a file; give the folder holding "
+                        "cifar-10-batches-py/ (where cifar-10-python.tar.gz is unpacked)")
     missing = [f for f in _cifar10_files(root) if not f.is_file()]
     if missing and all((root / f.name).is_file() for f in missing):
         raise PeatError(f"config key 'datasets.{name}.path': {root} holds the CIFAR-10 batches themselves; "
