@@ -927,6 +927,7 @@ def test_guard_refuses_files_it_could_not_write_at_an_alarm(one_rank, tmp_path):
 UNWRITABLE_ON_ONE_RANK = """
 import sys
 from datetime import timedelta
+from pathlib import Path
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from peat import sdc
@@ -935,8 +936,8 @@ from peat.io import PeatError
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 try:  # rank 1's folder is a file there (a node without the mount)
     sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), events=f"{sys.argv[1]}/r{dist.get_rank()}/sdc.jsonl")
-except PeatError as err:
-    print("REFUSED", dist.get_rank(), err)
+except PeatError as err:  # a file each: the ranks' stdout lines may interleave
+    (Path(sys.argv[1]) / f"refused{dist.get_rank()}").write_text(str(err))
 """
 
 
@@ -948,12 +949,10 @@ def test_a_file_one_rank_cannot_write_is_refused_on_every_rank(tmp_path):
                            str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    refused = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED "))
-    assert [ln.split(" ", 2)[:2] for ln in refused] == [["REFUSED", "0"], ["REFUSED", "1"]]
-    assert refused[0].split(" ", 2)[2] == refused[1].split(" ", 2)[2]
-    assert refused[0].split(" ", 2)[2].startswith(f"sdc.Guard: events={str(tmp_path / 'r1' / 'sdc.jsonl')!r}: cannot "
-                                                  "create its folder (")
-    assert refused[0].endswith(f") (rank 1 on node {sdc.node_name()})")
+    first, second = ((tmp_path / f"refused{r}").read_text() for r in range(2))
+    assert first == second
+    assert first.startswith(f"sdc.Guard: events={str(tmp_path / 'r1' / 'sdc.jsonl')!r}: cannot create its folder (")
+    assert first.endswith(f") (rank 1 on node {sdc.node_name()})")
 
 
 @pytest.mark.parametrize("tolerance", ["1e-5", -1.0, float("nan"), float("inf"), True])
@@ -975,7 +974,7 @@ def test_guards_that_differ_between_ranks_are_one_line(one_rank, monkeypatch):
     from torch.nn.parallel import DistributedDataParallel
 
     def gather_with_a_peer(out, mine, group=None):  # rank 1 built its guard with audit_every=3
-        out[:] = [mine, (mine[0], {**mine[1], "audit_every": 3})]
+        out[:] = [mine, (mine[0], {**mine[1], "audit_every": 3}, *mine[2:])]
 
     monkeypatch.setattr(sdc.dist, "all_gather_object", gather_with_a_peer)
     with pytest.raises(PeatError, match=r"^sdc.Guard: audit_every differs between ranks \(rank 0: 2, rank 1: 3\): "
@@ -1507,7 +1506,7 @@ def test_audit_with_a_grad_scaler_compares_the_scaled_gradients(one_rank):
 
 # Two data-parallel groups, {0, 1} and {2, 3}, each training its own model (another parallel dimension's shard).
 TWO_GROUPS = """
-import json
+import json, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -1531,7 +1530,8 @@ for step in range(3):
         optimizer.step()
     guard.check_weights()
 guard.finish()
-print("ALARMS", dist.get_rank(), guard.rank, guard.world, json.dumps([[e.step, e.check] for e in guard.alarms]))
+with open(f"{sys.argv[1]}/rank{dist.get_rank()}", "w") as f:  # the ranks' stdout lines may interleave
+    f.write(f"ALARMS {dist.get_rank()} {guard.rank} {guard.world} {json.dumps([[e.step, e.check] for e in guard.alarms])}")
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -1543,10 +1543,10 @@ def test_guard_of_a_ddp_over_a_subgroup_checks_that_group(tmp_path):
     script = tmp_path / "two_groups.py"
     script.write_text(TWO_GROUPS)
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
-                           str(script)], capture_output=True, text=True, timeout=300,
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("ALARMS "))
+    lines = [(tmp_path / f"rank{r}").read_text() for r in range(4)]
     assert lines == [f"ALARMS {r} {r % 2} 2 []" for r in range(4)]
 
 
