@@ -39,8 +39,9 @@ SECTIONS = {
         "Left: loss per optimizer step (line, training batches) and on the validation split after "
         "each epoch (dots), on a log scale where the losses span more than two decades. Right: "
         "validation accuracy (classifiers) or perplexity (language "
-        "models) per epoch. A healthy run has a falling loss and no gaps: a gap is a non-finite "
-        "loss. The table gives the last validation point of each run.")),
+        "models) per epoch. A healthy run has a falling loss; one whose loss turned NaN or inf "
+        "stopped with an error instead (a diverged golden is no reference). The table gives the "
+        "last validation point of each run.")),
     "candidate": ("Candidate-kernel training", (
         "Training with the candidate kernel routed into the recorded layers, compared with the "
         "golden run step by step (left: training loss of both; right: their absolute difference, "
