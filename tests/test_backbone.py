@@ -343,6 +343,15 @@ def test_cifar10_folder_is_checked_by_its_file_names_before_any_job(tmp_path):
                               "cifar-10-batches-py/ (where cifar-10-python.tar.gz is unpacked)")
 
 
+def test_an_empty_text_corpus_is_named_by_its_path(tmp_path):
+    """It said 'seq_len: 64 leaves fewer than 2 sequences in the text's 0 bytes': no seq_len helps."""
+    (tmp_path / "a.txt").write_bytes(b"")
+    for path, what in ((tmp_path, f"the 1 .txt file(s) under {tmp_path} are"), (tmp_path / "a.txt", f"{tmp_path / 'a.txt'} is")):
+        with pytest.raises(PeatError) as err:
+            data.sizes("corpus", {"source": "text", "path": str(path), "seq_len": 64, "val_fraction": 0.1})
+        assert str(err.value) == f"config key 'datasets.corpus.path': {what} empty"
+
+
 def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):
     data.prepare("digits", {"source": "digits", "image_size": 32, "val_fraction": 0.2}, tmp_path / "d.h5")
     ds = data.load(tmp_path / "d.h5")

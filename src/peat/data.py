@@ -193,6 +193,9 @@ def _text_files(name: str, spec: dict) -> list[Path]:
     files = sorted(f for f in root.rglob("*.txt") if f.is_file()) if root.is_dir() else [root]
     if not files:
         raise PeatError(f"config key 'datasets.{name}.path': no .txt files under {root}")
+    if not any(f.stat().st_size for f in files):  # else the line named seq_len, which no value fixes
+        what = f"{root} is" if files == [root] else f"the {len(files)} .txt file(s) under {root} are"
+        raise PeatError(f"config key 'datasets.{name}.path': {what} empty")
     return files
 
 
