@@ -1023,17 +1023,16 @@ def test_summary_of_cells_the_model_lacks(tmp_path):
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_diverged_loss_reads_nan_in_the_tables_not_empty_like_an_unmeasured_one(mixed, tmp_path, monkeypatch):
-    diverged = {"status": "ok", "reason": "", "altered_values": 1, "datasets_hit": 1, "nonfinite_injected": 0,
-                "altered_accuracy": 0.0, "altered_loss": np.nan, "final_accuracy": 0.0, "final_loss": np.nan,
-                "golden_accuracy": 0.5, "golden_loss": 0.9, "accuracy_loss_pct": 100.0, "loss_change_pct": np.inf,
-                "diverged": True, "epochs_to_recover": np.nan, "resumed_epochs": 1}
-    monkeypatch.setattr(S, "_cell", lambda *args: diverged)
+def _study_tables(cells, seeds, mixed, tmp_path, monkeypatch) -> None:
+    """run_cells on ``mixed`` with ``_cell`` giving ``cells`` in turn (part.csv), then summarize it
+    with a cell the model lacks (s.csv, a.csv, h.png)."""
+    cells = iter(cells)
+    monkeypatch.setattr(S, "_cell", lambda *args: next(cells))
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes())
     metrics = tmp_path / "metrics.csv"
     pd.DataFrame({"split": ["val", "val"], "epoch": [1, 2], "accuracy": [0.5, 0.5], "loss": [1.0, 0.9]}).to_csv(metrics)
-    S.run_cells("m", {}, "cpu", 1, "weight", ["sign"], [1], [0], checkpoints=tmp_path / "ckpt", data="",
+    S.run_cells("m", {}, "cpu", 1, "weight", ["sign"], [1], seeds, checkpoints=tmp_path / "ckpt", data="",
                 golden_metrics=metrics, tolerance=0.02, run_seed=0, threads=1, config_hash="",
                 out_csv=tmp_path / "part.csv", log_dir=tmp_path / "logs")
     lacks = dict(model="m", vendor="cpu", epoch=1, cls="weight", region="sign", flips=10**6, seed=0,
@@ -1041,6 +1040,14 @@ def test_a_diverged_loss_reads_nan_in_the_tables_not_empty_like_an_unmeasured_on
     pd.DataFrame([lacks], columns=list(S.COLUMNS)).to_csv(tmp_path / "lacks.csv", index=False)
     S.summarize([tmp_path / "part.csv", tmp_path / "lacks.csv"], tmp_path / "s.csv", tmp_path / "a.csv",
                 tmp_path / "h.png", 1.0)
+
+
+def test_a_diverged_loss_reads_nan_in_the_tables_not_empty_like_an_unmeasured_one(mixed, tmp_path, monkeypatch):
+    diverged = {"status": "ok", "reason": "", "altered_values": 1, "datasets_hit": 1, "nonfinite_injected": 0,
+                "altered_accuracy": 0.0, "altered_loss": np.nan, "final_accuracy": 0.0, "final_loss": np.nan,
+                "golden_accuracy": 0.5, "golden_loss": 0.9, "accuracy_loss_pct": 100.0, "loss_change_pct": np.inf,
+                "diverged": True, "epochs_to_recover": np.nan, "resumed_epochs": 1}
+    _study_tables([diverged], [0], mixed, tmp_path, monkeypatch)
     for path in (tmp_path / "part.csv", tmp_path / "s.csv"):
         row = pd.read_csv(path, keep_default_na=False).iloc[0]
         assert [str(row[name]) for name in ("altered_loss", "final_loss", "loss_change_pct")] == ["nan", "nan", "inf"]
@@ -1053,23 +1060,11 @@ def test_a_diverged_loss_reads_nan_in_the_tables_not_empty_like_an_unmeasured_on
 
 
 def test_counts_in_the_tables_read_as_integers_beside_never_and_not_applicable(mixed, tmp_path, monkeypatch):
-    cells = iter([{"status": "ok", "reason": "", "altered_values": 3, "datasets_hit": 2, "nonfinite_injected": 0,
+    cells = [{"status": "ok", "reason": "", "altered_values": 3, "datasets_hit": 2, "nonfinite_injected": 0,
                    "altered_accuracy": 0.5, "altered_loss": 1.0, "final_accuracy": 0.5, "final_loss": 0.9,
                    "golden_accuracy": 0.5, "golden_loss": 0.9, "accuracy_loss_pct": 0.0, "loss_change_pct": 0.0,
-                   "diverged": False, "epochs_to_recover": recover, "resumed_epochs": 1} for recover in (1, np.nan)])
-    monkeypatch.setattr(S, "_cell", lambda *args: next(cells))
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes())
-    metrics = tmp_path / "metrics.csv"
-    pd.DataFrame({"split": ["val", "val"], "epoch": [1, 2], "accuracy": [0.5, 0.5], "loss": [1.0, 0.9]}).to_csv(metrics)
-    S.run_cells("m", {}, "cpu", 1, "weight", ["sign"], [1], [0, 1], checkpoints=tmp_path / "ckpt", data="",
-                golden_metrics=metrics, tolerance=0.02, run_seed=0, threads=1, config_hash="",
-                out_csv=tmp_path / "part.csv", log_dir=tmp_path / "logs")
-    lacks = dict(model="m", vendor="cpu", epoch=1, cls="weight", region="sign", flips=10**6, seed=0,
-                 status="not_applicable", reason="too few values")
-    pd.DataFrame([lacks], columns=list(S.COLUMNS)).to_csv(tmp_path / "lacks.csv", index=False)
-    S.summarize([tmp_path / "part.csv", tmp_path / "lacks.csv"], tmp_path / "s.csv", tmp_path / "a.csv",
-                tmp_path / "h.png", 1.0)
+                   "diverged": False, "epochs_to_recover": recover, "resumed_epochs": 1} for recover in (1, np.nan)]
+    _study_tables(cells, [0, 1], mixed, tmp_path, monkeypatch)
     counts = ["altered_values", "datasets_hit", "nonfinite_injected", "epochs_to_recover", "resumed_epochs"]
     assert pd.read_csv(tmp_path / "part.csv", dtype=str, keep_default_na=False)[counts].values.tolist() == [
         ["3", "2", "0", "1", "1"], ["3", "2", "0", "", "1"]]
