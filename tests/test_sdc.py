@@ -304,16 +304,22 @@ dist.destroy_process_group()
 """
 
 
+def _torchrun(script: Path, world: int, *args: str) -> subprocess.CompletedProcess:
+    """``script`` under torchrun with ``world`` local ranks (one torch thread each); asserts it succeeded."""
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
+                           str(script), *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc
+
+
 def test_fused_mean_is_ddps_own_bit_for_bit_with_its_settings(tmp_path):
     # With three ranks x / 3 and x * (1 / 3) round apart: DDP divides a gradient accumulated in its
     # bucket view (gradient_as_bucket_view, .grad kept), and a whole bucket with batched_grad_copy;
     # the guard's hook multiplied every bucket by the reciprocal.
     script = tmp_path / "mean.py"
     script.write_text(FUSED_MEAN)
-    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "3",
-                           str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = _torchrun(script, 3)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("DIFFER ")]
     assert json.loads(line[len("DIFFER "):]) == []
 
@@ -816,10 +822,7 @@ def _run_guarded_loop(tmp_path: Path, world: int = 3, **options) -> list:
                "transient_in_subgroup": False, "spectral_norm": False, "diverge": False, "data_dependent": False,
                "dtype": "float32", "comm_hook": None, "huge": None, "fused": None, "transient_checksum": False,
                "ignored": False, **options}
-    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world),
-                           str(script), json.dumps(options)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = _torchrun(script, world, json.dumps(options))
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("ALARMS ")]
     return json.loads(line[len("ALARMS "):])
 
@@ -945,10 +948,7 @@ def test_a_file_one_rank_cannot_write_is_refused_on_every_rank(tmp_path):
     (tmp_path / "r1").write_text("")
     script = tmp_path / "unwritable.py"
     script.write_text(UNWRITABLE_ON_ONE_RANK)
-    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _torchrun(script, 2, str(tmp_path))
     first, second = ((tmp_path / f"refused{r}").read_text() for r in range(2))
     assert first == second
     assert first.startswith(f"sdc.Guard: events={str(tmp_path / 'r1' / 'sdc.jsonl')!r}: cannot create its folder (")
@@ -1542,10 +1542,7 @@ def test_guard_of_a_ddp_over_a_subgroup_checks_that_group(tmp_path):
     # model differs, an unlocalized fingerprint alarm at every step (policy stop: exit 65 at step 0).
     script = tmp_path / "two_groups.py"
     script.write_text(TWO_GROUPS)
-    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
-                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _torchrun(script, 4, str(tmp_path))
     lines = [(tmp_path / f"rank{r}").read_text() for r in range(4)]
     assert lines == [f"ALARMS {r} {r % 2} 2 []" for r in range(4)]
 
