@@ -278,3 +278,13 @@ def test_full_workflow_run_starts_from_scratch_in_a_reused_workdir(tmp_path, mon
     workdir, configfile, seconds = workflow_runs.full_run(settings)
     assert seen == [False] and seconds == 1.0
     assert workdir == stale.parents[2] and configfile.is_file()  # the private config is written after the cleanup
+
+
+def test_report_table_of_results_with_no_benchmarks_keeps_its_header(tmp_path):
+    # A results.json whose benchmarks list is empty gave a benchmarks.csv of one empty line,
+    # which pandas cannot read back.
+    from peat.report import _benchmark_table
+
+    (tmp_path / "results.json").write_text(json.dumps({"machine": {}, "benchmarks": []}))
+    _benchmark_table(tmp_path / "results.json").to_csv(tmp_path / "benchmarks.csv", index=False)
+    assert list(pd.read_csv(tmp_path / "benchmarks.csv").columns) == ["benchmark"]

@@ -308,7 +308,8 @@ def _benchmark_table(path: Path) -> pd.DataFrame:
     if isinstance(items, dict):
         items = [{"benchmark": k, **(v if isinstance(v, dict) else {"value": v})} for k, v in items.items()]
     rows = [{k: v for k, v in item.items() if not isinstance(v, (dict, list))} for item in items if isinstance(item, dict)]
-    table = pd.DataFrame(rows).rename(columns={"name": "benchmark"})
+    # No entries still write the key column: a CSV of one empty line cannot be read back.
+    table = pd.DataFrame(rows, columns=None if rows else TABLES["benchmarks.csv"]).rename(columns={"name": "benchmark"})
     first = [c for c in ("benchmark", "median", "goal", "met", "unit", "measured_as", "error") if c in table]
     return table[first + [c for c in table.columns if c not in first]]
 
