@@ -253,6 +253,29 @@ def test_single_element_faults_on_a_two_class_head_are_not_lanes(computation):
     assert classify(errors.parse("lane:4:stuck").apply(golden, torch.Generator()), golden, env) == "periodic_lane"
 
 
+def test_a_lane_stuck_on_a_norms_weight_gradient_vector_is_a_lane():
+    """A norm's weight gradient is a vector: a lane stuck at its first value leaves that element, the
+    progression's first, right by construction, so 7 of 8 lanes held S, under COVER: read as
+    random_value (20 cases of the detector benchmark at fac5d04)."""
+    g = torch.Generator().manual_seed(0)
+    sample = {"A": torch.randn(16, 24, 64, generator=g) * 3 + 1, "W": torch.rand(64, generator=g) + 0.5,
+              "B": torch.randn(64, generator=g), "dO": torch.randn(16, 24, 64, generator=g)}
+    attrs, gold = {"op": "layer_norm", "normalized_shape": [64], "eps": 1e-5}, kernels.golden("layer_norm")
+    golden = kernels.call(gold, "weight_grad", sample, attrs)
+    ref = kernels.call(gold, "weight_grad", sample, attrs, torch.float64)
+    rounded = {p: kernels.call(errors.faulty(gold, p, "weight_grad"), "weight_grad", sample, attrs)
+               for p in evidence.PRECISIONS}
+    env = evidence.envelopes(golden, ref, rounded)
+    for seed in range(5):
+        faulty = errors.parse("lane:8:stuck").apply(golden, torch.Generator().manual_seed(seed))
+        assert int((faulty != golden).sum()) == 7
+        assert classify(faulty, golden, env) == "periodic_lane"
+    # Three scattered values in a progression that misses its first lane (5, 21, 37, 53) stay random.
+    scattered = golden.clone()
+    scattered[[21, 37, 53]] += 10.0
+    assert classify(scattered, golden, env) == "random_value"
+
+
 def test_a_wrong_loss_is_classed_by_its_value():
     """A one-element tensor (the loss at the later observing point) has no layout: beyond the
     reduced-precision envelope its one wrong value reads as a zero, a bit flip or a random value,
