@@ -53,3 +53,17 @@ def test_gpu_checks_refuse_in_one_line_without_a_gpu(tmp_path):
     assert proc.stderr == (f".ci/gpu: no CUDA GPU visible to torch (python: {BIN / 'python'}); "
                            "run it on a machine with an NVIDIA GPU\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_rules_checked_before_the_first_job_are_those_whose_scripts_check_their_threads():
+    """``device.check_granted`` stops a run before any job by the rule names in THREADED_RULES; a
+    script that starts calling ``job_threads`` without its rule listed there fails only at its job."""
+    from peat.device import THREADED_RULES
+
+    checked = set()
+    for smk in (REPO / "workflow" / "rules").glob("*.smk"):
+        for rule, body in re.findall(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", smk.read_text(), flags=re.M):
+            script = re.search(r"script:\s*\n\s*\"([^\"]+)\"", body)
+            if script and "job_threads(" in (smk.parent / script.group(1)).resolve().read_text():
+                checked.add(rule)
+    assert checked == set(THREADED_RULES)
