@@ -343,10 +343,10 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
         return SimpleNamespace(rule=SimpleNamespace(name=rule), threads=threads,
                                resources={"slurm_partition": partition, "mem_mb": mem_mb, "runtime": runtime})
 
-    largest = {"": (4, 8000), "short": (4, 8000), "gpu": (64, 512000)}  # short is the default
+    largest = {"": slurm.Partition(4, 8000), "short": slurm.Partition(4, 8000), "gpu": slurm.Partition(64, 512000)}  # short is the default
     slurm.check_sizes([job("a", 4), job("b", 64, "gpu", 512000), job("c", 99, "missing")], largest)
     # A partition's time limit, as sinfo lists it (none: infinite).
-    timed = {"short": (4, 8000, slurm.time_limit_minutes("2:00:00")), "long": (4, 8000, None)}
+    timed = {"short": slurm.Partition(4, 8000, slurm.time_limit_minutes("2:00:00")), "long": slurm.Partition(4, 8000)}
     slurm.check_sizes([job("a", 1, "short", runtime=120), job("b", 1, "long", runtime=99999)], timed)
     with pytest.raises(PeatError, match=r"^rule a asks for 121 min \(runtime\), but partition 'short' has a time "
                                         r"limit of 120 min: it would pend forever; lower it, e.g. --set-resources "
@@ -354,7 +354,7 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
         slurm.check_sizes([job("a", 1, "short", runtime=121)], timed)
     # A GPU request, against each node's generic resources as sinfo lists them.
     nodes = [slurm.gres_counts("gpu:a100:4(S:0-1)"), slurm.gres_counts("gpu:v100:2,mps:100")]
-    gpus = {"gpu": (64, 512000, None, nodes)}
+    gpus = {"gpu": slurm.Partition(64, 512000, None, tuple(nodes))}
     asking = [job(str(i), 1, "gpu") for i in range(4)]
     for each, gres in zip(asking, ["gpu", "gpu:4", "gpu:v100:2", "gpu:A100:1"]):
         each.resources["gres"] = gres
@@ -383,7 +383,7 @@ def test_local_rules_are_not_checked_against_the_cluster():
     partitions stopped, naming a rule that never reaches sbatch."""
     local = SimpleNamespace(rule=SimpleNamespace(name="golden_curves"), threads=1, is_local=True,
                             resources={"mem_mb": 8000})
-    slurm.check_sizes([local], {"": (4, 4000), "short": (4, 8000)})
+    slurm.check_sizes([local], {"": slurm.Partition(4, 4000), "short": slurm.Partition(4, 8000)})
 
 
 def test_gpu_vendor_without_gpu_request_is_one_line():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 
 from .io import PeatError
 
@@ -52,23 +53,32 @@ def config_origins(config: dict) -> dict[str, str]:
     return origins
 
 
-def cluster_nodes() -> dict[str, tuple[int, int, int | None, list[dict]]]:
-    """Partition -> CPUs and memory (MB) of its largest node, its time limit (minutes, None: none)
-    and each node's generic resources ({(name, type): count}), as ``sinfo`` lists them; the default
-    partition (marked with '*') is also under "", which is how a job without a partition asks."""
+@dataclass(frozen=True)
+class Partition:
+    """What a partition offers a job, as ``sinfo`` lists it."""
+
+    cpus: int                         # of its largest node
+    mem_mb: int                       # of its largest node
+    time_limit: int | None = None     # minutes; None: infinite
+    nodes: tuple[dict, ...] = ()      # each node's generic resources, {(name, type): count}
+
+
+def cluster_nodes() -> dict[str, Partition]:
+    """Partition name -> ``Partition``; the default partition (marked with '*') is also under "",
+    which is how a job without a partition asks."""
     if shutil.which("sinfo") is None:
         raise PeatError("executor 'slurm': 'sinfo' is not on PATH (run this on a SLURM login node)")
     proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c %m %l %G"], capture_output=True, text=True)
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise PeatError(f"executor 'slurm': sinfo failed: {reason}")
-    largest: dict[str, tuple[int, int, int | None, list[dict]]] = {}
+    largest: dict[str, Partition] = {}
     for line in proc.stdout.splitlines():
         partition, cpus, mem, limit, gres = line.split()
         for name in {partition.rstrip("*"), *([""] if partition.endswith("*") else [])}:
-            have = largest.get(name, (0, 0, None, []))
-            largest[name] = (max(have[0], int(cpus.rstrip("+"))), max(have[1], int(mem.rstrip("+"))),
-                             time_limit_minutes(limit), [*have[3], gres_counts(gres)])
+            have = largest.get(name, Partition(0, 0))
+            largest[name] = Partition(max(have.cpus, int(cpus.rstrip("+"))), max(have.mem_mb, int(mem.rstrip("+"))),
+                                      time_limit_minutes(limit), (*have.nodes, gres_counts(gres)))
     return largest
 
 
@@ -115,7 +125,7 @@ def check_partitions(requested: dict[str, str], origins: dict[str, str], availab
             )
 
 
-def check_sizes(jobs, largest: dict[str, tuple], threads: int = 1) -> None:
+def check_sizes(jobs, largest: dict[str, Partition], threads: int = 1) -> None:
     """Fail on the first job that asks for more CPUs or memory than any node of its partition has,
     or more time than the partition allows: sbatch refuses such memory, but such CPUs pend forever
     (squeue's reason PartitionConfig), and such time too.
@@ -126,7 +136,8 @@ def check_sizes(jobs, largest: dict[str, tuple], threads: int = 1) -> None:
         partition = job.resources.get("slurm_partition") or ""
         if partition not in largest:  # no such partition (check_partitions), or no default one
             continue
-        cpus, mem_mb, limit, nodes = (*largest[partition], None, None)[:4]
+        part = largest[partition]
+        cpus, mem_mb, limit = part.cpus, part.mem_mb, part.time_limit
         where = f"partition {partition!r}" if partition else "the default partition"
         rule = job.rule.name
         if job.threads > cpus:
@@ -146,10 +157,10 @@ def check_sizes(jobs, largest: dict[str, tuple], threads: int = 1) -> None:
                             f"min: it would pend forever; lower it, e.g. --set-resources {rule}:runtime={limit} "
                             f"or --default-resources runtime={limit}")
         gres = job.resources.get("gres") or ""
-        if gres and nodes is not None and not any(_has(node, gres) for node in nodes):
+        if gres and part.nodes and not any(_has(node, gres) for node in part.nodes):
             vendor = getattr(getattr(job, "wildcards", None), "vendor", None)
             key = f" (config key 'slurm.vendors.{vendor}.gres')" if vendor else ""
-            have = sorted({f"{n}:{t}:{c}" if t else f"{n}:{c}" for node in nodes for (n, t), c in node.items()})
+            have = sorted({f"{n}:{t}:{c}" if t else f"{n}:{c}" for node in part.nodes for (n, t), c in node.items()})
             raise PeatError(f"rule {rule} asks for --gres={gres}{key}, but no node of {where} has it "
                             f"(gres there: {', '.join(have) or 'none'}): sbatch would refuse it")
 
