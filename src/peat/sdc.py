@@ -692,7 +692,7 @@ class Guard:
     def _stop(self, event: Event, reporter: int) -> None:
         if self.drain_marker is not None and event.localized and node_name() in event.hosts:
             # Read by the SLURM epilog on this node: it drains the node it runs on.
-            marker = Path(str(self.drain_marker).format(node=node_name()))
+            marker = _node_marker(self.drain_marker)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(json.dumps(asdict(event), sort_keys=True) + "\n")
         if self.save is not None and self.rank == reporter:
@@ -753,6 +753,14 @@ def first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
+NODE = "{node}"  # the drain marker's placeholder for this node's name
+
+
+def _node_marker(drain_marker) -> Path:
+    """This node's drain marker: ``drain_marker`` with NODE replaced by ``node_name()``."""
+    return Path(str(drain_marker).format(node=node_name()))
+
+
 def _unwritable(events, drain_marker) -> str | None:
     """Why this rank could not write the events file or the drain marker (their folders made now), or None.
     The guard writes them at an alarm only: there, one rank failed alone while its peers went on to the
@@ -760,9 +768,9 @@ def _unwritable(events, drain_marker) -> str | None:
     paths = {"events": events}
     if drain_marker is not None:
         try:
-            paths["drain_marker"] = str(drain_marker).format(node=node_name())
+            paths["drain_marker"] = _node_marker(drain_marker)
         except (KeyError, IndexError, ValueError) as err:
-            return f"drain_marker={str(drain_marker)!r}: the only placeholder is {{node}} ({type(err).__name__}: {err})"
+            return f"drain_marker={str(drain_marker)!r}: the only placeholder is {NODE} ({type(err).__name__}: {err})"
     for label, path in paths.items():
         if path is None:
             continue
