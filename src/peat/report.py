@@ -64,7 +64,8 @@ SECTIONS = {
         "(bit position or field) in one group of tensors, colored by how far the resumed run "
         "ends from the unaltered one. Light cells are absorbed by training; dark cells are "
         "flips the model does not recover from (usually exponent bits). In the tables, <b>nan</b> is a "
-        "NaN loss (a run that diverged); a blank cell was not measured.")),
+        "NaN loss, or no final value where the resumed training stopped with the error its "
+        "<b>reason</b> names (both runs diverged); a blank cell was not measured.")),
     "sdc": ("Silent data corruption drills", (
         "Each drill injects one fault into distributed data-parallel training and checks that "
         "the SDC checks catch it: <b>detected</b> says whether an alarm came at or after the injection, "
