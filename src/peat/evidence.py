@@ -221,7 +221,8 @@ def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules:
         return out
     if n * rules.cover <= rules.block_area * mask.size:  # else no tiles within block_area can explain S
         out |= _blocks(mask, rules)
-    out |= _lanes(mask, rules, out["sparse"], gold.matrix, 0.0 if isinstance(noise, TileBound) else noise)
+    row = as_matrix(candidate) if mask.shape[0] == 1 else None  # a vector's values, for a stuck lane
+    out |= _lanes(mask, rules, out["sparse"], gold.matrix, 0.0 if isinstance(noise, TileBound) else noise, row)
     if not out["sparse"]:
         return out
     c, g = masked(candidate, mask).astype(np.float32, copy=False), gold.matrix[mask]
@@ -255,7 +256,7 @@ def _blocks(m: np.ndarray, rules: Rules) -> dict:
 
 
 def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True, golden: np.ndarray | None = None,
-           noise: float = 0.0) -> dict:
+           noise: float = 0.0, candidate: np.ndarray | None = None) -> dict:
     """Columns (or rows) of a whole arithmetic progression of stride >= 2 (or one lane) that hold S.
 
     The progression runs through the filled lanes, those >= FILL wrong (a single one counts when
@@ -271,7 +272,10 @@ def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True, golden: np.ndarray 
     already gets right, near 0 throughout (measured: 5 of 16 stuck row lanes of ResNet-18's
     fc). A sparse S stays with the rules for a few scattered wrong elements, and a lane alone
     must be filled itself: rounding that leaves the fp32 envelope in one outlier channel, and not
-    in most of it, is no lane fault."""
+    in most of it, is no lane fault. In a vector (lanes of one element), a progression whose
+    first element is right and whose others all hold S counts that first one neither way when
+    there are >= 4 others, or when ``candidate`` (the vector's values) holds golden's first value,
+    nonzero, at every other: a lane stuck at its first value, where random values would differ."""
     best = {"lane_cover": 0.0, "lane_stride": 0, "lane_axis": ""}
     # Lanes are the columns, then the rows: counts holds each one's wrong elements, of ``length``.
     for axis, counts, length in (("col", np.count_nonzero(m, axis=0), m.shape[0]),
@@ -295,13 +299,25 @@ def _lanes(m: np.ndarray, rules: Rules, sparse: bool = True, golden: np.ndarray 
             # Lanes of one element (a vector's): a lane stuck at its first value leaves that element,
             # the progression's first, right; it counts neither way where >= 4 others hold S (3 evenly
             # spaced scattered values already read as a lane by chance: 0.85 % of 3 positions in 32).
-            blind += int(length == 1 and held[0] == 0 and np.count_nonzero(held) >= 4)
+            blind += int(length == 1 and held[0] == 0 and (np.count_nonzero(held) >= 4 or _stuck_at_first(
+                index, held, golden, candidate)))
             if np.count_nonzero(held) < rules.cover * (len(held) - blind):
                 continue
             cover = float(held.sum() / counts.sum())
             if cover > best["lane_cover"]:
                 best = {"lane_cover": cover, "lane_stride": stride, "lane_axis": axis}
     return best
+
+
+def _stuck_at_first(index: np.ndarray, held: np.ndarray, golden: np.ndarray | None,
+                    candidate: np.ndarray | None) -> bool:
+    """Whether every lane of the vector's progression ``index`` but its first holds S, at golden's
+    first value (nonzero: zeros are random_zero's): >= 2 wrong elements equal to one another and
+    to a value golden has, which random values never are."""
+    if candidate is None or golden is None or len(index) < 3 or not held[1:].all():
+        return False
+    first = golden[0, index[0]]
+    return bool(first != 0 and np.all(candidate[0, index[1:]] == first))
 
 
 @QUIET  # a span of golden's infinities is NaN (never within noise), of float32's extremes inf
