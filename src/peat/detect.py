@@ -36,7 +36,8 @@ periodic_lane      >= COVER of S lies in the columns (or rows) of one lane or a 
                    a lane without S where golden spans no more than tau32 (a dead channel; an
                    input gradient's row of a sample the network gets right), which a stuck lane
                    cannot move beyond it, counts neither way; so does, in a vector, the first lane
-                   of a progression whose >= 4 others hold S (a lane stuck at its first element).
+                   of a progression whose others hold S, >= 4 of them or all at golden's first
+                   value, nonzero (a lane stuck at its first element).
 bit_flip           S is sparse (<= max(SPARSE_MIN, SPARSE x size) elements, < half) and >= COVER
                    of it differs from golden in 1 or 2 bits above the bits fp32 noise may touch
                    (where they stop below golden's exponent), or comes back within that noise,
