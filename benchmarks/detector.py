@@ -162,12 +162,17 @@ def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules,
 
 # -- metrics -------------------------------------------------------------------------------------
 def _binary(frame: pd.DataFrame, verdicts: pd.Series) -> dict:
+    """Rates with no case to divide by are NaN (null in summary.json): a run of should-pass cases
+    alone has no detection rate, and a suite without correct kernels has had no chance of a
+    false alarm on one (its count says 0 of ``correct_kernel_cases``)."""
     bug = ~frame["should_pass"]
     fail = verdicts == "fail"
+    correct = frame["correct_kernel"] & ~bug
     return {"bug_cases": int(bug.sum()), "should_pass_cases": int((~bug).sum()),
+            "correct_kernel_cases": int(correct.sum()),
             "binary_detection": float(fail[bug].mean()) if bug.any() else float("nan"),
             "false_alarm_rate": float(fail[~bug].mean()) if (~bug).any() else float("nan"),
-            "false_alarms_on_correct_kernels": int(fail[frame["correct_kernel"] & ~bug].sum())}
+            "false_alarms_on_correct_kernels": int(fail[correct].sum())}
 
 
 def metrics(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
@@ -193,11 +198,22 @@ def metrics(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             per_class.append({"method": method, "class": cls, "support": int(len(rows)), "precision": float("nan"),
                               "recall": float((fail != rows["should_pass"]).mean())})
     det = summary["detector"]
+    # A target whose metric is undefined is neither met nor missed: None (null), not False or True.
     summary["targets"] = {**TARGETS, "met": {
-        "binary_detection": det["binary_detection"] >= TARGETS["binary_detection"],
-        "false_alarms_on_correct_kernels": det["false_alarms_on_correct_kernels"] == 0,
-        "class_accuracy": det["class_accuracy"] >= TARGETS["class_accuracy"]}}
+        "binary_detection": _at_least(det["binary_detection"], TARGETS["binary_detection"]),
+        "false_alarms_on_correct_kernels": det["false_alarms_on_correct_kernels"] == 0
+        if det["correct_kernel_cases"] else None,
+        "class_accuracy": _at_least(det["class_accuracy"], TARGETS["class_accuracy"])}}
     return pd.DataFrame(confusion), pd.DataFrame(per_class), summary
+
+
+def _at_least(value: float, target: float) -> bool | None:
+    return None if np.isnan(value) else bool(value >= target)
+
+
+def _rate(value: float | None, what: str) -> str:
+    """A rate as printed, or undefined where there was no ``what`` to divide by (NaN)."""
+    return f"undefined (no {what})" if value is None or np.isnan(value) else f"{value:.4f}"
 
 
 def figure(confusion: pd.DataFrame, path: Path) -> None:
@@ -297,10 +313,11 @@ def main(argv=None) -> int:
         print(f"detector benchmark: error: {err}", file=sys.stderr)
         return 2
     det = summary["detector"]
-    print(f"{summary['cases']} cases: detection {det['binary_detection']:.4f}, false alarms "
-          f"{det['false_alarm_rate']:.4f}, class accuracy {det['class_accuracy']:.4f}; "
-          f"allclose false alarms {summary['allclose']['false_alarm_rate']:.4f}, "
-          f"PEAT rule-of-thumb detection {summary['peat_rule_of_thumb']['binary_detection']:.4f}")
+    print(f"{summary['cases']} cases: detection {_rate(det['binary_detection'], 'bug case')}, false alarms "
+          f"{_rate(det['false_alarm_rate'], 'should-pass case')}, class accuracy "
+          f"{_rate(det['class_accuracy'], 'case')}; allclose false alarms "
+          f"{_rate(summary['allclose']['false_alarm_rate'], 'should-pass case')}, PEAT rule-of-thumb detection "
+          f"{_rate(summary['peat_rule_of_thumb']['binary_detection'], 'bug case')}")
     return 0
 
 

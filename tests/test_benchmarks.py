@@ -288,3 +288,34 @@ def test_report_table_of_results_with_no_benchmarks_keeps_its_header(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"machine": {}, "benchmarks": []}))
     _benchmark_table(tmp_path / "results.json").to_csv(tmp_path / "benchmarks.csv", index=False)
     assert list(pd.read_csv(tmp_path / "benchmarks.csv").columns) == ["benchmark"]
+
+
+def test_detector_benchmark_rates_without_a_denominator_read_as_undefined(tmp_path, capsys):
+    """A run with no bug case (--spec fp16 alone) or no correct kernel (--combine of such parts)
+    has no detection rate and no false alarms on correct kernels to speak of: the targets said
+    "not met" (detection) and "met" (0 false alarms of 0 kernels), and the printed line read "nan"."""
+    frame = pd.DataFrame([("fp16", "reduced_precision", "reduced_precision", "pass", "pass", "fail", False, True),
+                          ("rz:1", "none", "none", "pass", "pass", "pass", False, True)],
+                         columns=["case", "truth", "detector", "detector_verdict", "peat_rule_of_thumb", "allclose",
+                                  "correct_kernel", "should_pass"])
+    _, per_class, summary = detector.metrics(frame)
+    det = summary["detector"]
+    assert (det["bug_cases"], det["should_pass_cases"], det["correct_kernel_cases"]) == (0, 2, 0)
+    assert math.isnan(det["binary_detection"]) and det["false_alarm_rate"] == 0.0
+    assert summary["targets"]["met"] == {"binary_detection": None, "false_alarms_on_correct_kernels": None,
+                                         "class_accuracy": True}
+    rows = per_class.set_index(["method", "class"])
+    assert math.isnan(rows.loc[("detector", "bit_flip"), "precision"])  # no case, no prediction
+    assert math.isnan(rows.loc[("detector", "bit_flip"), "recall"])
+    detector.report(frame, tmp_path / "part", contexts=[], seeds=1, steps=1, smoke=False, layers=None,
+                    specs=["fp16", "rz:1"], wall_s=0.0)
+    written = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert written["detector"]["binary_detection"] is None and written["targets"]["met"]["binary_detection"] is None
+    assert pd.read_csv(tmp_path / "part" / "metrics.csv").set_index(["method", "class"]).loc[
+        ("detector", "bit_flip"), ["precision", "recall"]].isna().all()
+    capsys.readouterr()
+    assert detector.main(["--combine", str(tmp_path / "part"), "--out", str(tmp_path / "all")]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "nan" not in line
+    assert line.startswith("2 cases: detection undefined (no bug case), false alarms 0.0000, class accuracy 1.0000; ")
+    assert "PEAT rule-of-thumb detection undefined (no bug case)" in line
