@@ -44,7 +44,7 @@ import seaborn as sns  # noqa: E402
 import torch  # noqa: E402
 
 from peat import detect, errors, kernels, playback  # noqa: E402
-from peat.io import PeatError, atomic_path, write_csv, write_json  # noqa: E402
+from peat.io import PeatError, atomic_path, check_int, write_csv, write_json  # noqa: E402
 
 SPECS = (
     "fp16", "bf16", "tf32",
@@ -140,9 +140,10 @@ def layer_cases(context: str, layer: str, op: str, *, seeds: int, steps: int, sp
 
 def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules, layers_per_op=None,
                 layers=None) -> pd.DataFrame:
-    cases = []
+    todo, recorded = [], {}
     for context in contexts:
         info = playback.check_context(context, {})
+        recorded[context] = list(info["ops"])
         seen: dict[str, int] = {}
         for layer, op in info["ops"].items():
             seen[op] = seen.get(op, 0) + 1
@@ -150,9 +151,16 @@ def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules,
                 continue
             if layers and not any(fnmatch.fnmatchcase(layer, g) for g in layers):
                 continue
-            print(f"{context}: {layer} ({op})", flush=True)
-            cases += layer_cases(context, layer, op, seeds=seeds, steps=steps, specs=specs,
-                                 alternatives=alternatives, rules=rules)
+            todo.append((context, layer, op))
+    if not todo:  # before any replay: an empty table has no metrics to report
+        raise PeatError(f"no recorded layer of {', '.join(map(str, contexts))} matches --layer "
+                        f"{' '.join(map(repr, layers or []))} (recorded: "
+                        f"{'; '.join(', '.join(names) for names in recorded.values())})")
+    cases = []
+    for context, layer, op in todo:
+        print(f"{context}: {layer} ({op})", flush=True)
+        cases += layer_cases(context, layer, op, seeds=seeds, steps=steps, specs=specs,
+                             alternatives=alternatives, rules=rules)
     frame = pd.DataFrame(cases)
     if "correct_kernel" not in frame:
         frame["correct_kernel"] = False
@@ -239,6 +247,8 @@ def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: boo
     """``specs``: the pseudo-errors injected instead of ``SPECS`` (or the smoke run's)."""
     torch.set_num_threads(1)
     start = time.perf_counter()
+    check_int("--seeds", seeds, 1, "seeds per pseudo-error case, at least 1")
+    check_int("--steps", steps, 1, "recorded iterations replayed per case, at least 1")
     if not contexts:
         raise PeatError("no context files given (--context) and none under results/golden/*/*/context.h5")
     specs = list(specs or (SMOKE_SPECS if smoke else SPECS))

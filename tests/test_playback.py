@@ -632,6 +632,26 @@ def test_detector_benchmark_injects_the_specs_given(context, tmp_path):
     assert proc.stderr.startswith("detector benchmark: error: error spec 'lane:0': not understood")
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "b").exists()
 
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--seeds", "0"], "--seeds=0: "), (["--steps", "0"], "--steps=0: "), (["--steps", "-1"], "--steps=-1: "),
+    (["--layer", "fc*"], "no recorded layer of "),
+])
+def test_detector_benchmark_refuses_a_run_of_nothing(context, tmp_path, monkeypatch, capsys, args, said):
+    """--seeds 0 ran the correct kernels alone (no bug case), --steps 0 and a --layer glob that
+    matches no recorded layer ended in a KeyError traceback after replaying: one line, nothing written."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import detector
+
+    assert detector.main(["--context", str(context), "--out", str(tmp_path / "out"), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"detector benchmark: error: {said}")
+    if "--layer" in args:
+        assert str(context) in captured.err and "'fc*'" in captured.err and "recorded: 0, 1, 4, 5, 6" in captured.err
+    assert not (tmp_path / "out").exists()
+
+
 # -- the workflow ------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.xdist_group("workflow")
