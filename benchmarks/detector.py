@@ -44,7 +44,7 @@ import seaborn as sns  # noqa: E402
 import torch  # noqa: E402
 
 from peat import detect, errors, kernels, playback  # noqa: E402
-from peat.io import PeatError, atomic_path, check_int, write_csv, write_json  # noqa: E402
+from peat.io import PeatError, atomic_path, check_int, read_csv, read_json, write_csv, write_json  # noqa: E402
 
 SPECS = (
     "fp16", "bf16", "tf32",
@@ -263,12 +263,15 @@ def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: boo
 
 def combine(parts, out: str | Path) -> dict:
     """One report from the cases of several runs (say one per context, run side by side)."""
-    frames, metas = [], []
+    frames, metas, seen = [], [], set()
     for part in map(Path, parts):
-        cases = pd.read_csv(part / "cases.csv", keep_default_na=False)
+        if part.resolve() in seen:
+            raise PeatError(f"--combine {part}: given twice (its cases would count twice)")
+        seen.add(part.resolve())
+        cases, meta = _finished_run(part)
         # Cases written before should_pass was kept were judged by the default rules.
         frames.append(cases if "should_pass" in cases else cases.assign(should_pass=cases["truth"].isin(PASSING)))
-        metas.append(json.loads((part / "summary.json").read_text()))
+        metas.append(meta)
     frame = pd.concat(frames, ignore_index=True)
     frame["correct_kernel"] = frame["correct_kernel"].astype(str).eq("True")
     frame["should_pass"] = frame["should_pass"].astype(str).eq("True")
@@ -278,6 +281,20 @@ def combine(parts, out: str | Path) -> dict:
                   smoke=any(m["smoke"] for m in metas),
                   layers=[{"contexts": m["contexts"], "layers": m["layers"]} for m in metas],
                   wall_s=sum(m["wall_s"] for m in metas), parts=[str(p) for p in parts])
+
+
+def _finished_run(part: Path) -> tuple[pd.DataFrame, dict]:
+    """The cases and summary of a run's --out folder; one line naming it where it has not both."""
+    if not part.is_dir():
+        raise PeatError(f"--combine {part}: no such folder")
+    for name in ("cases.csv", "summary.json"):
+        if not (part / name).is_file():
+            raise PeatError(f"--combine {part}: no {name} (not a finished detector benchmark run?)")
+    try:
+        return (read_csv(part / "cases.csv", ("case", "truth", *METHODS, "detector_verdict", "correct_kernel"),
+                         keep_default_na=False), read_json(part / "summary.json"))
+    except PeatError as err:
+        raise PeatError(f"--combine {part}: {err}") from None
 
 
 def report(frame: pd.DataFrame, out: str | Path, **meta) -> dict:

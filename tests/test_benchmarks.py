@@ -319,3 +319,41 @@ def test_detector_benchmark_rates_without_a_denominator_read_as_undefined(tmp_pa
     assert "nan" not in line
     assert line.startswith("2 cases: detection undefined (no bug case), false alarms 0.0000, class accuracy 1.0000; ")
     assert "PEAT rule-of-thumb detection undefined (no bug case)" in line
+
+
+def _detector_part(out: Path) -> Path:
+    """A finished detector benchmark run of two hand-made cases, as --combine reads it."""
+    frame = pd.DataFrame([("rv:3", "random_value", "random_value", "fail", "fail", "fail", False, False),
+                          ("kernel:im2col", "none", "none", "pass", "pass", "pass", True, True)],
+                         columns=["case", "truth", "detector", "detector_verdict", "peat_rule_of_thumb", "allclose",
+                                  "correct_kernel", "should_pass"])
+    detector.report(frame, out, contexts=[str(out / "context.h5")], seeds=1, steps=1, smoke=False, layers=None,
+                    specs=["rv:3"], wall_s=1.0)
+    return out
+
+
+@pytest.mark.parametrize(("damage", "said"), [
+    ("missing", "no such folder"),
+    ("summary.json", "no summary.json (not a finished detector benchmark run?)"),
+    ("cases.csv", "no cases.csv (not a finished detector benchmark run?)"),
+    ("torn", "not valid JSON"),
+    ("twice", "given twice"),
+])
+def test_detector_benchmark_combine_of_an_unfinished_part_is_one_line(tmp_path, capsys, damage, said):
+    """--combine of a part that is not there, was interrupted or copied in half ended in a
+    FileNotFoundError traceback; the same part given twice counted its cases twice."""
+    good, part = _detector_part(tmp_path / "good"), tmp_path / "part"
+    if damage != "missing":
+        _detector_part(part)
+    if damage in ("summary.json", "cases.csv"):
+        (part / damage).unlink()
+    elif damage == "torn":
+        (part / "summary.json").write_text('{"cases": ')
+    elif damage == "twice":
+        part = good
+    capsys.readouterr()
+    assert detector.main(["--combine", str(good), "--combine", str(part), "--out", str(tmp_path / "all")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"detector benchmark: error: --combine {part}") and said in captured.err
+    assert not (tmp_path / "all").exists()
