@@ -93,12 +93,19 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _repeats(text: str) -> int:
+    # 0 must not fall back to the default (it is falsy), and fewer left entries without a sample.
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     names = list(BENCHMARKS)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 2 repeats")
     parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=f"run only these: {', '.join(names)}")
-    parser.add_argument("--repeats", type=int, help="paired repeats per benchmark (default 5, quick 2)")
+    parser.add_argument("--repeats", type=_repeats, help="paired repeats per benchmark (default 5, quick 2)")
     parser.add_argument("--out", type=Path, default=REPO / "reports" / "benchmarks", help="output folder")
     parser.add_argument("--results", type=Path,
                         help="the results/ folder of a default-config workflow run: context_storage reads its "

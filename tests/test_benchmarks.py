@@ -357,3 +357,16 @@ def test_detector_benchmark_combine_of_an_unfinished_part_is_one_line(tmp_path, 
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith(f"detector benchmark: error: --combine {part}") and said in captured.err
     assert not (tmp_path / "all").exists()
+
+
+@pytest.mark.parametrize("repeats", ["0", "-1", "two"])
+def test_repeats_below_one_are_refused_before_anything_runs(tmp_path, capsys, repeats):
+    """--repeats 0 ran the default (5, quick 2) and wrote that many; --repeats -1 wrote entries
+    with no sample, which --table printed as "error: None"."""
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main(["--quick", "--repeats", repeats, "--only", "checkpoint_alteration",
+                        "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work")])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith(f": error: argument --repeats: {repeats!r} is not a whole number of at least 1")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
