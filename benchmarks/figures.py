@@ -36,8 +36,10 @@ def write(out: Path, header: dict, entries: list[dict], merge: bool = False) -> 
         header = header | {key: json.loads(values.pop()) if len(values) == 1 else "per entry"}
     entries.sort(key=lambda e: ORDER.index(e["name"]))
     for entry in entries:
-        if entry.get("samples"):
+        if entry.get("median") is not None:
             figure(out / f"{entry['name']}.png", entry)
+        else:  # an earlier run's figure would show numbers this entry no longer has (the report takes every png)
+            (out / f"{entry['name']}.png").unlink(missing_ok=True)
     write_json(path, {"machine": header, "benchmarks": entries})
 
 

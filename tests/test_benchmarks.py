@@ -370,3 +370,20 @@ def test_repeats_below_one_are_refused_before_anything_runs(tmp_path, capsys, re
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.endswith(f": error: argument --repeats: {repeats!r} is not a whole number of at least 1")
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_benchmark_that_fails_on_a_rerun_leaves_no_figure_of_the_earlier_numbers(tmp_path, merge):
+    """A rerun into the same --out where a benchmark now fails kept its earlier <name>.png (the
+    old median, "goal met" or not), which the collated report shows beside the entry's error."""
+    import figures
+
+    measured = harness.Result("profiler_overhead", "a / b", harness.Goal("<=", 1.1, "<= 1.10"), samples=[1.0, 1.2])
+    figures.write(tmp_path, {"cpu": "x"}, [measured.as_json()])
+    assert (tmp_path / "profiler_overhead.png").is_file()
+    failed = bench_run.run_one("profiler_overhead", bench_run.Settings(quick=True, repeats=1, workdir=tmp_path,
+                                                                     record_layers=["no_such_layer"]))
+    assert failed["error"].startswith("PeatError") and failed["samples"] == []
+    figures.write(tmp_path, {"cpu": "x"}, [failed], merge=merge)
+    assert not (tmp_path / "profiler_overhead.png").exists()
+    assert json.loads((tmp_path / "results.json").read_text())["benchmarks"][0]["error"] == failed["error"]
