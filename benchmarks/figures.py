@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from peat.io import atomic_path, write_json  # noqa: E402
+from peat.io import PeatError, atomic_path, read_json, write_json  # noqa: E402
 
 ORDER = ("profiler_overhead", "context_storage", "kernel_interface_overhead", "playback_vs_retraining",
          "playback_efficiency", "sdc_checks", "checkpoint_alteration", "incremental_rerun", "end_to_end")
@@ -29,7 +29,7 @@ def write(out: Path, header: dict, entries: list[dict], merge: bool = False) -> 
     entries = [_stamped(e, header) for e in entries]
     if merge and path.exists():
         fresh = {e["name"] for e in entries}
-        old = json.loads(path.read_text())
+        old = read(path)
         entries = [_stamped(e, old["machine"]) for e in old["benchmarks"] if e["name"] not in fresh] + entries
     for key in PER_ENTRY:
         values = {json.dumps(e.get(key)) for e in entries}
@@ -41,6 +41,14 @@ def write(out: Path, header: dict, entries: list[dict], merge: bool = False) -> 
         else:  # an earlier run's figure would show numbers this entry no longer has (the report takes every png)
             (out / f"{entry['name']}.png").unlink(missing_ok=True)
     write_json(path, {"machine": header, "benchmarks": entries})
+
+
+def read(path: Path) -> dict:
+    """A results.json; one line naming it where it is damaged or not one."""
+    results = read_json(path)
+    if not isinstance(results, dict) or not {"machine", "benchmarks"} <= set(results):
+        raise PeatError(f"{path}: no 'machine' and 'benchmarks' (not a benchmarks/run.py results.json?)")
+    return results
 
 
 def _stamped(entry: dict, header: dict) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import tempfile
@@ -100,6 +99,13 @@ def _repeats(text: str) -> int:
     return int(text)
 
 
+def _results(parser: argparse.ArgumentParser, option: str, path: Path) -> dict:
+    try:
+        return figures.read(path)
+    except PeatError as err:
+        parser.error(f"{option}: {err}")
+
+
 def main(argv: list[str] | None = None) -> int:
     names = list(BENCHMARKS)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -126,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             parser.error(f"{'--merge' if args.merge else '--table'}: {path} does not exist")
     if args.merge:
-        for path in args.merge:
-            other = json.loads(path.read_text())
+        others = [_results(parser, "--merge", path) for path in args.merge]  # all read before any is merged
+        for other in others:
             figures.write(args.out, other["machine"], other["benchmarks"], merge=True)
         return 0
     if args.table:
-        print(figures.markdown(json.loads((args.out / "results.json").read_text())))
+        print(figures.markdown(_results(parser, "--table", args.out / "results.json")))
         return 0
+    if args.only and (args.out / "results.json").exists():  # said now, not after every benchmark has run
+        _results(parser, "--out", args.out / "results.json")
     try:  # a missing GPU is said before anything runs, not once per benchmark
         for_vendor(args.vendor)
     except PeatError as err:

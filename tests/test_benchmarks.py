@@ -387,3 +387,24 @@ def test_a_benchmark_that_fails_on_a_rerun_leaves_no_figure_of_the_earlier_numbe
     figures.write(tmp_path, {"cpu": "x"}, [failed], merge=merge)
     assert not (tmp_path / "profiler_overhead.png").exists()
     assert json.loads((tmp_path / "results.json").read_text())["benchmarks"][0]["error"] == failed["error"]
+
+
+@pytest.mark.parametrize(("text", "said"), [('{"machine": ', "not valid JSON"),
+                                            ('{"a": 1}', "no 'machine' and 'benchmarks' (not a benchmarks/run.py results.json?)")])
+@pytest.mark.parametrize("option", ["--merge", "--table", "--only"])
+def test_a_damaged_results_file_is_one_line_before_anything_runs(tmp_path, capsys, text, said, option):
+    """--merge or --table of a damaged or foreign results.json, or --only into an --out holding
+    one, ended in a JSONDecodeError or KeyError traceback (for --only after every benchmark ran)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    bad = (tmp_path / "other.json") if option == "--merge" else out / "results.json"
+    bad.write_text(text)
+    args = {"--merge": ["--merge", str(bad)], "--table": ["--table"],
+            "--only": ["--quick", "--only", "checkpoint_alteration", "--workdir", str(tmp_path / "work")]}[option]
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main([*args, "--out", str(out)])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert f"error: {option if option != '--only' else '--out'}: {bad}: " in err and said in err
+    assert sorted(p.name for p in out.iterdir()) == (["results.json"] if option != "--merge" else [])
+    assert not (tmp_path / "work").exists()
