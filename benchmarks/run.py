@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only and (args.out / "results.json").exists():  # said now, not after every benchmark has run
         _results(parser, "--out", args.out / "results.json")
+    if args.results is not None and not any(args.results.glob("golden/*/*/storage.json")):
+        # context_storage would silently fall back to measuring its own truncated training
+        parser.error(f"--results: {args.results}: no golden/*/*/storage.json under it "
+                     "(not the results/ folder of a finished workflow run?)")
     try:  # a missing GPU is said before anything runs, not once per benchmark
         for_vendor(args.vendor)
     except PeatError as err:

@@ -408,3 +408,20 @@ def test_a_damaged_results_file_is_one_line_before_anything_runs(tmp_path, capsy
     assert f"error: {option if option != '--only' else '--out'}: {bad}: " in err and said in err
     assert sorted(p.name for p in out.iterdir()) == (["results.json"] if option != "--merge" else [])
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty"])
+def test_results_without_golden_storage_files_is_refused(tmp_path, capsys, layout):
+    """--results with a typo, or a folder without golden runs, silently measured context_storage on
+    the benchmark's own truncated training instead of the workflow's golden runs asked for."""
+    results = tmp_path / "results"
+    if layout == "empty":
+        (results / "golden" / "resnet18" / "cpu").mkdir(parents=True)
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main(["--quick", "--only", "context_storage", "--results", str(results),
+                        "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work")])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith(f"error: --results: {results}: no golden/*/*/storage.json under it "
+                        "(not the results/ folder of a finished workflow run?)")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
