@@ -99,6 +99,17 @@ def _repeats(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    # 0 or less stopped the workflow at once: end_to_end became a lower bound of about 0 s.
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
 def _results(parser: argparse.ArgumentParser, option: str, path: Path) -> dict:
     try:
         return figures.read(path)
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the results/ folder of a default-config workflow run: context_storage reads its "
                              "golden storage.json files (end_to_end sets this to its own run)")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one, removed)")
-    parser.add_argument("--workflow-timeout", type=float, metavar="SECONDS",
+    parser.add_argument("--workflow-timeout", type=_seconds, metavar="SECONDS",
                         help="stop the full workflow run after this long (end_to_end then reports a lower bound)")
     parser.add_argument("--record-layers", nargs="+", metavar="GLOB",
                         help="layers the training benchmarks record instead of the default config's (said in results)")

@@ -425,3 +425,16 @@ def test_results_without_golden_storage_files_is_refused(tmp_path, capsys, layou
     assert err.endswith(f"error: --results: {results}: no golden/*/*/storage.json under it "
                         "(not the results/ folder of a finished workflow run?)")
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5", "nan", "inf", "soon"])
+def test_a_workflow_timeout_that_is_no_time_is_refused(tmp_path, capsys, seconds):
+    """--workflow-timeout 0 (or negative) stopped the full workflow run at once and reported
+    end_to_end as a lower bound of about 0 s, failing incremental_rerun with it."""
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main(["--quick", "--only", "end_to_end", "--workflow-timeout", seconds,
+                        "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work")])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith(f"error: argument --workflow-timeout: {seconds!r} is not a number of seconds above 0")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
