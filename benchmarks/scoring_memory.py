@@ -54,6 +54,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--shape", type=int, nargs="+", default=[32, 64, 112, 112])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if min(args.shape) < 1:
+        parser.error(f"--shape {' '.join(map(str, args.shape))}: every dimension must be at least 1")
     result = measure(tuple(args.shape))
     print(json.dumps(result))
     if args.out:

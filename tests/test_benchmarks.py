@@ -438,3 +438,16 @@ def test_a_workflow_timeout_that_is_no_time_is_refused(tmp_path, capsys, seconds
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.endswith(f"error: argument --workflow-timeout: {seconds!r} is not a number of seconds above 0")
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("shape", [["0", "4"], ["-2", "3"]])
+def test_scoring_memory_refuses_an_empty_or_negative_shape(tmp_path, capsys, shape):
+    """--shape 0 4 ended in a ZeroDivisionError traceback, --shape -2 3 in torch's RuntimeError."""
+    import scoring_memory
+
+    with pytest.raises(SystemExit) as ended:
+        scoring_memory.main(["--shape", *shape, "--out", str(tmp_path / "m.json")])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith(f"error: --shape {' '.join(shape)}: every dimension must be at least 1")
+    assert not (tmp_path / "m.json").exists()
