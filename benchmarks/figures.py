@@ -77,12 +77,17 @@ def figure(path: Path, entry: dict) -> None:
 
 
 def clocks(entry: dict) -> pd.DataFrame:
-    """One row per repeat and clock: the primary samples, and wall-clock ratios where kept apart."""
-    primary = "CPU time (primary)" if "wall_ratios" in entry.get("details", {}) else "measured"
-    frame = pd.DataFrame({"clock": primary, entry["unit"]: entry["samples"]})
-    if "wall_ratios" in entry.get("details", {}):
-        frame = pd.concat([frame, pd.DataFrame({"clock": "wall clock", entry["unit"]: entry["details"]["wall_ratios"]})])
-    return frame
+    """One row per repeat and clock: the primary samples, and the other clock's ratios where kept apart."""
+    details = entry.get("details", {})
+    if "wall_ratios" not in details:
+        return pd.DataFrame({"clock": "measured", entry["unit"]: entry["samples"]})
+    # CPU seconds are the primary clock on the CPU, wall seconds on a GPU (--vendor): the samples say which.
+    if details.get("cpu_ratios", entry["samples"]) == entry["samples"]:
+        primary, other, others = "CPU time (primary)", "wall clock", details["wall_ratios"]
+    else:
+        primary, other, others = "wall clock (primary)", "CPU time", details["cpu_ratios"]
+    return pd.concat([pd.DataFrame({"clock": primary, entry["unit"]: entry["samples"]}),
+                      pd.DataFrame({"clock": other, entry["unit"]: others})])
 
 
 def sweep_figure(entry: dict, frame: pd.DataFrame):

@@ -451,3 +451,21 @@ def test_scoring_memory_refuses_an_empty_or_negative_shape(tmp_path, capsys, sha
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.endswith(f"error: --shape {' '.join(shape)}: every dimension must be at least 1")
     assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.parametrize("vendor", ["cpu", "nvidia"])
+def test_figure_names_the_clock_of_the_samples(vendor):
+    """On a GPU (--vendor) the samples are wall-clock ratios: the figure labelled them
+    "CPU time (primary)" and the same wall-clock ratios again as "wall clock"."""
+    import figures
+
+    subject, baseline = harness.Times(wall=[3.0, 6.0], cpu=[1.0, 1.5]), harness.Times(wall=[2.0, 4.0], cpu=[1.0, 1.0])
+    entry = harness.Result("profiler_overhead", "a / b", harness.Goal("<=", 1.1, "<= 1.10"),
+                           samples=harness.ratios(harness.clock(subject, vendor), harness.clock(baseline, vendor)),
+                           details=harness.paired_details(subject, baseline, ("recorded", "plain"))).as_json()
+    frame = figures.clocks(entry)
+    got = {clock: list(rows["ratio"]) for clock, rows in frame.groupby("clock", sort=False)}
+    if vendor == "cpu":
+        assert got == {"CPU time (primary)": [1.0, 1.5], "wall clock": [1.5, 1.5]}
+    else:
+        assert got == {"wall clock (primary)": [1.5, 1.5], "CPU time": [1.0, 1.5]}
