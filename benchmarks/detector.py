@@ -146,10 +146,10 @@ def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules,
         recorded[context] = list(info["ops"])
         seen: dict[str, int] = {}
         for layer, op in info["ops"].items():
-            seen[op] = seen.get(op, 0) + 1
-            if layers_per_op is not None and seen[op] > layers_per_op:
-                continue
             if layers and not any(fnmatch.fnmatchcase(layer, g) for g in layers):
+                continue
+            seen[op] = seen.get(op, 0) + 1  # of the layers --layer keeps
+            if layers_per_op is not None and seen[op] > layers_per_op:
                 continue
             todo.append((context, layer, op))
     if not todo:  # before any replay: an empty table has no metrics to report

@@ -652,6 +652,19 @@ def test_detector_benchmark_refuses_a_run_of_nothing(context, tmp_path, monkeypa
     assert not (tmp_path / "out").exists()
 
 
+
+def test_detector_benchmark_smoke_keeps_the_first_layer_of_each_op_the_layer_globs_keep(context, tmp_path, monkeypatch):
+    """--smoke --layer 6 (the second linear layer) counted layer 4 as the op's one smoke layer
+    though --layer left it out, and ran nothing."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import detector
+
+    detector.run([context], tmp_path, seeds=1, steps=1, smoke=True, layers=["6"], specs=["rv:2"])
+    cases = pd.read_csv(tmp_path / "cases.csv", keep_default_na=False)
+    assert set(cases["layer"].astype(str)) == {"6"}
+    assert set(cases["case"]) == {"rv:2", "kernel:blocked_gemm"}
+
+
 # -- the workflow ------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.xdist_group("workflow")
