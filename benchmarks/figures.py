@@ -20,7 +20,7 @@ ORDER = ("profiler_overhead", "context_storage", "kernel_interface_overhead", "p
 
 # Merged runs may differ in these (--only, --merge of runs on other machines): each entry keeps
 # those of the run that measured it, and the header says "per entry" where they differ.
-PER_ENTRY = ("quick", "cpu", "cores", "torch")
+PER_ENTRY = ("quick", "cpu", "cores", "torch", "vendor", "device")
 
 
 def write(out: Path, header: dict, entries: list[dict], merge: bool = False) -> None:

@@ -469,3 +469,18 @@ def test_figure_names_the_clock_of_the_samples(vendor):
         assert got == {"CPU time (primary)": [1.0, 1.5], "wall clock": [1.5, 1.5]}
     else:
         assert got == {"wall clock (primary)": [1.5, 1.5], "CPU time": [1.0, 1.5]}
+
+
+def test_merged_entries_keep_the_vendor_and_device_that_measured_them(tmp_path):
+    """--only --vendor nvidia into a CPU run's results.json made the header say every entry was
+    measured on the GPU, the CPU entries included."""
+    import figures
+
+    cpu = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.x", "quick": False, "vendor": "cpu", "device": "cpu"}
+    figures.write(tmp_path, cpu, [{"name": "profiler_overhead"}, {"name": "sdc_checks"}])
+    figures.write(tmp_path, cpu | {"vendor": "nvidia", "device": "NVIDIA H200"}, [{"name": "profiler_overhead"}],
+                  merge=True)
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert {e["name"]: (e["vendor"], e["device"]) for e in merged["benchmarks"]} == {
+        "profiler_overhead": ("nvidia", "NVIDIA H200"), "sdc_checks": ("cpu", "cpu")}
+    assert merged["machine"]["vendor"] == merged["machine"]["device"] == "per entry"
