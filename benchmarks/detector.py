@@ -18,7 +18,7 @@ baselines only say pass or fail.
 Writes, under --out (default reports/benchmarks/detector/): ``cases.csv`` (one row per case),
 ``confusion.csv`` (method, truth, predicted, count), ``metrics.csv`` (per-class precision and
 recall per method), ``summary.json`` (binary detection rate, false-alarm rate, class accuracy,
-targets and whether they are met) and ``confusion.png``.
+targets and whether they are met, the Detector rules they were judged by) and ``confusion.png``.
 
     python benchmarks/detector.py [--context PATH ...] [--seeds 5] [--steps 2] [--out DIR] [--smoke]
     python benchmarks/detector.py --combine DIR1 --combine DIR2 --out DIR   # runs side by side, one report
@@ -258,7 +258,7 @@ def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: boo
                         alternatives={k: v[:1] for k, v in ALTERNATIVES.items()} if smoke else ALTERNATIVES,
                         rules=rules, layers_per_op=1 if smoke else None, layers=layers)
     return report(frame, out, contexts=[str(c) for c in contexts], seeds=seeds, steps=steps, smoke=smoke,
-                  layers=layers, specs=specs, wall_s=time.perf_counter() - start)
+                  layers=layers, specs=specs, rules=vars(rules), wall_s=time.perf_counter() - start)
 
 
 def combine(parts, out: str | Path) -> dict:
@@ -275,7 +275,8 @@ def combine(parts, out: str | Path) -> dict:
     frame = pd.concat(frames, ignore_index=True)
     frame["correct_kernel"] = frame["correct_kernel"].astype(str).eq("True")
     frame["should_pass"] = frame["should_pass"].astype(str).eq("True")
-    same = {k: sorted({json.dumps(m[k]) for m in metas}) for k in ("seeds", "steps", "specs")}
+    # Parts written before the rules were kept in summary.json have null there.
+    same = {k: sorted({json.dumps(m.get(k)) for m in metas}) for k in ("seeds", "steps", "specs", "rules")}
     return report(frame, out, contexts=[c for m in metas for c in m["contexts"]],
                   **{k: json.loads(v[0]) if len(v) == 1 else [json.loads(x) for x in v] for k, v in same.items()},
                   smoke=any(m["smoke"] for m in metas),

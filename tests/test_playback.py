@@ -613,6 +613,10 @@ def test_detector_benchmark_judges_by_the_rules_given(context, tmp_path, monkeyp
     assert (cases["should_pass"] == (cases["truth"] == "none")).all()
     assert summary["allclose"]["false_alarm_rate"] == (cases.loc[cases["should_pass"], "allclose"] == "fail").mean()
     assert detector.combine([tmp_path], tmp_path / "again")["detector"] == summary["detector"]  # kept in cases.csv
+    # The rules the rates were judged by are said: a non-default run's false alarms are not the default's.
+    written = json.loads((tmp_path / "summary.json").read_text())["rules"]
+    assert written == {**vars(detect.Rules()), "accept_reduced_precision": False}
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["rules"] == written
 
 def test_detector_benchmark_injects_the_specs_given(context, tmp_path):
     """--spec replaces the default grid (the alternatives stay); a spec it cannot parse stops the
