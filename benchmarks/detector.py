@@ -251,6 +251,7 @@ def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: boo
     check_int("--steps", steps, 1, "recorded iterations replayed per case, at least 1")
     if not contexts:
         raise PeatError("no context files given (--context) and none under results/golden/*/*/context.h5")
+    _once(contexts, "--context")
     specs = list(specs or (SMOKE_SPECS if smoke else SPECS))
     for spec in specs:  # before any replay: a typo would otherwise fail after the first layers
         errors.parse(spec)
@@ -263,11 +264,9 @@ def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: boo
 
 def combine(parts, out: str | Path) -> dict:
     """One report from the cases of several runs (say one per context, run side by side)."""
-    frames, metas, seen = [], [], set()
+    _once(parts, "--combine")
+    frames, metas = [], []
     for part in map(Path, parts):
-        if part.resolve() in seen:
-            raise PeatError(f"--combine {part}: given twice (its cases would count twice)")
-        seen.add(part.resolve())
         cases, meta = _finished_run(part)
         # Cases written before should_pass was kept were judged by the default rules.
         frames.append(cases if "should_pass" in cases else cases.assign(should_pass=cases["truth"].isin(PASSING)))
@@ -282,6 +281,14 @@ def combine(parts, out: str | Path) -> dict:
                   smoke=any(m["smoke"] for m in metas),
                   layers=[{"contexts": m["contexts"], "layers": m["layers"]} for m in metas],
                   wall_s=sum(m["wall_s"] for m in metas), parts=[str(p) for p in parts])
+
+
+def _once(paths, option: str) -> None:
+    seen = set()
+    for path in map(Path, paths):
+        if path.resolve() in seen:
+            raise PeatError(f"{option} {path}: given twice (its cases would count twice)")
+        seen.add(path.resolve())
 
 
 def _finished_run(part: Path) -> tuple[pd.DataFrame, dict]:

@@ -669,6 +669,21 @@ def test_detector_benchmark_smoke_keeps_the_first_layer_of_each_op_the_layer_glo
     assert set(cases["case"]) == {"rv:2", "kernel:blocked_gemm"}
 
 
+
+def test_detector_benchmark_refuses_a_context_given_twice(context, tmp_path, monkeypatch, capsys):
+    """The same context twice (say as a relative and an absolute path) replayed every case twice
+    and counted both in every rate."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.chdir(context.parent)
+    import detector
+
+    assert detector.main(["--context", str(context), "--context", context.name, "--layer", "4",
+                          "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"detector benchmark: error: --context {context.name}: given twice (its cases would count twice)\n"
+    assert not (tmp_path / "out").exists()
+
+
 # -- the workflow ------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.xdist_group("workflow")
