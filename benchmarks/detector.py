@@ -265,6 +265,10 @@ def run(contexts, out: str | Path, *, seeds: int = 5, steps: int = 2, smoke: boo
 def combine(parts, out: str | Path) -> dict:
     """One report from the cases of several runs (say one per context, run side by side)."""
     _once(parts, "--combine")
+    for part in map(Path, parts):
+        if part.resolve() == Path(out).resolve():
+            raise PeatError(f"--combine {part}: also --out: the combined report would replace its cases, "
+                            "and a rerun count them twice")
     frames, metas = [], []
     for part in map(Path, parts):
         cases, meta = _finished_run(part)

@@ -338,6 +338,7 @@ def _detector_part(out: Path) -> Path:
     ("cases.csv", "no cases.csv (not a finished detector benchmark run?)"),
     ("torn", "not valid JSON"),
     ("twice", "given twice"),
+    ("out", "also --out: the combined report would replace its cases, and a rerun count them twice"),
 ])
 def test_detector_benchmark_combine_of_an_unfinished_part_is_one_line(tmp_path, capsys, damage, said):
     """--combine of a part that is not there, was interrupted or copied in half ended in a
@@ -351,12 +352,17 @@ def test_detector_benchmark_combine_of_an_unfinished_part_is_one_line(tmp_path, 
         (part / "summary.json").write_text('{"cases": ')
     elif damage == "twice":
         part = good
+    out = part if damage == "out" else tmp_path / "all"
+    before = (part / "cases.csv").read_bytes() if damage == "out" else None
     capsys.readouterr()
-    assert detector.main(["--combine", str(good), "--combine", str(part), "--out", str(tmp_path / "all")]) == 2
+    assert detector.main(["--combine", str(good), "--combine", str(part), "--out", str(out)]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith(f"detector benchmark: error: --combine {part}") and said in captured.err
-    assert not (tmp_path / "all").exists()
+    if damage == "out":
+        assert (part / "cases.csv").read_bytes() == before
+    else:
+        assert not out.exists()
 
 
 @pytest.mark.parametrize("repeats", ["0", "-1", "two"])
