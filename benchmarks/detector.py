@@ -96,7 +96,9 @@ def truth_of(spec: str, rows: pd.DataFrame) -> str:
 def labeled(truth: str, rows: pd.DataFrame, rules: detect.Rules) -> dict:
     """A case's label, the verdict it should get and the three methods' predictions. The verdict
     follows the rules as the Detector's does: reduced_precision should fail where they refuse it."""
-    return {"truth": truth, "should_pass": detect.passes(truth, rules), **judge(rows, rules)}
+    # steps: the iterations replayed, fewer than --steps where the context recorded fewer.
+    return {"truth": truth, "should_pass": detect.passes(truth, rules), "steps": int(rows["step"].nunique()),
+            **judge(rows, rules)}
 
 
 def judge(rows: pd.DataFrame, rules: detect.Rules) -> dict:
@@ -123,7 +125,8 @@ def layer_cases(context: str, layer: str, op: str, *, seeds: int, steps: int, sp
                 break  # this layer has no such computation (the first conv's input gradient)
             for spec, rows in table[table["fop"] == "output"].groupby("case", sort=False):
                 if spec in wanted:
-                    out.append({"model": model, "layer": layer, "op": op, "computation": computation, "seed": seed,
+                    out.append({"context": str(context), "model": model, "layer": layer, "op": op,
+                                "computation": computation, "seed": seed,
                                 "case": spec, **labeled(truth_of(spec, rows), rows, rules)})
         for alt in alternatives.get(op, ()):
             kernel = kernels.load(f"peat.alt_kernels.{alt}", op, name=alt)
@@ -132,7 +135,8 @@ def layer_cases(context: str, layer: str, op: str, *, seeds: int, steps: int, sp
             table, _ = playback.replay(plan)
             rows = table[(table["case"] == "kernel") & (table["fop"] == "output")] if len(table) else table
             if len(rows):
-                out.append({"model": model, "layer": layer, "op": op, "computation": computation, "seed": 0,
+                out.append({"context": str(context), "model": model, "layer": layer, "op": op,
+                            "computation": computation, "seed": 0,
                             "case": f"kernel:{alt}", "correct_kernel": True,
                             **labeled("reduced_precision" if alt in REDUCED else "none", rows, rules)})
     return out
@@ -313,7 +317,11 @@ def report(frame: pd.DataFrame, out: str | Path, **meta) -> dict:
     """Metrics of the cases in ``frame``, written under ``out`` (``meta`` goes into summary.json)."""
     out = Path(out)
     confusion, per_class, summary = metrics(frame)
+    # --steps asks; a context that recorded fewer iterations replays what it has (parts written
+    # before cases.csv kept the count have none).
+    replayed = frame["steps"].dropna().astype(int) if "steps" in frame else pd.Series(dtype=int)
     summary |= {"cases": int(len(frame)), **meta,
+                "replayed_steps": {"min": int(replayed.min()), "max": int(replayed.max())} if len(replayed) else None,
                 "label_corrections": frame.loc[frame["truth"] != frame["case"].map(_spec_truth), "case"]
                 .value_counts().to_dict()}
     write_csv(out / "cases.csv", frame)

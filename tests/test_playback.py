@@ -670,6 +670,19 @@ def test_detector_benchmark_smoke_keeps_the_first_layer_of_each_op_the_layer_glo
 
 
 
+def test_detector_benchmark_says_what_it_replayed(context, tmp_path, monkeypatch):
+    """--steps 5 on a context of 3 recorded steps replays those 3, and summary.json said 5; the
+    cases did not say which context they came from (a CPU and a GPU run of one model look alike)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import detector
+
+    summary = detector.run([context], tmp_path, seeds=1, steps=5, smoke=True, layers=["6"], specs=["rv:2"])
+    cases = pd.read_csv(tmp_path / "cases.csv")
+    assert summary["steps"] == 5 and summary["replayed_steps"] == {"min": 3, "max": 3}
+    assert set(cases["steps"]) == {3} and set(cases["context"]) == {str(context)}
+    assert detector.combine([tmp_path], tmp_path / "again")["replayed_steps"] == {"min": 3, "max": 3}
+
+
 def test_detector_benchmark_refuses_a_context_given_twice(context, tmp_path, monkeypatch, capsys):
     """The same context twice (say as a relative and an absolute path) replayed every case twice
     and counted both in every rate."""
