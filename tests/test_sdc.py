@@ -1057,6 +1057,26 @@ def test_accumulation_without_no_sync_is_one_line(one_rank):
         guard.ddp(torch.ones(1, 4))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_only_under_no_sync_is_one_line(one_rank, fused):
+    # Per parameter, each rank read its own unshared gradients as reduced ones: a healthy verdict, and a
+    # rank's NaN sent that rank alone into the flag exchange (gloo aborted). Fused: "saw no gradient".
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), fused=fused)
+    guard.begin_step(0)
+    for _ in range(2):
+        with guard.ddp.no_sync():
+            guard.ddp(torch.ones(3, 4)).sum().backward()
+    with pytest.raises(PeatError, match=r"^sdc.Guard: step 0's last backward ran under ddp.no_sync\(\): its gradients "
+                                        r"were never shared between ranks, so no check can compare them; run each "
+                                        r"step's last micro-batch outside no_sync\(\)$"):
+        guard.check_gradients()
+    guard.ddp(torch.ones(3, 4)).sum().backward()  # the step's last micro-batch, as it should be
+    assert guard.check_gradients() and guard.alarms == []
+
+
 def test_two_forwards_before_one_backward_are_one_all_reduce(one_rank):
     # A siamese or contrastive loss calls the model twice and backpropagates once: one all-reduce, as DDP
     # allows. The guard refused it as gradient accumulation without no_sync.

@@ -284,6 +284,7 @@ class Guard:
         self._weights = None  # (step, pending gather) of the last weight checksums
         self._retired = False  # replaced by a guard built later for the same model (_take_over)
         self._replaying = False  # see _backward
+        self._last_synced = None  # whether the last forward with autograd on was outside no_sync()
         self._take_over()
         if self.fused:
             # DDP's comm hook sees each bucket's local gradients before they are shared: the check then
@@ -378,6 +379,8 @@ class Guard:
             raise PeatError("sdc.Guard: DDP's join() (uneven inputs) cannot be guarded: a rank that has joined "
                             "runs none of the guard's collectives; give every rank the same number of steps "
                             "(drop or pad the last uneven batches)")
+        if torch.is_grad_enabled():
+            self._last_synced = self.ddp.require_backward_grad_sync
         if self._fired is None or self._checked or not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
             return
         if self._synced_at is not None and self._fired > self._synced_at:
@@ -458,6 +461,13 @@ class Guard:
         gradients (and which), and run the ring audit when due (``replay(r)``, rank r's loss, is then
         required). Returns False when the step must be skipped (non-finite gradients).
         """
+        # A backward under no_sync() alone is never all-reduced: each rank read its own unshared gradients
+        # as reduced ones, so a rank's NaN sent it alone into the flag exchange (gloo aborted, nccl hangs),
+        # and fused checks never saw it ("no gradient").
+        if self._last_synced is False:
+            raise PeatError(f"sdc.Guard: step {self.step}'s last backward ran under ddp.no_sync(): its gradients were "
+                            "never shared between ranks, so no check can compare them; run each step's last "
+                            "micro-batch outside no_sync()")
         if not self._fired:  # else the audit compares no report with the replay: a false alarm on every rank
             raise PeatError(f"sdc.Guard: check_gradients() at step {self.step} saw no gradient of this step: "
                             "call guard.begin_step(step) before backward and check_gradients() after it")
