@@ -1008,6 +1008,21 @@ def test_guard_calls_out_of_order_are_one_line(one_rank):
         guard.ddp(torch.ones(3, 4)).sum().backward()
 
 
+def test_a_second_check_gradients_in_a_step_is_one_line(one_rank, tmp_path):
+    # It ran every check again: the step's non-finite alarm was raised and written to the events file twice.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), events=tmp_path / "events.jsonl")
+    guard.begin_step(0)
+    guard.ddp(torch.full((3, 4), float("nan"))).sum().backward()
+    assert not guard.check_gradients()
+    with pytest.raises(PeatError, match=r"^sdc.Guard: check_gradients\(\) called twice in step 0: call it once per "
+                                        r"step, and keep its verdict$"):
+        guard.check_gradients()
+    assert len(guard.alarms) == 1 and len((tmp_path / "events.jsonl").read_text().splitlines()) == 1
+
+
 def test_a_step_without_its_checks_is_one_line(one_rank):
     # Forgetting check_gradients trained a rank's NaN into every replica (then equal: no fingerprint
     # alarm) and never ran the audit; forgetting check_weights never compared the weights. Both passed
