@@ -236,6 +236,27 @@ def train_crashing_kernel(digits, tmp_path,
                                      digits, golden, tmp_path / "out", seed=0, **kw)
 
 
+def test_an_error_aimed_at_a_gradient_autograd_never_computes_is_named_not_silently_clean(digits, tmp_path, capfd):
+    """conv1 is fed by data: autograd computes no input gradient there, so its nan:1 was never
+    injected and the run trained clean, read as the error absorbed. One line names the layer and
+    the pass; the layer after it still gets the error (the run is not failed)."""
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    pd.DataFrame({"step": [1], "epoch": [1], "split": ["val"], "loss": [2.0], "accuracy": [0.1],
+                  "perplexity": [float("nan")], "wall_time": [0.0]}).to_csv(golden / "metrics.csv", index=False)
+    spec = yaml.safe_load(TEST_CONFIG.read_text())["models"]["resnet18"] | {"epochs": 1, "max_train_samples": 32}
+    kspec = {"op": "conv2d", "error": "nan:1", "computation": "input_grad", "layers": ["conv1", "layer1.0.conv1"]}
+    out = candidate.train_candidate("resnet18", spec, "nan_dx", kspec, digits, golden, tmp_path / "out", seed=0)
+    assert out["status"] == "ok" and out["layers"] == ["conv1", "layer1.0.conv1"]
+    assert out["layers_not_injected"] == ["conv1"]
+    assert out["nonfinite_loss"]  # layer1.0.conv1 got it
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "never injected" in line]
+    assert warnings == ["warning: kernels.nan_dx.error 'nan:1' is never injected at layer 'conv1': the backward pass "
+                        "computes no input_grad there, as its input needs no gradient (data, or only frozen layers "
+                        "before it)"]
+    assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+
 def test_a_damaged_golden_curve_is_one_line_before_training(digits, tmp_path, monkeypatch):
     """Golden's metrics.csv was read after the whole training, and an emptied one ended the job
     in pandas' 'No columns to parse from file', naming no file."""

@@ -1008,6 +1008,25 @@ def test_guard_calls_out_of_order_are_one_line(one_rank):
         guard.ddp(torch.ones(3, 4)).sum().backward()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_second_backward_after_the_check_is_one_line(one_rank, fused):
+    # Through a retained graph DDP shares nothing (it all-reduces once per forward). Fused: unseen, the
+    # rank's own gradients were added after the check and the next weight fingerprint was a false alarm
+    # naming every rank; per parameter: refused as if the next step lacked its begin_step.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    guard = sdc.Guard(DistributedDataParallel(model), fused=fused)
+    guard.begin_step(0)
+    loss = guard.ddp(torch.ones(3, 4)).sum()
+    loss.backward(retain_graph=True)
+    assert guard.check_gradients()
+    with pytest.raises(PeatError, match=r"^sdc.Guard: a second backward in step 0 after its check_gradients\(\): its "
+                                        r"gradients were never checked, nor shared \(DDP all-reduces once per "
+                                        r"forward\); backpropagate each step's loss once, before check_gradients\(\)$"):
+        loss.backward()
+
+
 def test_a_second_check_gradients_in_a_step_is_one_line(one_rank, tmp_path):
     # It ran every check again: the step's non-finite alarm was raised and written to the events file twice.
     from torch.nn.parallel import DistributedDataParallel

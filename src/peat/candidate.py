@@ -19,6 +19,7 @@ import fnmatch
 import math
 import re
 import shutil
+import sys
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Callable
@@ -31,7 +32,7 @@ from . import errors, kernels, provenance
 from .device import for_vendor
 from .io import PeatError, read_csv, write_csv, write_json
 from .models import layer_ops
-from .profiler import hyper_params, match_names
+from .profiler import hyper_params, layer_input, match_names
 
 # Ops each architecture contains (llama normalises with RMSNorm, which is none of PEAT's ops).
 ARCH_OPS = {"resnet18": {"conv2d", "batch_norm", "linear"}, "resnet34": {"conv2d", "batch_norm", "linear"},
@@ -305,6 +306,8 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
             routed_kernel = kernel if schedule is None else \
                 monitored(kernel, layer, record_call, state, hyper_params(modules[layer]))
             kernels.route(model, routed_kernel, [layer], active=active)
+            if kspec.get("error") and kspec.get("computation") in ("input_grad", "weight_grad"):
+                _warn_uninjected(modules[layer], layer, kernel_name, kspec, Path(out_dir) / PARTIAL_UNINJECTED)
         # On disk before training: a run that crashes or times out still names what it routed.
         (Path(out_dir) / PARTIAL_LAYERS).write_text("".join(f"{layer}\n" for layer in chosen))
 
@@ -316,6 +319,30 @@ def _routed_training(name, spec, kernel_name, kspec, layers, data_path, out_dir,
                               progress=False, on_row=curve.add, **train_kw)
     # Plain containers: the parent reads them back with torch.load(weights_only=True).
     return {"metrics": metrics.to_dict("list"), "calls": pd.DataFrame(calls).to_dict("list")}
+
+
+def _warn_uninjected(module, layer: str, kernel_name: str, kspec: dict, listed: Path) -> None:
+    """One line, at the layer's first training forward, where its ``error`` can never be injected:
+    autograd computes no input gradient for an input that needs none (the first layer, fed by data)
+    nor a weight gradient for a frozen weight, so the run trained clean and read as the error absorbed.
+    A warning, not a failure: the kernel's other layers still get it."""
+    computation = kspec["computation"]
+
+    def check(mod, args, kwargs):
+        if not (mod.training and torch.is_grad_enabled()):
+            return  # validation: no backward at all
+        handle.remove()
+        x = layer_input(f"layer {layer!r}", kspec["op"], args, kwargs, "routed")
+        needed = mod.weight is not None and mod.weight.requires_grad if computation == "weight_grad" else torch.is_tensor(x) and x.requires_grad
+        if not needed:
+            why = "its weight is frozen (or absent)" if computation == "weight_grad" else \
+                "its input needs no gradient (data, or only frozen layers before it)"
+            print(f"warning: kernels.{kernel_name}.error {kspec['error']!r} is never injected at layer {layer!r}: "
+                  f"the backward pass computes no {computation} there, as {why}", file=sys.stderr, flush=True)
+            with listed.open("a") as f:
+                f.write(f"{layer}\n")
+
+    handle = module.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def _preload(spec: dict) -> None:
@@ -451,6 +478,8 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
                                    train_kw, schedule, timeout=kspec.get("train_timeout", 3600))
     listed = out_dir / PARTIAL_LAYERS
     routed = listed.read_text().splitlines() if listed.exists() else []  # none: it failed before routing
+    uninjected = out_dir / PARTIAL_UNINJECTED
+    uninjected = uninjected.read_text().splitlines() if uninjected.exists() else []
     # A run that did not finish keeps its curve and calls up to where it stopped.
     metrics, calls = ((pd.DataFrame(outcome.value["metrics"]), pd.DataFrame(outcome.value["calls"])) if outcome.ok
                       else (PartialRows.read(out_dir / PARTIAL_CURVE), PartialRows.read(out_dir / PARTIAL_CALLS)))
@@ -465,12 +494,13 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     # written (above) it would be left here empty.
     if (out_dir / "checkpoints").is_dir():
         (out_dir / "checkpoints").rmdir()
-    record |= outcome.record() | {"layers": routed} | _summary(frame, metrics)
+    record |= outcome.record() | {"layers": routed, "layers_not_injected": uninjected} | _summary(frame, metrics)
     record["provenance"] = provenance.stamp(config_hash, vendor)
     write_json(out_dir / "outcome.json", record)
     return record
 
 
 PARTIAL_CURVE, PARTIAL_CALLS, PARTIAL_LAYERS = ".curve.csv", ".calls.csv", ".layers"  # in the run's folder while it trains
-PARTIALS = (PARTIAL_CURVE, PARTIAL_CALLS, PARTIAL_LAYERS)
+PARTIAL_UNINJECTED = ".uninjected"
+PARTIALS = (PARTIAL_CURVE, PARTIAL_CALLS, PARTIAL_LAYERS, PARTIAL_UNINJECTED)
 CALL_COLUMNS = ["step", "epoch", "layer", "computation", "call", "max", "mean", "top10", "var", "nonfinite", "changed"]

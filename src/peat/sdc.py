@@ -293,12 +293,11 @@ class Guard:
             # DDP takes one comm hook: a user's registered after this one failed with DDP's "can only be
             # called once", which names no guard (fused is the default on a GPU).
             ddp.register_comm_hook = ddp._register_builtin_comm_hook = self._refuse_comm_hook
-            self._hooks = []
             self._grad_storage: dict[int, int] = {}  # id(param) -> its .grad's storage as last accumulated
-            if ddp.gradient_as_bucket_view and not getattr(ddp, "batched_grad_copy", False):
-                # DDP scales a gradient accumulated in its own bucket view unlike one it copies in, and
-                # only this hook can tell which (DDP points every .grad to its view before the comm hook).
-                self._hooks = [p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self.params]
+            # DDP scales a gradient accumulated in its own bucket view unlike one it copies in, and
+            # only this hook can tell which (DDP points every .grad to its view before the comm hook).
+            self._in_views = ddp.gradient_as_bucket_view and not getattr(ddp, "batched_grad_copy", False)
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self.params]
         else:
             # Post-accumulate hooks run on each local gradient before DDP's own hook copies it into its
             # bucket for the all-reduce: DDP keeps its fused C++ path and the comm hook stays free.
@@ -355,6 +354,7 @@ class Guard:
         self._require_checks(f"begin_step({step})")
         self.step, self._fired, self._checked, self._weights_due = step, 0, False, False
         self._synced_at = None  # gradient hook calls at the step's last forward with gradient sync
+        self._forward_after_check = False  # a gradient after check_gradients() then came from a new forward
         self._reported: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # This rank's non-finite flag: a bool on CPU; elsewhere (no host sync in backward) the float64
         # sums of its local gradients, non-finite where a gradient is (``_flagged`` reads them).
@@ -381,6 +381,7 @@ class Guard:
                             "(drop or pad the last uneven batches)")
         if torch.is_grad_enabled():
             self._last_synced = self.ddp.require_backward_grad_sync
+            self._forward_after_check = self._checked
         if self._fired is None or self._checked or not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
             return
         if self._synced_at is not None and self._fired > self._synced_at:
@@ -412,7 +413,14 @@ class Guard:
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
     def _on_accumulated(self, param: torch.Tensor) -> None:
-        if not self._replaying:
+        if self._replaying:
+            return
+        # A backward the comm hook never sees (a second one through a retained graph: DDP all-reduces once
+        # per forward) added this rank's unshared gradient after the check: replicas parted, and the next
+        # weight fingerprint raised a false alarm naming every rank.
+        if self._fired is None or self._checked:
+            self._arrived()
+        if self._in_views:
             self._grad_storage[id(param)] = param.grad.untyped_storage().data_ptr()
 
     def _scale_as_ddp(self, bucket, buffer: torch.Tensor, world: int) -> None:
@@ -450,7 +458,11 @@ class Guard:
         if self._fired is None:
             raise PeatError("sdc.Guard: a gradient arrived before begin_step(): call guard.begin_step(step) "
                             "before each step's backward, and check_gradients() after it")
-        if self._checked:  # a second backward, or the next step's without its begin_step
+        if self._checked and not self._forward_after_check:  # through the checked step's graph, retained
+            raise PeatError(f"sdc.Guard: a second backward in step {self.step} after its check_gradients(): its "
+                            "gradients were never checked, nor shared (DDP all-reduces once per forward); "
+                            "backpropagate each step's loss once, before check_gradients()")
+        if self._checked:  # the next step's without its begin_step, or a micro-batch after the check
             raise PeatError(f"sdc.Guard: a gradient arrived after check_gradients() of step {self.step}: every "
                             "backward of a step comes before its check_gradients(); call guard.begin_step(step) "
                             "before the next step's")
