@@ -473,12 +473,12 @@ class Guard:
         gradients (and which), and run the ring audit when due (``replay(r)``, rank r's loss, is then
         required). Returns False when the step must be skipped (non-finite gradients).
         """
-        # A backward under no_sync() alone is never all-reduced: each rank read its own unshared gradients
-        # as reduced ones, so a rank's NaN sent it alone into the flag exchange (gloo aborted, nccl hangs),
-        # and fused checks never saw it ("no gradient").
         if self._checked:  # its alarm was raised (and written to the events file) once more, its audit rerun
             raise PeatError(f"sdc.Guard: check_gradients() called twice in step {self.step}: call it once per step, "
                             "and keep its verdict")
+        # A backward under no_sync() alone is never all-reduced: each rank read its own unshared gradients
+        # as reduced ones, so a rank's NaN sent it alone into the flag exchange (gloo aborted, nccl hangs),
+        # and fused checks never saw it ("no gradient").
         if self._last_synced is False:
             raise PeatError(f"sdc.Guard: step {self.step}'s last backward ran under ddp.no_sync(): its gradients were "
                             "never shared between ranks, so no check can compare them; run each step's last "
