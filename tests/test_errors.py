@@ -161,6 +161,25 @@ def test_nan_and_inf_exact_counts_and_signs(t):
     assert torch.equal(out[mask].sign(), t[mask].sign())
 
 
+@pytest.mark.parametrize("spec", ["nan:3", "inf:3"])
+def test_nan_and_inf_change_n_finite_positions_where_some_are_already_non_finite(t, spec):
+    """A NaN or inf drawn over a NaN or inf changed nothing: under RFI, a call on a partly diverged
+    output showed fewer changed elements than N. Where all are finite, the positions are those the
+    same seed drew before (the whole tensor's)."""
+    model = errors.parse(spec)
+    assert torch.equal(changed(model.apply(t, gen(3)), t), changed(errors.parse(spec).apply(t, gen(3)), t))
+    flat = t.flatten()
+    assert torch.equal(changed(model.apply(t, gen(3)), t).flatten().nonzero().view(-1).sort().values,
+                       errors._choose(flat.numel(), 3, gen(3)).sort().values)
+    bad = t.clone()
+    bad.view(-1)[: bad.numel() - 5] = float("nan")
+    bad.view(-1)[:4] = -math.inf
+    for seed in range(20):
+        out = model.apply(bad, gen(seed))
+        assert int((~out.isfinite()).sum()) == bad.numel() - 2  # 3 of the 5 finite ones
+    assert not model.apply(bad.view(-1)[-2:], gen(0)).isfinite().any()  # fewer finite than N: all of them
+
+
 def test_inf_keeps_the_sign_of_a_negative_zero():
     t = torch.tensor([-0.0, 0.0] * 3)
     assert errors.parse("inf:6").apply(t, gen()).tolist() == [-math.inf, math.inf] * 3

@@ -165,13 +165,18 @@ def _choose(n: int, k: int, generator) -> torch.Tensor:
 def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     out = _flat_copy(t)
     flat = out.view(-1)
-    if model.kind == "rz":
-        candidates = torch.nonzero(flat != 0).view(-1).cpu()
+    # Only positions the error changes: zeroing a zero, or NaN/inf over a NaN or inf (a diverged
+    # call's output under RFI), changed fewer than N elements. Where all qualify, the draws are
+    # those of the whole tensor: the same seed picks the same positions.
+    eligible = (flat != 0) if model.kind == "rz" else torch.isfinite(flat) if model.kind in ("nan", "inf") else None
+    if eligible is None or bool(eligible.all()):
+        idx = _choose(flat.numel(), model.count, generator).to(flat.device)
+    else:
+        candidates = torch.nonzero(eligible).view(-1).cpu()
         idx = candidates[_choose(len(candidates), model.count, generator)].to(flat.device)
+    if model.kind == "rz":
         flat[idx] = 0
-        return out
-    idx = _choose(flat.numel(), model.count, generator).to(flat.device)
-    if model.kind == "nan":
+    elif model.kind == "nan":
         flat[idx] = float("nan")
     elif model.kind == "inf":
         # The sign bit, not < 0: a negative zero (a ReLU's gradient, an underflow) is negative too.
