@@ -6,7 +6,7 @@ Spec grammar (also the schema's pattern, see ``SPEC_PATTERN``):
                                        ``apply`` on an output rounds the output itself
     rv:N                               N distinct positions set to values drawn from N(mean, std) of the tensor
     rz:N                               N distinct non-zero positions set to zero
-    nan:N | inf:N                      N distinct positions set to NaN / to inf with the element's sign
+    nan:N | inf:N                      N distinct finite positions set to NaN / to inf with the element's sign
     bit_flip:WHERE[xB][:N]             N distinct elements each get B adjacent bits (default 1) flipped in
                                        the float32 pattern; WHERE is sign|exponent|mantissa|any or a bit 0-31
                                        (the burst starts there and runs towards the sign bit)
