@@ -1027,6 +1027,33 @@ def test_a_second_backward_after_the_check_is_one_line(one_rank, fused):
         loss.backward()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_two_backwards_through_one_forward_are_one_line(one_rank, fused):
+    # DDP all-reduces the first only: each rank added its own gradients of the second, the replicas parted,
+    # and the next weight fingerprint raised a false alarm naming every rank (with 3 ranks: no majority).
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    guard = sdc.Guard(DistributedDataParallel(model), fused=fused)
+    guard.begin_step(0)
+    out = guard.ddp(torch.ones(3, 4))
+    out[:, 0].sum().backward(retain_graph=True)
+    with pytest.raises(PeatError, match=r"^sdc.Guard: a second backward through one forward with gradient sync in "
+                                        r"step 0: DDP all-reduces only the first, so the replicas would part; add "
+                                        r"the losses and call backward\(\) once$"):
+        out[:, 1].pow(2).sum().backward()
+    # Under no_sync a retained graph's second backward stays local, shared with the step's last micro-batch.
+    model.zero_grad(set_to_none=True)
+    guard = sdc.Guard(DistributedDataParallel(model), fused=fused)
+    guard.begin_step(1)
+    with guard.ddp.no_sync():
+        out = guard.ddp(torch.ones(3, 4))
+        out[:, 0].sum().backward(retain_graph=True)
+        out[:, 1].sum().backward()
+    guard.ddp(torch.ones(3, 4)).sum().backward()
+    assert guard.check_gradients() and guard.alarms == []
+
+
 def test_a_second_check_gradients_in_a_step_is_one_line(one_rank, tmp_path):
     # It ran every check again: the step's non-finite alarm was raised and written to the events file twice.
     from torch.nn.parallel import DistributedDataParallel

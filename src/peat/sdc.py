@@ -285,6 +285,7 @@ class Guard:
         self._retired = False  # replaced by a guard built later for the same model (_take_over)
         self._replaying = False  # see _backward
         self._last_synced = None  # whether the last forward with autograd on was outside no_sync()
+        self._accumulated: set[int] = set()
         self._take_over()
         if self.fused:
             # DDP's comm hook sees each bucket's local gradients before they are shared: the check then
@@ -382,6 +383,7 @@ class Guard:
         if torch.is_grad_enabled():
             self._last_synced = self.ddp.require_backward_grad_sync
             self._forward_after_check = self._checked
+            self._accumulated = set()  # id of each parameter whose gradient this forward's backward gave
         if self._fired is None or self._checked or not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
             return
         if self._synced_at is not None and self._fired > self._synced_at:
@@ -399,6 +401,7 @@ class Guard:
             return
         grad = param.grad.detach()
         self._check_local([(param, grad)], grad)
+        self._once(param)
 
     def _on_bucket(self, _state, bucket):  # unannotated: DDP checks annotations against live types
         """DDP's comm hook (``fused``): ``_on_gradient`` on a whole bucket (``dist.GradBucket``) of
@@ -420,8 +423,19 @@ class Guard:
         # weight fingerprint raised a false alarm naming every rank.
         if self._fired is None or self._checked:
             self._arrived()
+        self._once(param)
         if self._in_views:
             self._grad_storage[id(param)] = param.grad.untyped_storage().data_ptr()
+
+    def _once(self, param: torch.Tensor) -> None:
+        # A second backward through one forward with gradient sync (two losses, retain_graph=True) is
+        # never all-reduced: each rank added its own gradients, the replicas parted, and the next weight
+        # fingerprint raised a false alarm naming every rank.
+        if self._last_synced and id(param) in self._accumulated:
+            raise PeatError(f"sdc.Guard: a second backward through one forward with gradient sync in step "
+                            f"{self.step}: DDP all-reduces only the first, so the replicas would part; add the "
+                            "losses and call backward() once")
+        self._accumulated.add(id(param))
 
     def _scale_as_ddp(self, bucket, buffer: torch.Tensor, world: int) -> None:
         """Scale a bucket as DDP's own all-reduce does before summing, bit for bit: x * (1/3) and x / 3
