@@ -301,3 +301,22 @@ def test_an_emptied_or_zeroed_input_of_a_job_is_one_line_naming_it(tmp_path, rea
         run()
     assert str(err.value).startswith(f"{bad}: ") and "\n" not in str(err.value)
     assert not out.exists()
+
+
+def test_playback_of_an_error_aimed_at_a_gradient_the_context_never_records_names_the_layer(digits, tmp_path,
+                                                                                              capfd):
+    """conv1 is fed by data: the context has no input gradient there, so a faulty kernel's nan:1
+    aimed at it replayed nothing, and its verdict came from the rows it left golden."""
+    from peat import train
+
+    spec = yaml.safe_load((Path(__file__).parent.parent / "config/test.yaml").read_text())["models"]["resnet18"]
+    spec |= {"epochs": 1, "max_train_samples": 32, "record": {"layers": ["conv1"], "every": 1},
+             "checkpoint_epochs": []}
+    train.train_model("resnet18", spec, digits, tmp_path / "golden", progress=False, resumable=False)
+    kspec = {"op": "conv2d", "error": "nan:1", "computation": "input_grad", "layers": ["conv1"]}
+    playback.run_job("resnet18", "cpu", "nan_dx", kspec, tmp_path / "golden/context.h5", tmp_path / "k.parquet",
+                     tmp_path / "k.json", errors_=[], settings={}, rules={})
+    assert json.loads((tmp_path / "k.json").read_text())["layers_not_injected"] == ["conv1"]
+    assert [line for line in capfd.readouterr().err.splitlines() if "never injected" in line] == [
+        "warning: kernels.nan_dx.error 'nan:1' is never injected at layer 'conv1': the context records no input_grad "
+        "there"]

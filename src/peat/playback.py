@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -243,6 +244,7 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     key = f"kernels.{plan.meta.get('kernel', plan.kernel.name)}.layers"
     layers = target_layers(plan.context, info["ops"], op, plan.layers, key)
     probed = probe(plan, timer, layers)
+    uninjected = _uninjected(plan, layers, probed)
     rows = []
     for layer in layers:
         steps = replayed_steps(plan, layer)
@@ -254,8 +256,23 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     table = pd.DataFrame(rows)
     sidecar = {"context": str(plan.context), "context_attrs": _jsonable(info["attrs"]), "layers": layers,
                "errors": plan.errors, "max_samples": plan.max_samples, "outcomes": outcomes,
-               "outcome": _overall(outcomes), "timings": timer.record(), **plan.meta}
+               "outcome": _overall(outcomes), "timings": timer.record(), "layers_not_injected": uninjected,
+               **plan.meta}
     return table, sidecar
+
+
+def _uninjected(plan: Plan, layers: list[str], probed: dict) -> list[str]:
+    """Layers where a faulty kernel's error is never replayed, each named in one line: its
+    computation has no recorded sample there (no input gradient at a layer fed by data, no weight
+    gradient for a frozen weight), so the verdict judged the kernel clean on rows it left golden."""
+    computation = plan.kernel.meta.get("computation")
+    if not plan.kernel.meta.get("error") or computation not in plan.computations:
+        return []
+    missing = [layer for layer in layers if (layer, computation) not in probed]
+    for layer in missing:
+        print(f"warning: kernels.{plan.meta.get('kernel', plan.kernel.name)}.error {plan.kernel.meta['error']!r} "
+              f"is never injected at layer {layer!r}: the context records no {computation} there", file=sys.stderr)
+    return missing
 
 
 def _to(sample: dict, device: torch.device) -> dict:
