@@ -690,4 +690,11 @@ def _plain_step(trainer: Trainer, step: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # After a clean run, gloo's worker threads can still abort the interpreter's finalization
+    # (std::terminate: "terminate called without an active exception", exit -6; pytorch#179291),
+    # failing a launch whose drills all completed. Every output is written by now and the group is
+    # destroyed: skip the finalization. An exception still ends the rank the usual way, above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
