@@ -1096,6 +1096,24 @@ def test_a_step_without_its_checks_is_one_line(one_rank):
     guard.finish()
 
 
+def test_check_weights_twice_is_one_line(one_rank):
+    # A second call settled the first gather at once (a stall) and started another: a replica that
+    # differed raised the fingerprint alarm twice for one step.
+    from torch.nn.parallel import DistributedDataParallel
+
+    guard = sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)))
+    guard.begin_step(0)
+    guard.ddp(torch.ones(3, 4)).sum().backward()
+    assert guard.check_gradients()
+    guard.check_weights()
+    pending = guard._weights
+    with pytest.raises(PeatError, match=r"^sdc.Guard: check_weights\(\) called twice in step 0: call it once per "
+                                        r"step, after optimizer.step\(\)$"):
+        guard.check_weights()
+    assert guard._weights is pending  # the first exchange untouched, still compared in the next step
+    guard.finish()
+
+
 def test_accumulation_without_no_sync_is_one_line(one_rank):
     # Each micro-batch's backward was all-reduced: every audit failed on every rank (an unlocalized alarm
     # at each audit step) and a rank's NaN reached every rank's local check.

@@ -280,7 +280,7 @@ class Guard:
         self.step = -1
         # Gradient (or bucket) hook calls since begin_step (None: no step begun), and whether check_gradients
         # ran: a call out of order (no begin_step, check before backward) is one line, not a false alarm.
-        self._fired, self._checked, self._weights_due = None, False, False
+        self._fired, self._checked, self._weights_due, self._weighed = None, False, False, False
         self._weights = None  # (step, pending gather) of the last weight checksums
         self._retired = False  # replaced by a guard built later for the same model (_take_over)
         self._replaying = False  # see _backward
@@ -354,6 +354,7 @@ class Guard:
     def begin_step(self, step: int) -> None:
         self._require_checks(f"begin_step({step})")
         self.step, self._fired, self._checked, self._weights_due = step, 0, False, False
+        self._weighed = False  # check_weights() ran in this step
         self._synced_at = None  # gradient hook calls at the step's last forward with gradient sync
         self._forward_after_check = False  # a gradient after check_gradients() then came from a new forward
         self._reported: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -576,8 +577,11 @@ class Guard:
         and a mismatch is reported for this step, in the next ``check_gradients`` (before the next
         update) or in ``finish()``, so the exchange never stalls the loop.
         """
+        if self._weighed:  # its gather was settled early (a stall) and a mismatch raised two alarms
+            raise PeatError(f"sdc.Guard: check_weights() called twice in step {self.step}: call it once per step, "
+                            "after optimizer.step()")
         self._resolve_weights()
-        self._weights_due = False
+        self._weights_due, self._weighed = False, True
         if self.step % self.fingerprint_every:
             return
         t0 = time.perf_counter()
