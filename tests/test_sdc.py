@@ -1054,6 +1054,37 @@ def test_two_backwards_through_one_forward_are_one_line(one_rank, fused):
     assert guard.check_gradients() and guard.alarms == []
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_forward_under_no_sync_before_the_check_is_allowed(one_rank, fused):
+    # A forward for logging (autograd on, no backward) between the step's backward and its check was
+    # taken for the step's last micro-batch: the check refused the step as run under no_sync().
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    guard = sdc.Guard(DistributedDataParallel(model), fused=fused, audit_every=1)
+    loss = lambda module: module(torch.ones(3, 4)).sum()  # noqa: E731
+    guard.begin_step(0)
+    out = guard.ddp(torch.ones(3, 4))
+    out[:, 0].sum().backward(retain_graph=True)
+    with guard.ddp.no_sync():
+        logged = loss(guard.ddp)
+    assert logged.requires_grad
+    assert guard.check_gradients(replay=lambda r: guard.module(torch.ones(3, 4))[:, 0].sum())
+    guard.check_weights()
+    assert guard.alarms == []
+    # A second backward through the synced forward's graph after it is still refused: its gradients
+    # are taken for the last forward's, run under no_sync().
+    model.zero_grad(set_to_none=True)
+    guard.begin_step(1)
+    out = guard.ddp(torch.ones(3, 4))
+    out[:, 0].sum().backward(retain_graph=True)
+    with guard.ddp.no_sync():
+        loss(guard.ddp)
+    out[:, 1].sum().backward()
+    with pytest.raises(PeatError, match=r"^sdc.Guard: step 1's last backward ran under ddp.no_sync\(\)"):
+        guard.check_gradients()
+
+
 def test_a_second_check_gradients_in_a_step_is_one_line(one_rank, tmp_path):
     # It ran every check again: the step's non-finite alarm was raised and written to the events file twice.
     from torch.nn.parallel import DistributedDataParallel

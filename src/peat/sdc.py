@@ -284,8 +284,11 @@ class Guard:
         self._weights = None  # (step, pending gather) of the last weight checksums
         self._retired = False  # replaced by a guard built later for the same model (_take_over)
         self._replaying = False  # see _backward
-        self._last_synced = None  # whether the last forward with autograd on was outside no_sync()
-        self._accumulated: set[int] = set()
+        self._last_synced = None  # whether the last backward's forward was outside no_sync()
+        # The last forward with autograd on: outside no_sync(), and whether no gradient came since. It
+        # counts at its backward only: a forward for logging (under no_sync()) before the check is no step.
+        self._forward_synced, self._new_forward = None, False
+        self._accumulated: set[int] = set()  # id of each parameter whose gradient the last backward gave
         self._take_over()
         if self.fused:
             # DDP's comm hook sees each bucket's local gradients before they are shared: the check then
@@ -382,9 +385,8 @@ class Guard:
                             "runs none of the guard's collectives; give every rank the same number of steps "
                             "(drop or pad the last uneven batches)")
         if torch.is_grad_enabled():
-            self._last_synced = self.ddp.require_backward_grad_sync
+            self._forward_synced, self._new_forward = self.ddp.require_backward_grad_sync, True
             self._forward_after_check = self._checked
-            self._accumulated = set()  # id of each parameter whose gradient this forward's backward gave
         if self._fired is None or self._checked or not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
             return
         if self._synced_at is not None and self._fired > self._synced_at:
@@ -432,6 +434,8 @@ class Guard:
         # A second backward through one forward with gradient sync (two losses, retain_graph=True) is
         # never all-reduced: each rank added its own gradients, the replicas parted, and the next weight
         # fingerprint raised a false alarm naming every rank.
+        if self._new_forward:  # the first gradient of the last forward's backward
+            self._last_synced, self._new_forward, self._accumulated = self._forward_synced, False, set()
         if self._last_synced and id(param) in self._accumulated:
             raise PeatError(f"sdc.Guard: a second backward through one forward with gradient sync in step "
                             f"{self.step}: DDP all-reduces only the first, so the replicas would part; add the "
