@@ -156,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         # context_storage would silently fall back to measuring its own truncated training
         parser.error(f"--results: {args.results}: no golden/*/*/storage.json under it "
                      "(not the results/ folder of a finished workflow run?)")
+    if args.record_layers:
+        import training  # here: it imports the model libraries, which no other option needs
+
+        try:
+            training.check_record_layers(args.record_layers)
+        except PeatError as err:
+            parser.error(str(err))
     try:  # a missing GPU is said before anything runs, not once per benchmark
         for_vendor(args.vendor)
     except PeatError as err:

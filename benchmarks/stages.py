@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 
 from harness import Goal, Result, clock, clock_note, paired, paired_details, ratios
-from training import MODEL, Case, case, dataset, default_config, record_spec
+from training import MODEL, Case, case, dataset, default_config, record_spec, recording
 
 from peat import candidate, errors, kernels, playback
 from peat.profiler import recorded_steps
@@ -35,9 +35,7 @@ def configured_case(settings) -> Case:
     if settings.quick:
         return case(settings)
     config = default_config()
-    spec = dict(config["models"][MODEL])
-    if settings.record_layers:
-        spec["record"] = dict(spec["record"], layers=list(settings.record_layers))
+    spec = recording(config["models"][MODEL], settings)
     return Case(MODEL, spec, dataset(settings, config, MODEL), settings.workdir / "train", settings.vendor)
 
 

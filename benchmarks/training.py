@@ -18,7 +18,8 @@ from harness import Goal, Result, clock, clock_note, paired, paired_details, rat
 
 from peat import data, kernels
 from peat.config import validate
-from peat.profiler import match_layers, op_of
+from peat.models import layer_ops
+from peat.profiler import match_layers, match_names, op_of
 from peat.train import train_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,9 +65,22 @@ def case(settings, model: str = MODEL) -> Case:
     steps = 2 if settings.quick else 20
     spec = dict(spec, epochs=1, checkpoint_epochs=[], max_train_samples=steps * spec["batch_size"],
                 max_val_samples=spec["batch_size"])
-    if settings.record_layers:
-        spec["record"] = dict(spec["record"], layers=list(settings.record_layers))
-    return Case(model, spec, dataset(settings, config, model), settings.workdir / "train", settings.vendor)
+    return Case(model, recording(spec, settings), dataset(settings, config, model), settings.workdir / "train",
+                settings.vendor)
+
+
+def recording(spec: dict, settings) -> dict:
+    """``spec`` recording the --record-layers globs instead of its own layers, when they are given."""
+    if not settings.record_layers:
+        return spec
+    return dict(spec, record=dict(spec["record"], layers=list(settings.record_layers)))
+
+
+def check_record_layers(globs: list[str]) -> None:
+    """Each --record-layers glob against ``MODEL``'s recordable layers, by the Profiler's own matcher,
+    before anything runs: one matching none failed only once the recorded trainings began, minutes in."""
+    spec = default_config()["models"][MODEL]
+    match_names(list(layer_ops(spec)), globs, "--record-layers", where=f" of model {MODEL!r}")
 
 
 def record_spec(settings, c: Case) -> str:

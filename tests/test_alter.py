@@ -779,6 +779,9 @@ def test_h5diff_table_shows_the_nonfinite_values_of_b(tmp_path, capsys):
     assert main(["h5diff", str(a), str(b)]) == 0
     header, row = capsys.readouterr().out.splitlines()[:2]
     assert header.split()[6] == "nonfinite" and row.split()[6] == "3"
+    # No finite pair to measure: max_rel, mean_rel and euclidean read 0 (as if unchanged), now n/a.
+    assert row.split()[3:6] == ["n/a"] * 3
+    assert [A.diff(a, b)["datasets"][0][k] for k in ("max_rel", "mean_rel", "euclidean")] == ["n/a"] * 3
 
 
 def test_h5diff_sees_a_low_bit_flip_of_a_large_int64(tmp_path):
@@ -836,6 +839,16 @@ def test_absorbed_table():
     assert table.loc["weight", "max_absorbed_flips"] == 10 and table.loc["weight", "first_harmful_flips"] == 100
     assert table.loc["bias", "max_absorbed_flips"] == 0 and table.loc["bias", "first_harmful_flips"] == 1
     assert table.loc["weight", "absorbed_runs"] == 5 and table.loc["bias", "runs"] == 6
+
+
+def test_the_readme_names_every_column_of_the_study_tables():
+    """sensitivity.csv's counts (nonfinite_injected, resumed_epochs, ...) and the sign of its relative
+    changes, and most of absorbed.csv's columns, were said nowhere."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Alteration study"):readme.index("<!-- /section: alter -->")]
+    table = S.absorbed(pd.DataFrame(columns=["cls", "region", "flips", "status", "accuracy_loss_pct", "diverged"]), 1.0)
+    missing = [c for c in (*S.COLUMNS, *table.columns) if f"`{c}`" not in section]
+    assert missing == []
 
 
 def test_check_config_names_the_key():

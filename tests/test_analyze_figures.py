@@ -120,6 +120,19 @@ def test_heatmap_keeps_and_marks_the_kernels_all_nan_results(table, tmp_path, dr
     assert [t.get_text() for t in heat.texts if t.get_position() == (1.5, rows.index("b-forward") + 0.5)] == ["NaN/Inf"]
 
 
+def test_heatmap_rows_follow_the_networks_layer_order_not_their_names(table, tmp_path, drawn):
+    """Sorted by name, a network's classifier came first and features.10 before features.2."""
+    names = {"a": "features.2.conv", "b": "features.10.conv"}
+    deep = pd.concat([table.assign(layer=table["layer"].map(names)),
+                      table[table["layer"] == "b"].assign(layer="classifier")], ignore_index=True)
+    analyze.figures(deep, tmp_path)
+    heat = [ax for ax in drawn["heatmap"].axes if ax.get_label() != "<colorbar>"][0]
+    assert [t.get_text() for t in heat.get_yticklabels()] == [
+        "features.2.conv-forward", "features.2.conv-weight_grad", "features.10.conv-forward",
+        "features.10.conv-input_grad", "features.10.conv-weight_grad", "classifier-forward", "classifier-input_grad",
+        "classifier-weight_grad"]
+
+
 def test_heatmap_colours_run_from_exact_match_to_beyond_fp16_rounding(table, tmp_path, drawn):
     """Scaled to its data alone, the test run's im2col (1.0 to 1.4 times fp32 noise: 0 to 0.15
     decades) spanned the whole colour range, a noise-level cell as bright yellow as a lane fault's.

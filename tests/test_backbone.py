@@ -365,6 +365,35 @@ def test_digits_and_pydoc_prepare_offline_and_split_deterministically(tmp_path):
     assert torch.equal(data.load(tmp_path / "t2.h5").val.x, text.val.x)
 
 
+def test_text_is_stored_one_byte_per_token_and_widened_per_batch(tmp_path):
+    """x and y were int64 copies of the text, 16 bytes per byte of it in the file and in memory: a
+    1-2 GB corpus ran preparation out of memory. Tokens are now uint8, as stored, and the loss of a
+    batch, widened to int64 there, is the int64 tokens' loss; a file of int64 tokens still loads."""
+    text = np.random.default_rng(0).integers(0, 256, 16 * 40 + 5, dtype=np.uint8).tobytes()  # every byte value
+    (tmp_path / "t.txt").write_bytes(text)
+    data.prepare("corpus", {"source": "text", "path": str(tmp_path / "t.txt"), "seq_len": 16, "val_fraction": 0.25},
+                 tmp_path / "t.h5")
+    with h5py.File(tmp_path / "t.h5") as f:
+        stored = {key: (f[key].dtype, f[key].size) for key in ("train/x", "train/y", "val/x", "val/y")}
+    assert stored == {"train/x": (np.uint8, 30 * 16), "train/y": (np.uint8, 30 * 16),
+                      "val/x": (np.uint8, 10 * 16), "val/y": (np.uint8, 10 * 16)}
+    ds = data.load(tmp_path / "t.h5")
+    assert ds.train.x.dtype == ds.train.y.dtype == torch.uint8
+    # Every sequence of the text, with its next-byte targets, in one split or the other.
+    expected = {text[i * 16:(i + 1) * 16]: text[i * 16 + 1:(i + 1) * 16 + 1] for i in range(40)}
+    loaded = {bytes(x.tolist()): bytes(y.tolist()) for s in (ds.train, ds.val) for x, y in zip(s.x, s.y)}
+    assert loaded == expected
+    with h5py.File(tmp_path / "int64.h5", "w") as old, h5py.File(tmp_path / "t.h5") as new:  # as written before
+        old.attrs.update(new.attrs)
+        for key in stored:
+            old[key] = new[key][()].astype(np.int64)
+    wide = data.load(tmp_path / "int64.h5")
+    assert wide.train.x.dtype == torch.int64 and torch.equal(wide.train.x, ds.train.x.long())
+    model = models.build({"arch": "gpt2", "size": {"hidden": 16, "layers": 1, "heads": 2}}, ds.attrs, seed=0)
+    losses = [models.loss_and_metrics(model, "text", s.train.x[:4], s.train.y[:4])[0] for s in (ds, wide)]
+    assert torch.equal(losses[0], losses[1])
+
+
 def test_hdf5_open_errors_keep_hdf5s_short_reason(tmp_path):
     # The reason in parentheses was cut off: 'not a readable HDF5 file (Unable to synchronously create
     # file)' for a file another handle (a Profiler left open) still held, opened for writing.

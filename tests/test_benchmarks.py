@@ -490,3 +490,27 @@ def test_merged_entries_keep_the_vendor_and_device_that_measured_them(tmp_path):
     assert {e["name"]: (e["vendor"], e["device"]) for e in merged["benchmarks"]} == {
         "profiler_overhead": ("nvidia", "NVIDIA H200"), "sdc_checks": ("cpu", "cpu")}
     assert merged["machine"]["vendor"] == merged["machine"]["device"] == "per entry"
+
+
+def test_record_layers_matching_no_layer_is_refused_before_anything_runs(tmp_path, capsys):
+    """A --record-layers glob matching no layer of the benchmark's model was refused only when the
+    recorded training started, minutes in; now one line names it, by the Profiler's own matcher."""
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main(["--quick", "--only", "profiler_overhead", "--record-layers", "layer1.*", "no_such*",
+                        "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work")])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith("error: --record-layers: 'no_such*' matches no conv/linear/norm layer of model 'resnet18'; "
+                        "layers are e.g. conv1, bn1, layer1.0.conv1, layer1.0.bn1, layer1.0.conv2, layer1.0.bn2")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def test_record_layers_override_the_recorded_layers_only():
+    import training
+
+    spec = training.default_config()["models"]["resnet18"]
+    training.check_record_layers(["layer1.*", "fc"])  # both match: no error
+    override = bench_run.Settings(quick=True, repeats=1, workdir=Path("."), record_layers=["fc"])
+    assert training.recording(spec, override) == spec | {"record": spec["record"] | {"layers": ["fc"]}}
+    assert spec["record"]["layers"] != ["fc"]  # the config's own spec is left as it was
+    assert training.recording(spec, bench_run.Settings(quick=True, repeats=1, workdir=Path("."))) is spec

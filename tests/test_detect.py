@@ -533,6 +533,24 @@ def test_a_kernel_failed_for_reduced_precision_names_its_first_bug():
     assert "first_bug" not in detect.verdict(table)["evidence"]  # a pass: nothing to name
 
 
+def test_verdict_layers_hold_what_the_readme_says():
+    """One entry per layer, computation and tensor: the first class over its steps, the median
+    rel_top10 as its score, its steps and the steps per class (the README named none of these)."""
+    import pandas as pd
+
+    sample, attrs, golden, ref, env = case("linear")
+    fp16 = kernels.call(kernels.load("peat.alt_kernels.fp16_gemm", "linear"), "forward", sample, attrs)
+    rows = [{**evidence.evidence(candidate, golden, env), "case": "kernel", "fop": "output", "op": "linear",
+             "layer": "fc", "computation": "forward", "tensor": "O", "step": step, "rel_top10": rel,
+             "rel_var": 1.0, "allclose": False}
+            for step, candidate, rel in ((0, golden.clone(), 0.0), (1, fp16, 30.0), (2, golden.clone(), 1.0))]
+    got = detect.verdict(pd.DataFrame(rows))
+    assert got["layers"] == [{"layer": "fc", "pass": "forward", "tensor": "O", "error_model": "reduced_precision",
+                              "score": 1.0, "steps": 3, "classes": {"none": 2, "reduced_precision": 1}}]
+    failed = detect.judge(pd.DataFrame(rows[:1]), {"outcome": {"status": "crash", "message": "boom"}})
+    assert failed["layers"] == []
+
+
 @pytest.mark.parametrize("content", [b"", b"PAR1 cut short"])
 def test_a_damaged_playback_table_is_one_line_naming_it(tmp_path, content):
     """The detect and analyze jobs ended in pyarrow's "Parquet file size is 0 bytes", naming no file."""

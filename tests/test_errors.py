@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -180,6 +181,30 @@ def test_nan_and_inf_change_n_finite_positions_where_some_are_already_non_finite
     assert not model.apply(bad.view(-1)[-2:], gen(0)).isfinite().any()  # fewer finite than N: all of them
 
 
+@pytest.mark.parametrize("spec, fill", [("rz:2", 0.0), ("rz:1", -0.0), ("nan:1", math.nan), ("inf:3", math.inf)])
+def test_an_element_error_with_nothing_to_change_is_not_injected(spec, fill):
+    """rz on an all-zero output (a dead ReLU layer's gradient), nan or inf where all are already
+    so, returned golden's values: playback scored such a case as injected (a case labeled
+    random_zero that was golden). Strict (playback's cases), it says so; else it leaves the result."""
+    x, w = torch.full((6, 10), fill), torch.ones(9, 10)
+    base = kernels.golden("linear")
+    result = base.forward(x, w, None)
+    loose = errors.faulty(base, spec).forward(x, w, None)
+    assert torch.equal(bits(loose), bits(result))
+    strict = errors.faulty(base, spec, strict=True)
+    with pytest.raises(errors.NotInjected) as err:
+        strict.forward(x, w, None)
+    assert str(err.value) == (f"error spec {spec!r} changes nothing in this result (shape (6, 9)): every element "
+                              "it can act on already holds what it would set")
+    assert isinstance(err.value, errors.NotApplicable)  # playback's not_applicable row, not the kernel's crash
+    with pytest.raises(errors.NotInjected):
+        errors.inject(strict, "forward", result, [x, w, None], {})
+    live = torch.randn(6, 10, generator=gen(4))  # one element it can change: injected, strict or not
+    injected = [errors.faulty(base, spec, strict=s).forward(live, w, None) for s in (True, False)]
+    assert torch.equal(bits(injected[0]), bits(injected[1]))
+    assert not torch.equal(bits(injected[0]), bits(base.forward(live, w, None)))
+
+
 def test_inf_keeps_the_sign_of_a_negative_zero():
     t = torch.tensor([-0.0, 0.0] * 3)
     assert errors.parse("inf:6").apply(t, gen()).tolist() == [-math.inf, math.inf] * 3
@@ -242,6 +267,44 @@ def test_bit_flip_at_a_given_bit(t):
     assert [v & 0xFFFFFFFF for v in xors.tolist()] == [0xC0000000] * 4
     mask, xors = xor_masks(errors.parse("bit_flip:0").apply(t, gen()), t)
     assert xors.tolist() == [1]
+
+
+def value_changes(out, t):
+    """Elements whose value differs: -0.0 for +0.0, or one NaN for another, is none (as every score)."""
+    return ~((out == t) | (out.isnan() & t.isnan()))
+
+
+@pytest.mark.parametrize("spec, n", [("bit_flip:sign", 1), ("bit_flip:sign:3", 3), ("bit_flip:31:4", 4),
+                                     ("bit_flip:any:6", 6), ("bit_flip:mantissax2:3", 3), ("bit_flip:22:2", 2)])
+def test_bit_flip_changes_the_value_of_n_elements_where_golden_holds_zeros_and_nan(spec, n):
+    """A sign flip of a zero (half of a ReLU's output) gives -0.0, a mantissa or sign flip of a
+    NaN another NaN: the value stayed, and a case labeled bit_flip was golden (bit_flip:sign on a
+    ReLU output: 17 of 20 seeds hit one in two calls). Each flip now changes a value; a draw that
+    lands on an element it changes is the one it always was."""
+    t = torch.relu(torch.randn(12, 40, generator=gen(1)))
+    t[::3] = math.nan
+    t[1, 3] = -0.0
+    for seed in range(20):
+        model, g = errors.parse(spec), gen(seed)
+        for _ in range(2):  # consecutive calls of a faulty kernel: each changes n values
+            out = model.apply(t, g)
+            mask = value_changes(out, t)
+            assert int(mask.sum()) == n and int(changed(out, t).sum()) == n
+    ordinary = torch.randn(12, 40, generator=gen(1))  # no zero, no NaN: the positions the same seed always drew
+    positions = changed(errors.parse(spec).apply(ordinary, gen(3)), ordinary).view(-1).nonzero().view(-1)
+    assert torch.equal(positions, errors._choose(ordinary.numel(), n, gen(3)).sort().values)
+
+
+@pytest.mark.parametrize("spec", ["bit_flip:sign", "bit_flip:31:3", "bit_flip:mantissa"])
+def test_a_bit_flip_with_no_value_to_change_is_not_injected(spec):
+    """Sign flips on an all-zero output (a dead ReLU layer); mantissa flips where all is NaN (of two
+    mantissa bits: no single flip clears it to inf)."""
+    t = torch.zeros(4, 5) if "mantissa" not in spec else torch.full((4, 5), 0x7FC00001, dtype=torch.int32).view(torch.float32)
+    assert torch.equal(bits(errors.parse(spec).apply(t, gen())), bits(t))
+    with pytest.raises(errors.NotInjected):
+        dataclasses.replace(errors.parse(spec), strict=True).apply(t, gen())
+    zeros = torch.zeros(4, 5)  # any bit but the sign changes a zero
+    assert int(value_changes(errors.parse("bit_flip:any:20").apply(zeros, gen()), zeros).sum()) == 20
 
 
 def test_bit_flip_rejects_other_dtypes_and_oversized_bursts():
@@ -314,6 +377,46 @@ def test_a_stuck_lane_one_row_tall_is_stuck_at_its_first_element(shape):
     assert (out[lanes[0] - 8::8] == flat[lanes[0] - 8]).all()
 
 
+def test_a_lane_offset_never_falls_on_a_lane_it_leaves_as_it_was(t):
+    """inf + std is inf: a lane:K on lanes all inf (or NaN) changed nothing, a case labeled
+    periodic_lane that was golden (half the seeds here). A lane it changes is drawn instead."""
+    t = t.clone()
+    t[:, ::2] = math.inf  # lanes 0 and 2 of 4
+    for seed in range(20):
+        out = errors.parse("lane:4").apply(t, gen(seed))
+        wrong = value_changes(out, t)
+        cols = wrong.any(0).nonzero().view(-1).tolist()
+        assert int(wrong.sum()) == 12 * 10 and cols == list(range(cols[0], 40, 4)) and cols[0] in (1, 3)
+    ordinary = torch.randn(12, 40, generator=gen(1))  # every lane changes: the lane the same seed always drew
+    first = changed(errors.parse("lane:8").apply(ordinary, gen(3)), ordinary).any(0).nonzero().view(-1)[0]
+    assert int(first) == int(torch.randint(8, (1,), generator=gen(3)))
+
+
+def test_a_stuck_lane_never_falls_on_dead_channels():
+    """A lane stuck at each channel's first value on dead (all-zero) channels, or a vector's lane
+    stuck at its own first element where all of it is zero, changed nothing."""
+    x = torch.randn(2, 8, 5, 5, generator=gen(5))
+    x[:, ::2] = 0  # lanes 0 and 2 of lane:4 are dead channels
+    for seed in range(20):
+        wrong = value_changes(errors.parse("lane:4:stuck").apply(x, gen(seed)), x)
+        channels = wrong.any(0).any(-1).any(-1).nonzero().view(-1).tolist()
+        assert channels in ([1, 5], [3, 7]) and int(wrong.sum()) == 2 * (2 * 5 * 5 - 1)
+    vector = torch.zeros(40)
+    vector[3] = 1.0  # of lane:8's lanes, only lane 3 has an element its first one differs from
+    for seed in range(20):
+        out = errors.parse("lane:8:stuck").apply(vector, gen(seed))
+        assert value_changes(out, vector).nonzero().view(-1).tolist() == [11, 19, 27, 35] and (out[3::8] == 1).all()
+
+
+@pytest.mark.parametrize("spec, t", [("lane:4:stuck", torch.ones(6, 8)), ("lane:2", torch.full((3, 4), math.inf)),
+                                     ("lane:4:stuck:row", torch.zeros(8, 3)), ("tile:4:zero", torch.zeros(6, 6)),
+                                     ("tile:2", torch.zeros(4, 4))])
+def test_a_structured_error_with_nothing_to_change_is_not_injected(spec, t):
+    assert torch.equal(errors.parse(spec).apply(t, gen()), t)
+    with pytest.raises(errors.NotInjected):
+        dataclasses.replace(errors.parse(spec), strict=True).apply(t, gen())
+
+
 @pytest.mark.parametrize("spec", ["lane:4", "lane:4:stuck:row", "tile:4", "tile:4:zero"])
 @pytest.mark.parametrize("shape", [(0,), (5, 0), (0, 5), (0, 3, 2, 2), (2, 0, 2, 2)])
 def test_structured_errors_leave_an_empty_output_empty(spec, shape):
@@ -334,6 +437,34 @@ def test_tile_zero_is_one_aligned_tile(t):
     rows, cols, r0, c0 = tile_of(mask, 4)
     assert rows.tolist() == list(range(r0, r0 + 4)) and cols.tolist() == list(range(c0, c0 + 4))
     assert (out[r0:r0 + 4, c0:c0 + 4] == 0).all() and int(mask.sum()) == 16
+
+
+@pytest.mark.parametrize("spec", ["tile:8:zero", "tile:8"])
+def test_a_zero_tile_never_falls_on_a_tile_already_zero(spec):
+    """Zero padding (or a ReLU) leaves whole tiles zero: zeroing one, or a stale tile's zeros on
+    the first call, changed nothing (12 of 20 seeds here). A tile holding a value is drawn instead."""
+    t = torch.randn(24, 24, generator=gen(6))
+    t[16:], t[:, 16:] = 0, 0  # 5 of the 9 tiles
+    for seed in range(20):
+        wrong = value_changes(errors.parse(spec).apply(t, gen(seed)), t)
+        rows, cols, r0, c0 = tile_of(wrong, 8)
+        assert int(wrong.sum()) == 64 and r0 < 16 and c0 < 16
+    ordinary = torch.randn(24, 24, generator=gen(6))  # every tile changes: the tile the same seed always drew
+    _, _, r0, c0 = tile_of(changed(errors.parse(spec).apply(ordinary, gen(3)), ordinary), 8)
+    assert (r0 // 8) * 3 + c0 // 8 == int(torch.randint(9, (1,), generator=gen(3)))
+
+
+def test_a_splitk_tile_never_misses_a_partial_sum_of_zeros():
+    """Operands a ReLU or padding zeroed over a K chunk sum to zero there: missing it changed nothing
+    (chunks 2 and 3 of 6 here). A chunk that contributes is missed instead."""
+    x, w = torch.randn(16, 24, generator=gen(8)), torch.randn(12, 24, generator=gen(9))
+    x[:, 8:16] = 0
+    golden = torch.nn.functional.linear(x, w)
+    for seed in range(20):
+        out = errors.faulty(kernels.golden("linear"), "tile:4:splitk", seed=seed).forward(x, w, None)
+        assert int(value_changes(out, golden).sum()) == 16
+    with pytest.raises(errors.NotInjected):
+        errors.faulty(kernels.golden("linear"), "tile:4:splitk", strict=True).forward(torch.zeros(16, 24), w, None)
 
 
 def test_tile_stale_holds_previous_call():

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -300,6 +301,26 @@ def test_crashing_and_hanging_kernels_fail_with_their_outcome(context, tmp_path)
     assert detect.judge(table, record) == got  # a library user's verdict, without the files
 
 
+def test_a_kernel_hanging_after_its_probe_is_a_timeout_not_a_job_waiting_on_it(context, tmp_path):
+    """Only the probe was bounded: a kernel hanging at a later step held the job until it returned
+    (forever, for a real hang), and one that did return passed. Once it timed out, it is not called
+    again (fp16 would call it on rounded operands; step 2 would): each call would wait it out."""
+    later = tmp_path / "later.py"
+    later.write_text("import time, torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                     "    if len(CALLS) > 2:\n        time.sleep(30)\n"  # step 0's kernel and fp16 cases return
+                     "    return torch.nn.functional.linear(x, weight, bias)\n")
+    start = time.monotonic()
+    table, record = replay(context, kernel=kernels.load(str(later), "linear"), errors=["fp16"], layers=["4"],
+                           computations=("forward",), timeout=2)
+    assert time.monotonic() - start < 10
+    hung = table[table["error"].notna()]
+    assert list(hung["status"]) == ["timeout"] and list(hung["step"]) == [1] and list(hung["case"]) == ["kernel"]
+    assert set(table["step"]) == {0, 1} and table.loc[table["case"] == "fp16", "step"].tolist() == [0]
+    got = detect.judge(table, record)
+    assert got["verdict"] == "fail" and got["error_model"] == "timeout"
+    assert got["evidence"]["outcome"]["message"] == "4 step 1 kernel: CallTimeout: no result after 2 s"
+
+
 def test_a_kernels_own_timeout_overrides_playbacks(context, tmp_path):
     slow = tmp_path / "slow.py"
     slow.write_text("import time, torch\ndef forward(x, weight, bias):\n    time.sleep(1.5)\n"
@@ -367,6 +388,25 @@ def test_a_pseudo_error_that_cannot_act_on_the_op_is_not_the_kernels_crash(conte
     assert got["verdict"] == "fail" and "second call" in got["evidence"]["outcome"]["message"]
 
 
+def test_a_pseudo_error_that_changes_nothing_is_a_not_applicable_row_not_an_injected_case(context, tmp_path):
+    """rz:1 on an all-zero result left it as it was: the case was scored, and labeled, as injected
+    while it held the kernel's own values. Such a sample is a not_applicable row now."""
+    zeros = tmp_path / "zeros.py"  # a broken kernel whose every output is zero
+    zeros.write_text("import torch\ndef forward(x, weight, bias):\n"
+                     "    return torch.zeros(x.shape[0], weight.shape[0])\n")
+    table, record = replay(context, kernel=kernels.load(str(zeros), "linear"), errors=["rz:1", "rv:2"], layers=["4"],
+                           computations=("forward",), max_samples=2)
+    rz = table[table["case"] == "rz:1"]
+    assert len(rz) == 2 and (rz["status"] == "not_applicable").all() and rz["fop"].isna().all()
+    assert rz["error"].str.startswith("NotInjected: error spec 'rz:1' changes nothing in this result").all()
+    assert len(table[table["case"] == "rv:2"]) == 2 and table.loc[table["case"] == "rv:2", "status"].isna().all()
+    playback.write(table, record, tmp_path / "z.parquet", tmp_path / "z.json")
+    got = detect.run_job(tmp_path / "z.parquet", tmp_path / "z.json", tmp_path / "v.json")
+    # The kernel's own wrong output fails it; the case that injected nothing is no crash of it.
+    assert got["verdict"] == "fail" and got["error_model"] == "block_structured"
+    assert set(got["evidence"]["pseudo_errors"]) == {"rv:2"}
+
+
 def test_variants_injecting_into_results_reuse_the_kernels_result(context, tmp_path):
     counting = tmp_path / "counting.py"
     counting.write_text("import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
@@ -384,11 +424,13 @@ def test_variants_injecting_into_results_reuse_the_kernels_result(context, tmp_p
     ("bfloat16()", "returned (16, 24) torch.bfloat16, expected (16, 24) torch.float32"),
     ("double()", "returned (16, 24) torch.float64, expected (16, 24) torch.float32"),
     ("to('meta')", "ShapeMismatch: kernel 'later' forward returned (16, 24) torch.float32 on meta, "
-                   "expected (16, 24) torch.float32 on cpu")])
+                   "expected (16, 24) torch.float32 on cpu"),
+    ("__class__ and None", "ShapeMismatch: kernel 'later' forward returned NoneType, expected a tensor")])
 def test_a_result_in_another_dtype_or_device_after_the_probe_is_a_shape_mismatch(context, tmp_path, returned, message):
     """The probe judges the first sample alone: a later bfloat16 result ended the job in the
-    scoring (TypeError), a float64 one was scored as if it were float32, and one on another
-    device was moved to the CPU (or, from meta, failed there as a crash)."""
+    scoring (TypeError), a float64 one was scored as if it were float32, one on another
+    device was moved to the CPU (or, from meta, failed there as a crash), and a later None was a
+    crash in torch's AttributeError."""
     later = tmp_path / "later.py"
     later.write_text(f"import torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
                      f"    out = torch.nn.functional.linear(x, weight, bias)\n"
@@ -872,7 +914,7 @@ def test_the_network_after_the_injected_layer_runs_channels_last_and_nothing_bef
     assert not first["conv1"] and all(v for k, v in first.items() if k != "conv1")
     kept = {"conv1", "layer1.0.conv1", "layer1.0.conv2"}
     assert all(second[k] != (k in kept) for k in second)
-    for model, _ in prop._models.values():
+    for model, *_ in prop._models.values():
         assert all(m.weight.is_contiguous() and "forward" not in m.__dict__
                    for m in model.modules() if isinstance(m, nn.Conv2d))
 
@@ -1231,12 +1273,12 @@ def test_float64_reference_after_a_random_draw_still_starts_from_the_golden_inpu
     (2, dict(kernel_size=1, groups=2)),                     # grouped: PyTorch's own
 ])
 def test_float64_copy_convolves_like_pytorch_in_float64(size, conv):
-    from peat.propagate import _float64
+    from peat.propagate import _fast_modules, _float64
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(4, 6, **conv), nn.ReLU())
     x = torch.randn(3, 4, size, size, dtype=torch.float64)
-    got = _float64(model)(x)
+    got = _float64(model, _fast_modules(model))(x)
     want = nn.functional.relu(nn.functional.conv2d(x, model[0].weight.double(),
                                                    None if model[0].bias is None else model[0].bias.double(),
                                                    model[0].stride, model[0].padding, model[0].dilation, model[0].groups))
@@ -1284,12 +1326,12 @@ def test_downstream_convolutions_leave_out_only_products_with_padding(layout, de
 def test_a_convolution_with_a_non_finite_weight_keeps_pytorchs_own_forward():
     """A NaN weight times a padded zero is NaN in PyTorch's convolution: the products with padding
     then count, so the float64 copy leaves such a convolution as it is."""
-    from peat.propagate import _fast, _float64
+    from peat.propagate import _fast, _fast_modules, _float64
 
     model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1))
     with torch.no_grad():
         model[1].weight[0, 0, 0, 0] = float("inf")
-    twin = _float64(model)
+    twin = _float64(model, _fast_modules(model))
     assert _fast(model[0]) and not _fast(model[1])
     assert "forward" in twin[0].__dict__ and "forward" not in twin[1].__dict__
     x = torch.randn(1, 2, 1, 1, dtype=torch.float64)

@@ -355,9 +355,9 @@ def test_verdicts_link_to_analyzer_figures(tmp_path):
     assert '<h3 id="analyze-gpt2-cpu-k1">' in page and '<td class="confidence">0.875</td>' in page
     # The playback stage's own caption, with its wildcards filled in.
     assert "Bit positions where candidate and golden" in page
-    assert pd.read_csv(tmp_path / "out/verdicts.csv").to_dict("records") == [
+    assert pd.read_csv(tmp_path / "out/verdicts.csv", keep_default_na=False).to_dict("records") == [
         {"model": "gpt2", "vendor": "cpu", "kernel": "k1", "verdict": "fail", "error_model": "bit_flip", "confidence": 0.875,
-         "injected": "bit_flip:exponent"}]
+         "injected": "bit_flip:exponent", "not_injected": ""}]
 
 
 def test_analyzer_figures_in_the_order_the_caption_reads_them(tmp_path):
@@ -574,3 +574,32 @@ def test_a_loss_difference_panel_does_not_call_a_run_whose_validation_differs_eq
     compare_figure(compare, title="m / cpu / k")
     assert [t.get_text() for t in figs[0].axes[1].texts] == [
         "candidate = golden at every training step\n(not at validation: see max_abs_loss_diff)"]
+
+
+def test_layers_a_faulty_kernels_error_never_reached_are_named_in_its_rows(tmp_path):
+    """A faulty kernel's input_grad error at a layer fed by data is never injected there (outcome.json
+    and the playback record list it under layers_not_injected), so its verdict and loss there come
+    from golden's; the report's rows did not say so."""
+    results = tmp_path / "results"
+    runs = {results / "candidate/m/cpu/k/outcome.json": ["conv1"], results / "rfi/m/cpu/k/f0.5/outcome.json": ["conv1"],
+            results / "candidate/m/cpu/clean/outcome.json": []}
+    for path, layers in runs.items():
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"status": "ok", "error": "nan:1", "computation": "input_grad",
+                                    "layers_not_injected": layers}))
+    verdict, record = results / "detect/m/cpu/k.json", results / "playback/m/cpu/k.json"
+    for path in (verdict, record):
+        path.parent.mkdir(parents=True)
+    verdict.write_text(json.dumps({"verdict": "pass", "error_model": "none", "confidence": 0.0, "layers": []}))
+    record.write_text(json.dumps({"layers_not_injected": ["conv1", "layer1.0.conv1"], "computation": "input_grad"}))
+    page = build([*runs, verdict, record], tmp_path / "out", name="t", models=["m"], vendors=["cpu"]).read_text()
+    candidate = pd.read_csv(tmp_path / "out/candidate.csv", keep_default_na=False)
+    assert dict(zip(candidate.kernel, candidate.not_injected)) == {"k": "input_grad at conv1", "clean": ""}
+    assert list(candidate.columns[:5]) == ["model", "vendor", "kernel", "status", "not_injected"]
+    assert pd.read_csv(tmp_path / "out/rfi.csv")["not_injected"].tolist() == ["input_grad at conv1"]
+    verdicts = pd.read_csv(tmp_path / "out/verdicts.csv")
+    assert verdicts["not_injected"].tolist() == ["input_grad at conv1, layer1.0.conv1"]
+    assert '<td class="not_injected">input_grad at conv1, layer1.0.conv1</td>' in page
+    assert "<th>not injected</th>" in page and "<td>input_grad at conv1</td>" in page
+    for key in ("verdicts", "candidate"):
+        assert "<b>not injected</b> names the computation and the layers" in SECTIONS[key][1]

@@ -265,7 +265,7 @@ done
      f"'cpu' has {os.cpu_count()}: it would pend forever; lower it, e.g. --set-threads golden_train={os.cpu_count()}"),
     (["", "--set-resources", "golden_train:mem_mb=4000"],
      "peat: rule golden_train asks for 4000 MB (mem_mb), but the largest node of partition 'cpu' has 2000 MB; "
-     "lower it, e.g. --set-resources golden_train:mem_mb=2000 or --default-resources mem_mb=2000"),
+     "lower it, e.g. --set-resources golden_train:mem_mb=2000 or --default-resources mem_mb=2000 runtime=30"),
     # sbatch refused it, but only once the jobs before it (data preparation) had run.
     (['slurm:\n  cpu_partition: cpu\n  vendors:\n    cpu: {partition: cpu, gres: "gpu:1"}\n'],
      "peat: rule golden_train asks for --gres=gpu:1 (config key 'slurm.vendors.cpu.gres'), but no node of "
@@ -279,7 +279,7 @@ done
     (["", "--set-resources", "golden_train:runtime=2000"],
      "peat: rule golden_train asks for 2000 min (runtime), but partition 'cpu' has a time limit of 1440 min: "
      "it would pend forever; lower it, e.g. --set-resources golden_train:runtime=1440 "
-     "or --default-resources runtime=1440"),
+     "or --default-resources runtime=1440 mem_mb=300"),
 ])
 @pytest.mark.xdist_group("workflow")  # one worker owns the cluster (and /etc/slurm/slurm.conf)
 def test_request_the_cluster_cannot_meet_fails_before_submitting(cluster, tmp_path, args, message):
@@ -310,7 +310,7 @@ def test_the_on_demand_benchmark_is_checked_under_the_profile_that_sets_no_cores
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "WorkflowError" not in out, out[-2000:]
     assert ("peat: rule bench asks for 4000 MB (mem_mb), but the largest node of partition 'cpu' has 2000 MB; "
-            "lower it, e.g. --set-resources bench:mem_mb=2000 or --default-resources mem_mb=2000") in out.splitlines()
+            "lower it, e.g. --set-resources bench:mem_mb=2000 or --default-resources mem_mb=2000 runtime=30") in out.splitlines()
     assert set(cluster.squeue()) == before
 
 
@@ -377,6 +377,34 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
 
 
 
+def test_a_default_resources_hint_keeps_the_other_defaults():
+    """--default-resources replaces the profile's whole list: the hint 'mem_mb=N' alone dropped the
+    profile's runtime (jobs then got the partition's default time limit), 'runtime=N' its mem_mb."""
+    job = SimpleNamespace(rule=SimpleNamespace(name="g"), threads=1,
+                          resources={"slurm_partition": "", "mem_mb": 9000, "runtime": 240})
+    profile = ["tmpdir=system_tmpdir", "mem_mb=8000", "runtime=240", "slurm_account=lab"]
+    with pytest.raises(PeatError, match=r"or --default-resources mem_mb=4000 runtime=240 slurm_account=lab$"):
+        slurm.check_sizes([job], {"": slurm.Partition(4, 4000)}, defaults=profile)
+    job.resources["mem_mb"] = 1000
+    with pytest.raises(PeatError, match=r"or --default-resources runtime=60 mem_mb=8000 slurm_account=lab$"):
+        slurm.check_sizes([job], {"": slurm.Partition(4, 4000, 60)}, defaults=profile)
+    job.resources["mem_mb"] = 9000  # given as mem: the hint replaces it, not adds mem_mb beside it
+    with pytest.raises(PeatError, match=r"or --default-resources mem_mb=4000 runtime=240$"):
+        slurm.check_sizes([job], {"": slurm.Partition(4, 4000)}, defaults=["mem=9G", "runtime=240"])
+
+
+def test_hidden_partitions_are_partitions(tmp_path, monkeypatch):
+    """A user's sinfo leaves out a Hidden=YES partition unless --all, yet sbatch takes it (measured on
+    the test cluster as user nobody: 'sinfo' listed cpu only, 'sinfo --all' cpu and the hidden one,
+    and 'sbatch -p' to it was accepted): the preflight refused it as not existing. This sinfo
+    answers as SLURM's does to a user without privileges."""
+    (tmp_path / "sinfo").write_text('#!/bin/sh\ncase " $* " in *" --all "*) echo "lab 4 8000 infinite (null)";; esac\n'
+                                    'echo "cpu* 4 8000 infinite (null)"\n')
+    (tmp_path / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert sorted(slurm.cluster_nodes()) == ["", "cpu", "lab"]
+
+
 def test_local_rules_are_not_checked_against_the_cluster():
     """golden_curves and collate_report run on the login node (localrules), yet their default
     mem_mb was checked against the default partition's nodes: a run whose jobs all go to named
@@ -391,6 +419,19 @@ def test_gpu_vendor_without_gpu_request_is_one_line():
     with pytest.raises(PeatError, match=r"^config key 'slurm.vendors.amd.gres' is missing: amd jobs need a GPU"):
         slurm.check_config(config)
     slurm.check_config(GPU_CONFIG)
+
+
+@pytest.mark.parametrize("gres", ["gpu:nvidia_a100-sxm4-80gb:1", "gpu:1,nvme:1"])
+def test_gpu_request_the_plugin_refuses_is_one_line(gres):
+    """A type with '-' (as AutoDetect=nvml names GPUs) or a list passed the preflight, and the SLURM
+    plugin refused it (Invalid GRES format) only at the first GPU job's submission."""
+    config = {"vendors": ["cpu", "nvidia"], "slurm": {"vendors": {"nvidia": {"partition": "a100", "gres": gres}}}}
+    with pytest.raises(PeatError, match=rf"^config key 'slurm.vendors.nvidia.gres': '{gres}' is not a request "
+                                        r"snakemake-executor-plugin-slurm submits \(one NAME\[:TYPE\]\[:COUNT\]"):
+        slurm.check_config(config)
+    for taken in ("gpu", "gpu:2", "gpu:a100_3g.20gb:1"):  # MIG types hold a '.'
+        config["slurm"]["vendors"]["nvidia"]["gres"] = taken
+        slurm.check_config(config)
 
 
 def test_rules_get_vendor_partition_and_gres(tmp_path):

@@ -944,12 +944,15 @@ def _diff_row(entry: Entry, ra: np.ndarray, rb: np.ndarray, where: np.ndarray) -
     flipped = (ra[where] ^ rb[where]).astype(np.uint64)
     w = entry.layout.width
     hist = {b: int(((flipped >> np.uint64(w - 1 - b)) & np.uint64(1)).sum()) for b in range(w)}
+    if len(rel):
+        stats = (_num(rel.max()), _num(rel[np.isfinite(rel)].mean()) if np.isfinite(rel).any() else _num(np.inf),
+                 _num(euclid))
+    else:  # nothing differs (0), or every differing pair holds a NaN/Inf, where 0 would read as unchanged
+        stats = ("n/a" if len(where) else 0.0,) * 3
     return {
         "dataset": entry.path, "dtype": entry.layout.name, "class": entry.cls, "elements": entry.size,
         "differing": int(len(where)), "nonfinite_new": int((~np.isfinite(vb)).sum()),
-        "max_rel": _num(rel.max()) if len(rel) else 0.0,
-        "mean_rel": _num(rel[np.isfinite(rel)].mean()) if np.isfinite(rel).any() else (_num(np.inf) if len(rel) else 0.0),
-        "euclidean": _num(euclid),
+        **dict(zip(("max_rel", "mean_rel", "euclidean"), stats)),
         "bits": {str(b): c for b, c in hist.items() if c},
     }
 

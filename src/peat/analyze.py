@@ -358,6 +358,10 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     # Not pivot_table: it drops a row whose every score is NaN, so a layer where the kernel's every
     # result was all NaN (no finite element) vanished, its "NaN/Inf" marks with it.
     heat = kernel.groupby(["layer", "computation", "step"])["log10_rel_top10"].mean().unstack("step")
+    # Rows in the network's order (the table's, as in the other figures), not by name: MobileNetV2's
+    # classifier came first and features.10-17 before features.2, so depth read out of order.
+    order = {layer: i for i, layer in enumerate(dict.fromkeys(kernel["layer"]))}
+    heat = heat.reindex(sorted(heat.index, key=lambda key: (order[key[0]], key[1])))
     if heat.isna().to_numpy().all():  # NaN scores: those of results without a finite element (an all-NaN output)
         _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi, failed)
         return

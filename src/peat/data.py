@@ -5,7 +5,10 @@ never downloaded.
 Every prepared dataset is one HDF5 file with ``/train/x``, ``/train/y``, ``/val/x``,
 ``/val/y`` and root attributes ``kind`` ("image" or "text"), ``source``, ``name``, plus
 ``num_classes`` (images) or ``vocab_size`` and ``seq_len`` (text). Text is byte-level
-tokenized: token = byte value.
+tokenized: token = byte value, stored and loaded as uint8 (x and y: 2 bytes per byte of text);
+``models.loss_and_metrics`` widens each batch to int64 (int64 tokens, 16 bytes per byte of text,
+ran a 1-2 GB corpus out of memory). Files prepared before hold int64 tokens: they load as stored
+and train to the same results.
 """
 
 from __future__ import annotations
@@ -97,8 +100,8 @@ def load(path: str | Path) -> Dataset:
     with open_h5(path) as f:
         if "kind" not in f.attrs:
             raise PeatError(f"{path}: not a peat dataset (no 'kind' attribute)")
-        splits = {s: Split(torch.from_numpy(require(f, f"{s}/x", path)[()]),
-                           torch.from_numpy(require(f, f"{s}/y", path)[()]).long())
+        # As stored: labels are int64, tokens uint8 (int64 in older files), widened per batch.
+        splits = {s: Split(*(torch.from_numpy(require(f, f"{s}/{k}", path)[()]) for k in ("x", "y")))
                   for s in ("train", "val")}
         attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
     return Dataset(attrs["kind"], splits["train"], splits["val"], attrs)
@@ -209,10 +212,11 @@ def _local_path(name: str, spec: dict) -> Path:
 
 
 def _sequences(name: str, tokens: np.ndarray, seq_len: int):
+    """Sequence i is ``tokens[i * seq_len:(i + 1) * seq_len]``, its targets the same shifted by one byte:
+    views of the uint8 bytes, so that only a split's rows are ever copied."""
     n = _sequence_count(name, len(tokens), seq_len)
-    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len)[None, :]
-    x = tokens[idx].astype(np.int64)
-    y = tokens[idx + 1].astype(np.int64)
+    x = tokens[:n * seq_len].reshape(n, seq_len)
+    y = tokens[1:n * seq_len + 1].reshape(n, seq_len)
     return x, y, {"vocab_size": 256, "seq_len": seq_len}
 
 

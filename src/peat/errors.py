@@ -21,6 +21,12 @@ Spec grammar (also the schema's pattern, see ``SPEC_PATTERN``):
 Columns and rows are those of the output's matrix view: the last dimension against the rest,
 except 4-D (NCHW) tensors, whose columns are the channels (implicit-GEMM convention).
 Every model is seeded through the ``torch.Generator`` it is given.
+
+Each changes values, never bits alone (a NaN left NaN, +0.0 made -0.0, is none, as every score
+counts it): elements, flips, lanes, tiles and split-K chunks are drawn where the error changes
+one, the same as ever where all qualify (flips, lanes, tiles, chunks: wherever the seed's draw
+lands on one that does). A result with nothing the error can change is returned as it was, or
+raises ``NotInjected`` where asked (``strict``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,12 @@ class NotApplicable(PeatError):
     a limit of the injection, not a failure of the kernel it is injected into."""
 
 
+class NotInjected(NotApplicable):
+    """An error model that finds nothing to change in this result (``rz`` on an all-zero output, a
+    zero tile where every tile is zero already): raised where asked (``strict``, playback's cases),
+    as the result, golden's own values, would be counted as injected."""
+
+
 @dataclass
 class ErrorModel:
     """A parsed spec; ``apply`` returns a corrupted copy and never changes its input."""
@@ -67,6 +79,7 @@ class ErrorModel:
     mode: str = ""          # lane: offset|stuck; tile: stale|zero|splitk; bit_flip: region or bit
     burst: int = 1
     axis: str = "col"
+    strict: bool = False    # raise NotInjected where the result is left as it was
     _previous: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -90,6 +103,9 @@ class ErrorModel:
         else:
             out = _tile(self, t, generator, operands)
         self._previous = t.detach().clone()  # what a stale tile would still hold next call
+        if self.strict and not self.on_operands and bool(_kept(t.detach(), out).all()):
+            raise NotInjected(f"error spec {self.spec!r} changes nothing in this result (shape {tuple(t.shape)}): "
+                              "every element it can act on already holds what it would set")
         return out
 
 
@@ -190,6 +206,12 @@ def _positions(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     return out
 
 
+def _kept(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Where ``new`` holds ``old``'s value: equal (-0.0 and +0.0 alike) or both NaN, as every score of
+    an error counts them (``scores.abs_error``, RFI's ``changed``)."""
+    return (old == new) | (torch.isnan(old) & torch.isnan(new))
+
+
 def _nudged(values: torch.Tensor, std: float) -> torch.Tensor:
     up = values + std
     if not values.is_floating_point():
@@ -227,16 +249,53 @@ def _bit_flip(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
         raise PeatError(f"error spec {model.spec!r}: bit flips act on float32 tensors, got {t.dtype}")
     out = _flat_copy(t)
     bits = out.view(-1).view(torch.int32)
-    idx = _choose(bits.numel(), model.count, generator).to(bits.device)
     lo, hi = _bit_range(model)
+    starts = range(lo, hi - model.burst + 2) if model.mode in REGIONS else range(lo, lo + 1)
+    width = (1 << model.burst) - 1
+    masks = torch.tensor([_int32(width << s) for s in starts], dtype=torch.int32, device=bits.device)
+    # A flip that leaves the value (a zero's sign bit alone, a NaN's mantissa or sign) changed nothing:
+    # a case labeled bit_flip that was golden. Only zeros and NaN have such flips.
+    magnitude = bits & 0x7FFFFFFF
+    special = ((magnitude == 0) | (magnitude > 0x7F800000)).cpu()
+    eligible = None
+    if bool(special.any()):
+        eligible = ~special
+        eligible[special] = _flips_changing(bits[special.to(bits.device)], masks).any(1).cpu()
+    idx = _pick_changing(bits.numel(), model.count, eligible, generator)
     if model.mode in REGIONS:
         start = torch.randint(lo, hi - model.burst + 2, (len(idx),), generator=generator)
     else:
         start = torch.full((len(idx),), lo)
-    width = (1 << model.burst) - 1
-    masks = torch.tensor([_int32(width << int(s)) for s in start], dtype=torch.int32, device=bits.device)
-    bits[idx] ^= masks
+    if eligible is not None:  # a start that leaves the chosen element's value: one that changes it instead
+        changing = _flips_changing(bits[idx.to(bits.device)], masks).cpu()
+        for i in (~changing[torch.arange(len(idx)), start - lo]).nonzero().view(-1).tolist():
+            options = changing[i].nonzero().view(-1)
+            start[i] = lo + int(options[int(torch.randint(len(options), (1,), generator=generator))])
+    idx = idx.to(bits.device)
+    bits[idx] ^= masks[(start - lo).to(bits.device)]
     return out
+
+
+def _flips_changing(bits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Per element of ``bits`` (int32 patterns), per flip mask: whether the flip changes its value."""
+    old = bits.view(torch.float32)[:, None]
+    new = (bits[:, None] ^ masks[None, :]).view(torch.float32)
+    return ~_kept(old, new)
+
+
+def _pick_changing(n: int, k: int, eligible: torch.Tensor | None, generator) -> torch.Tensor:
+    """``k`` distinct positions of ``n`` where the error can change the value (``eligible``, a CPU
+    mask; None: all): the whole tensor's draw, so the same positions as ever where it lands on
+    such positions, each one it cannot change replaced by a draw among the others it can (still
+    uniform over them)."""
+    idx = _choose(n, k, generator)
+    if eligible is None or bool(eligible[idx].all()):
+        return idx
+    keep = idx[eligible[idx]]
+    rest = eligible.clone()
+    rest[keep] = False
+    candidates = torch.nonzero(rest).view(-1)
+    return torch.cat([keep, candidates[_choose(len(candidates), len(idx) - len(keep), generator)]])
 
 
 def _int32(value: int) -> int:
@@ -268,15 +327,32 @@ def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     # At least one lane to draw: an empty tensor's selects nothing.
     period = max(1, min(model.count, m.shape[1]))
     lane = int(torch.randint(period, (1,), generator=generator))
-    cols = m[:, lane::period]
     if model.mode == "stuck":
         # One row (a norm's weight gradient is a vector): each column's first value is itself, so the
         # lane is stuck at its own first element instead.
-        m[:, lane::period] = (cols[:1] if len(m) > 1 else cols[:, :1]).expand_as(cols)
+        new = m[:1].expand_as(m) if len(m) > 1 else m[:, torch.arange(m.shape[1], device=m.device) % period]
     else:
         # Where one std is below the dtype's spacing (bf16 near 300), the lane would round back, unchanged.
-        m[:, lane::period] = _nudged(cols, _finite_stats(t)[1])
+        new = _nudged(m, _finite_stats(t)[1])
+    changing = (~_kept(m, new)).any(0)
+    if not bool(changing[lane::period].any()):
+        # A lane it leaves as it was (all inf or NaN under an offset; dead channels, constant down their
+        # columns, stuck at that value) was a case labeled periodic_lane that was golden.
+        lanes = torch.zeros(math.ceil(len(changing) / period) * period, dtype=torch.bool)
+        lanes[:len(changing)] = changing.cpu()
+        lane = _redrawn(lane, lanes.view(-1, period).any(0), generator)
+    m[:, lane::period] = new[:, lane::period]
     return unmatrix(m.t() if model.axis == "row" else m, t)
+
+
+def _redrawn(drawn: int, changing: torch.Tensor, generator) -> int:
+    """``drawn`` (a lane, a tile) if ``changing`` says the error changes a value there, else one drawn
+    among those where it does, uniform over them all the same (each of c such places out of n has
+    1/n + (n - c)/n * 1/c = 1/c); ``drawn`` where there is none (``apply`` changed nothing)."""
+    if bool(changing[drawn]) or not bool(changing.any()):
+        return drawn
+    options = changing.nonzero().view(-1)
+    return int(options[int(torch.randint(len(options), (1,), generator=generator))])
 
 
 def _tile(model: ErrorModel, t: torch.Tensor, generator, operands) -> torch.Tensor:
@@ -285,21 +361,49 @@ def _tile(model: ErrorModel, t: torch.Tensor, generator, operands) -> torch.Tens
     # At least one tile each way: an empty tensor's selects nothing.
     grid = tuple(max(1, math.ceil(n / size)) for n in m.shape)
     pick = int(torch.randint(grid[0] * grid[1], (1,), generator=generator))
-    rows = slice((pick // grid[1]) * size, (pick // grid[1] + 1) * size)
-    cols = slice((pick % grid[1]) * size, (pick % grid[1] + 1) * size)
     if model.mode == "zero":
-        m[rows, cols] = 0
+        new = torch.zeros_like(m)
     elif model.mode == "stale":
         previous = model._previous
         fresh = previous is None or previous.shape != t.shape
-        m[rows, cols] = 0 if fresh else matrix(previous.to(t.dtype))[rows, cols]
+        new = torch.zeros_like(m) if fresh else matrix(previous.to(t.dtype))
     else:
-        m[rows, cols] -= matrix(_splitk_partial(model, t, generator, operands))[rows, cols]
+        new = m - matrix(_splitk_partial(model, t, generator, operands))
+    at = _tile_at(pick, size, grid)
+    if bool(_kept(m[at], new[at]).all()):
+        # A tile it leaves as it was (zeroing a tile a ReLU or padding left zero, a split-K partial sum
+        # of zeros) was a case labeled block_structured that was golden: one where it changes a value.
+        # The whole matrix is compared only then: the drawn tile alone is the usual case's cost.
+        where = (~_kept(m, new)).nonzero()
+        tiles = torch.zeros(grid[0] * grid[1], dtype=torch.bool)
+        tiles[((where[:, 0] // size) * grid[1] + where[:, 1] // size).cpu()] = True
+        pick = _redrawn(pick, tiles, generator)
+        at = _tile_at(pick, size, grid)
+    m[at] = new[at]
     return unmatrix(m, t)
 
 
+def _tile_at(pick: int, size: int, grid: tuple[int, int]) -> tuple[slice, slice]:
+    """The rows and columns of tile ``pick`` (row-major over ``grid``) in the matrix view."""
+    return (slice((pick // grid[1]) * size, (pick // grid[1] + 1) * size),
+            slice((pick % grid[1]) * size, (pick % grid[1] + 1) * size))
+
+
 def _splitk_partial(model: ErrorModel, t, generator, operands) -> torch.Tensor:
-    """The contribution of one K chunk (of ``model.count`` elements) to the whole output."""
+    """The contribution of one K chunk (of ``model.count`` elements) to the whole output: a random
+    one, unless it contributes nothing (its operands a ReLU or padding zeroed), then one that does."""
+    chunks, partial = _splitk_chunks(model, t, operands)
+    chunk = int(torch.randint(chunks, (1,), generator=generator))
+    out = partial(chunk)
+    if bool((out == 0).all()):  # missing it would leave the result as it was: a case labeled a bug, golden
+        nonzero = torch.tensor([bool((partial(c) != 0).any()) for c in range(chunks)])
+        out = partial(_redrawn(chunk, nonzero, generator))
+    return out
+
+
+def _splitk_chunks(model: ErrorModel, t, operands):
+    """How many K chunks (of ``model.count`` elements) the computation's reduction has, and the
+    contribution of chunk i to the whole output."""
     if operands is None:
         raise PeatError(f"error spec {model.spec!r}: needs the kernel's operands; use peat.errors.faulty")
     op, computation, args, kwargs = operands
@@ -327,18 +431,19 @@ def _splitk_partial(model: ErrorModel, t, generator, operands) -> torch.Tensor:
         grouped = x.unflatten(1, (groups, k))
         func = lambda s: torch.nn.functional.conv2d(grouped[:, :, s].flatten(1, 2), w[:, s], None,  # noqa: E731
                                                     groups=groups, **hp)
-    chunk = int(torch.randint(math.ceil(k / size), (1,), generator=generator))
-    return func(slice(chunk * size, (chunk + 1) * size)).to(t.dtype)
+    return math.ceil(k / size), lambda i: func(slice(i * size, (i + 1) * size)).to(t.dtype)
 
 
 # -- faulty kernels --------------------------------------------------------------------------
-def faulty(kernel, error, computation: str = "forward", seed: int = 0):
+def faulty(kernel, error, computation: str = "forward", seed: int = 0, strict: bool = False):
     """``kernel`` with ``error`` injected into one computation (casts act on its operands).
 
     The generator and the model's state (a stale tile) persist across calls, so consecutive
-    calls see consecutive draws, reproducibly from ``seed``.
+    calls see consecutive draws, reproducibly from ``seed``. ``strict``: a call whose result the
+    error leaves as it was raises ``NotInjected`` (a case that reports an injection); else it
+    returns that result (training goes on, as with a real fault that did not show).
     """
-    model = parse(error) if isinstance(error, str) else dataclasses.replace(error)
+    model = dataclasses.replace(parse(error) if isinstance(error, str) else error, strict=strict)
     wrapped = _injecting(kernel.computation(computation), model, torch.Generator().manual_seed(seed),
                          kernel.op, computation)
     custom = tuple(c for c in COMPUTATIONS if c in kernel.custom or c == computation)

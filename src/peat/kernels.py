@@ -729,27 +729,41 @@ def _read_back(payload: tuple, expect, seconds: float) -> Outcome:
     return _checked(value, expect, seconds)
 
 
-def _run_inline(func, args, kwargs, timeout, expect) -> Outcome:
+class CallTimeout(TimeoutError):
+    """A kernel call in this process ran past its ``deadline``."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None):
+    """Raise ``CallTimeout`` inside once ``seconds`` have passed (None: no limit). An alarm, so in
+    the main thread only, and a hang inside native code that never returns to Python is not cut short."""
     import threading
 
-    def alarm(signum, frame):
-        raise TimeoutError(f"no result after {timeout:g} s")
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-    main = threading.current_thread() is threading.main_thread()
-    if main:
-        previous = signal.signal(signal.SIGALRM, alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
+    def alarm(signum, frame):
+        raise CallTimeout(f"no result after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _run_inline(func, args, kwargs, timeout, expect) -> Outcome:
     start = time.perf_counter()
     try:
-        value = func(*args, **kwargs)
+        with deadline(timeout):
+            value = func(*args, **kwargs)
     except TimeoutError as err:
         return Outcome("timeout", str(err), seconds=time.perf_counter() - start)
     except Exception as err:  # the kernel's failure is its outcome
         return _failed(*_failure(err), time.perf_counter() - start)
-    finally:
-        if main:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
     return _checked(value, expect, time.perf_counter() - start)
 
 

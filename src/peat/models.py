@@ -143,7 +143,8 @@ def loss_and_metrics(model: nn.Module, kind: str, x: torch.Tensor, y: torch.Tens
     """Mean loss and a dict of summed metrics (correct predictions, counted items)."""
     if kind == "image":
         logits = model(x)
-    else:
+    else:  # tokens are stored one byte each (peat.data): widened here, a batch at a time
+        x, y = x.long(), y.long()
         logits = model(input_ids=x).logits
         logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
     loss = nn.functional.cross_entropy(logits, y)

@@ -93,7 +93,7 @@ class Plan:
     computations: tuple[str, ...] = kernels.COMPUTATIONS
     max_samples: int | None = None           # per layer, evenly spaced over the recorded steps
     seed: int = 0
-    timeout: float = 60.0                    # first call of each custom computation runs isolated
+    timeout: float = 60.0                    # seconds per kernel call; the first of each custom computation runs isolated
     memory_mb: int | None = None             # ... with this much more address space than the parent
     expect: dict = field(default_factory=dict)  # context root attrs the workflow expects
     meta: dict = field(default_factory=dict)    # constant columns (model, vendor, kernel)
@@ -199,16 +199,20 @@ def _bins(values: np.ndarray, limit: int) -> np.ndarray:
     return np.add.reduceat(values, scores.bin_edges(len(values), limit)[:-1])
 
 
-def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def _call(timer: Timer, kernel, computation, sample, attrs, dtype=torch.float32,
+          timeout: float | None = None) -> dict[str, torch.Tensor]:
     """The call's results by tensor name: the computation's own (``kernels.TARGET``) and the running
-    statistics it updated in place (``kernels.updates``), which the rest of training reads too."""
+    statistics it updated in place (``kernels.updates``), which the rest of training reads too.
+    ``timeout``: seconds it may take (``kernels.CallTimeout`` past them)."""
     updated = {}
-    with timer("kernel"):
+    with timer("kernel"), kernels.deadline(timeout):
         out = kernels.call(kernel, computation, sample, attrs, dtype, updated=updated)
     device = sample["A"].device
-    if torch.is_tensor(out) and out.device != device:  # moved to the CPU below, it would pass (see _Scored.add)
-        raise kernels.ShapeMismatch(f"kernel {kernel.name!r} {computation} "
-                                    f"{kernels.wrong_result(out, out.shape, out.dtype, device)}")
+    # Moved to the CPU below, a result on another device would pass (see _Scored.add); a later call
+    # returning no tensor (None) failed as a crash in torch's AttributeError, where its probe says shape_mismatch.
+    if not torch.is_tensor(out) or out.device != device:
+        wrong = kernels.wrong_result(out, getattr(out, "shape", ()), getattr(out, "dtype", None), device)
+        raise kernels.ShapeMismatch(f"kernel {kernel.name!r} {computation} {wrong}")
     # A copy even on the CPU (where .cpu() is the result itself): a kernel returning one persistent
     # buffer overwrote the kernel case's result with the next variant's call, and the variants
     # injecting into that result (errors.reuses) were scored on another case's output.
@@ -334,7 +338,10 @@ def _variants(plan: Plan, layer: str, computation: str, attrs: dict) -> dict[str
     kernel = kernels.on_layer(plan.kernel, attrs)  # what it leaves to golden, as golden computes it on this layer
     out = {"kernel": kernel}
     for spec in plan.errors:
-        out[spec] = errors.faulty(kernel, spec, computation, seed=case_seed(plan.seed, layer, computation, spec))
+        # strict: a sample where the error changes nothing (rz on an all-zero output) is a not_applicable
+        # row, not a case scored as injected while it holds golden's values.
+        out[spec] = errors.faulty(kernel, spec, computation, seed=case_seed(plan.seed, layer, computation, spec),
+                                  strict=True)
     return out
 
 
@@ -358,6 +365,8 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps:
         rows += failed  # a failed case's row comes before the scored ones, as the table has always had it
         for of_tensor in scored.values():
             rows += of_tensor.rows
+        if any(row["status"] == "timeout" for row in failed):
+            break  # as in _cases: the layer's later samples would each wait out the timeout
         if follow:
             with timer("propagate"):
                 rows += plan.propagate.rows(layer, sample, twins, base, plan.rules, timer, replayed=steps)
@@ -401,13 +410,18 @@ def _cases(plan: Plan, timer: Timer, variants: dict, base: dict, sample: dict, a
             else:
                 if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
                     twins[case] = errors.replica(kernel, computation)
-                out = _call(timer, kernel, computation, sample, attrs)
+                # Bounded as its probe was: a kernel hanging at a later step only held the job forever.
+                out = _call(timer, kernel, computation, sample, attrs,
+                            timeout=plan.timeout if computation in plan.kernel.custom else None)
         except Exception as err:  # a kernel failing later than its probe: a row saying so
             status = ("not_applicable" if isinstance(err, errors.NotApplicable) else
-                      "shape_mismatch" if isinstance(err, kernels.ShapeMismatch) else "crash")
+                      "shape_mismatch" if isinstance(err, kernels.ShapeMismatch) else
+                      "timeout" if isinstance(err, kernels.CallTimeout) else "crash")
             failed.append({**plan.meta, "layer": base["layer"], "step": base["step"], "computation": computation,
                            "case": case, "status": status, "error": f"{type(err).__name__}: {err}"})
             twins.pop(case, None)  # no row downstream either: its row is above
+            if status == "timeout":  # each further call would wait it out again: the verdict is settled
+                break
         else:
             with timer("score"):
                 for tensor, of_tensor in scored.items():

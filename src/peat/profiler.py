@@ -121,16 +121,18 @@ def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layer
 
 def match_names(names: list[str], patterns: list[str], key: str, where: str = "") -> list[str]:
     """``names`` (recordable layers, in model order) that match any glob in ``patterns``; a glob
-    that matches none fails naming config ``key`` (``where``: which model, when the key does not say)."""
+    that matches none fails naming ``key`` (``where``: which model, when the key does not say): a
+    config key, or a command-line option as it is typed (benchmarks' ``--record-layers``)."""
+    named = key if key.startswith("--") else f"config key '{key}'"
     if isinstance(patterns, str):  # iterated, it would be one glob per character
-        raise PeatError(f"config key '{key}': expected a list of globs, got the string {patterns!r} "
+        raise PeatError(f"{named}: expected a list of globs, got the string {patterns!r} "
                         f"(write [{patterns!r}])")
     chosen = set()
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             have = f"layers are e.g. {', '.join(names[:6])}" if names else "there are none"
-            raise PeatError(f"config key '{key}': {pattern!r} matches no conv/linear/norm layer{where}; {have}")
+            raise PeatError(f"{named}: {pattern!r} matches no conv/linear/norm layer{where}; {have}")
         chosen.update(hits)
     return [n for n in names if n in chosen]
 

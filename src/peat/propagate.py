@@ -55,7 +55,8 @@ class Propagator:
     seed: int = 0
     samples: int | None = 2          # propagated steps per layer (evenly spaced); None = all replayed
     device: torch.device = torch.device("cpu")
-    _models: OrderedDict = field(default_factory=OrderedDict, repr=False)  # step -> (model, float64 copy)
+    # step -> (model, its float64 copy, the names of its _fast modules)
+    _models: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def __post_init__(self):
         from .data import load
@@ -87,11 +88,19 @@ class Propagator:
         """
         if step not in self._models:
             model = self.model_at(step)
-            self._models[step] = (model, _float64(model))
+            fast = _fast_modules(model)
+            self._models[step] = (model, _float64(model, fast), fast)
             while len(self._models) > KEEP_MODELS:
                 self._models.popitem(last=False)
         self._models.move_to_end(step)
-        return self._models[step]
+        return self._models[step][:2]
+
+    def fast_at(self, step: int) -> set[str]:
+        """The modules of ``models_at(step)``'s float32 network that ``_conv`` computes (``_fast``),
+        found once with it: checking every weight is finite took a pass over the whole network
+        (45 MB for ResNet-18) at every layer followed. Its weights never change after it is built."""
+        self.models_at(step)
+        return self._models[step][2]
 
     def model_at(self, step: int) -> torch.nn.Module:
         """The network as it was before ``step``: checkpoint weights, recorded layers exact."""
@@ -198,7 +207,7 @@ class Propagator:
                     return forward(a)
             return run
 
-        with _downstream(model, layer, self.before[layer], channels_last=x.device.type == "cpu"):
+        with _downstream(model, layer, self.before[layer], channels_last=x.device.type == "cpu", fast=self.fast_at(step)):
             gold = self.observe(model, layer, nxt, x, y, itself(model), prefix=prefix, seed=seed)
             ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
                                  itself(model64), prefix=prefix.on(model64, torch.float64), seed=seed)
@@ -263,13 +272,19 @@ class Propagator:
                 + [row(case, seen[point].cpu().float()) for case, seen in runs.items()])
 
 
-def _float64(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of ``model``, for the reference run; its convolutions compute as ``_conv``."""
+def _float64(model: torch.nn.Module, fast: set[str]) -> torch.nn.Module:
+    """A float64 copy of ``model``, for the reference run; its convolutions ``fast``
+    (``_fast_modules(model)``: the copy's weights are as finite) compute as ``_conv``."""
     twin = copy.deepcopy(model).double()
-    for module in twin.modules():
-        if _fast(module):
+    for name, module in twin.named_modules():
+        if name in fast:
             module.forward = functools.partial(_conv, module, {})
     return twin
+
+
+def _fast_modules(model: torch.nn.Module) -> set[str]:
+    """The names of ``model``'s modules that are ``_fast``."""
+    return {name for name, module in model.named_modules() if _fast(module)}
 
 
 def _fast(module: torch.nn.Module) -> bool:
@@ -296,7 +311,7 @@ def _conv(conv: torch.nn.Conv2d, cache: dict, x: torch.Tensor) -> torch.Tensor:
         return conv._conv_forward(x, conv.weight, conv.bias)
     n, _, h, w = x.shape
     # A non-finite input times a zero of the matrix would spoil every output, not those reading it.
-    if conv.groups == 1 and h * w < conv.kernel_size[0] * conv.kernel_size[1] and bool(torch.isfinite(x).all()):
+    if conv.groups == 1 and h * w < conv.kernel_size[0] * conv.kernel_size[1] and _all_finite(x):
         if (h, w) not in cache:
             cache[h, w] = _matrix(conv, h, w)
         m, bias, (ho, wo) = cache[h, w]
@@ -312,6 +327,13 @@ def _conv(conv: torch.nn.Conv2d, cache: dict, x: torch.Tensor) -> torch.Tensor:
             out += conv.bias
         return _maps(out, x, ho, wo)
     return F.conv2d(x, weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Every element of ``x`` finite. A sum holding a NaN or an inf is not finite, so a finite sum
+    settles it in one reduction, without isfinite's mask (and the deterministic mode's fill of
+    it); an overflowing sum of finite values is checked element by element."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def _maps(out: torch.Tensor, x: torch.Tensor, ho: int, wo: int) -> torch.Tensor:
@@ -543,11 +565,11 @@ class Prefix:
 
 
 @contextmanager
-def _downstream(model: torch.nn.Module, layer: str, before: set[str], channels_last: bool):
+def _downstream(model: torch.nn.Module, layer: str, before: set[str], channels_last: bool, fast: set[str]):
     """``model``'s float32 convolutions after ``layer`` (L) computing faster while inside: without
     the products with zero padding (``_conv``), and where ``channels_last``, in channels-last
     memory (L's 4-d output laid out so, and their weights). L and the modules whose forward
-    starts before it (``before``) are untouched.
+    starts before it (``before``) are untouched. ``fast``: ``_fast_modules(model)``.
 
     On the CPU these forwards are most of what the later observing points cost. oneDNN's float32
     convolution can be much faster in channels-last memory: ResNet-18's forward on a batch of 64
@@ -560,7 +582,8 @@ def _downstream(model: torch.nn.Module, layer: str, before: set[str], channels_l
     golden's own computation before L keeps L's input golden training's own.
     """
     modules = dict(model.named_modules())
-    after = [m for name, m in modules.items() if name != layer and name not in before and _fast(m)
+    after = [m for name, m in modules.items() if name != layer and name not in before
+             and name in fast
              and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
     weights = [m.weight.data for m in after]
     for module in after:

@@ -22,6 +22,10 @@ import pandas as pd
 from . import provenance
 from .io import PeatError, atomic_path, read_csv, read_json, write_csv
 
+# What the verdict and candidate sections say of layers_not_injected (playback record, outcome.json).
+NOT_INJECTED_NOTE = ("<b>not injected</b> names the computation and the layers where the kernel's error was never "
+                     "injected, as that computation never runs there (the input gradient of a layer fed by data, "
+                     "a frozen weight's gradient)")
 # Section key -> (title, caption shown when a figure has no caption file of its own).
 SECTIONS = {
     "verdicts": ("Kernel verdicts", (
@@ -33,7 +37,8 @@ SECTIONS = {
         "not_applicable: the model records no layer of the kernel's op, so nothing was replayed); "
         "<b>confidence</b> (0..1) is how consistently the tensors of the failing layers point to "
         "that error model. <b>injected</b> names the error a test kernel injects on purpose (config "
-        "key kernels.&lt;name&gt;.error), so its row shows whether the Detector recognized it.")),
+        "key kernels.&lt;name&gt;.error), so its row shows whether the Detector recognized it; "
+        f"{NOT_INJECTED_NOTE}: the verdict there comes from golden rows.")),
     "golden": ("Golden training", (
         "Training curves of the trusted golden runs that every other stage compares against. "
         "Left: loss per optimizer step (line, training batches) and on the validation split after "
@@ -50,7 +55,7 @@ SECTIONS = {
         "gives each run's outcome (status ok, crash, oom, timeout or shape_mismatch, final validation loss and accuracy of "
         "candidate and golden); <b>rfi.csv</b> the same for frequency-based runtime fault "
         "injection, where the faulty kernel is active only in the first fraction of the steps "
-        "(<b>case</b>).")),
+        f"(<b>case</b>). {NOT_INJECTED_NOTE}: those layers trained as golden.")),
     "analyze": ("Analyzer", (
         "The Analyzer's characterization of each candidate kernel against the golden kernel on "
         "the replayed training context: per layer and computation (forward, input gradient, "
@@ -83,7 +88,7 @@ SECTIONS = {
 # The CSV tables written beside index.html (always, header-only when a stage has no data yet),
 # with the columns they start with; a stage's own columns follow.
 TABLES = {
-    "verdicts.csv": ["model", "vendor", "kernel", "verdict", "error_model", "confidence", "injected"],
+    "verdicts.csv": ["model", "vendor", "kernel", "verdict", "error_model", "confidence", "injected", "not_injected"],
     "golden.csv": ["model", "vendor", "epochs", "steps", "val_loss", "val_accuracy", "val_perplexity"],
     "alter_sensitivity.csv": ["model", "vendor"],
     "alter_absorbed.csv": ["model", "vendor"],
@@ -94,7 +99,7 @@ TABLES = {
 }
 MAX_ROWS = 40
 # A JSON result's columns that lead its row, where it has them: a candidate or RFI run's, a drill's.
-OUTCOME_COLUMNS = ("status", "steps_trained", "max_abs_loss_diff", "nonfinite_loss", "message",
+OUTCOME_COLUMNS = ("status", "steps_trained", "max_abs_loss_diff", "nonfinite_loss", "message", "not_injected",
                    "outcome", "detected", "detection_step", "localized", "right_rank", "false_alarms")
 # Caption files are named <rule file>_<figure>.rst; these stages' figures come from another file.
 CAPTION_ALIASES = {"analyze": ("playback",), "detect": ("playback",), "candidate": ("kernels",)}
@@ -268,7 +273,25 @@ def _verdict_row(path: Path, model: str, vendor: str, injected: str) -> dict:
     return {"model": model, "vendor": vendor, "kernel": path.stem,
             "verdict": "not_applicable" if untested else data["verdict"],
             "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan")),
-            "injected": injected, **provenance.columns(data)}
+            "injected": injected, "not_injected": _not_injected(_sidecar(path, model, vendor)),
+            **provenance.columns(data)}
+
+
+def _sidecar(verdict: Path, model: str, vendor: str) -> dict:
+    """The playback record a verdict was judged from (results/playback/<model>/<vendor>/<kernel>.json);
+    {} where there is none."""
+    path = verdict.parents[3] / "playback" / model / vendor / verdict.name
+    data = read_json(path) if path.is_file() else {}
+    return data if isinstance(data, dict) else {}
+
+
+def _not_injected(data: dict) -> str:
+    """"input_grad at conv1, fc" from a candidate's or RFI case's outcome.json or a playback record
+    that lists ``layers_not_injected``; "" where the error was injected everywhere it was aimed."""
+    layers = data.get("layers_not_injected") or []
+    if not layers:
+        return ""
+    return f"{data.get('computation') or 'its computation'} at {', '.join(layers)}"
 
 
 def _golden_row(path: Path, model: str, vendor: str) -> dict:
@@ -284,6 +307,8 @@ def _flat_row(path: Path, **keys) -> dict:
     """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
     data = read_json(path)
     scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
+    if scalars and "layers_not_injected" in data:  # a list, like the layers it ran in: one cell naming them and the pass
+        scalars["not_injected"] = _not_injected(data)
     # The outcome, then details: how far a candidate or RFI run trained (a crash keeps its curve to
     # there), how far its loss went from golden's and a crash's message; what a drill found, as the
     # section's caption explains it (its localized and right_rank sat behind its settings, in

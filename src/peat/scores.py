@@ -119,34 +119,46 @@ QUIET = np.errstate(over="ignore", invalid="ignore")
 
 
 @QUIET
-def summary(err) -> dict:
+def summary(err, largest: float | None = None) -> dict:
     """PEAT's four scores of an absolute-error array (``err`` >= 0, NaN-free as ``abs_error``
-    gives it): max, mean, top-10 % mean, variance."""
+    gives it): max, mean, top-10 % mean, variance. ``largest``: ``err.max(initial=0.0)``, when
+    known (``Diff.top``): two passes over ``err`` spared."""
     flat = np.asarray(err, dtype=np.float64).reshape(-1)
-    finite = flat if np.isfinite(flat.max(initial=0.0)) else flat[np.isfinite(flat)]
+    largest = flat.max(initial=0.0) if largest is None else largest
+    finite = flat if np.isfinite(largest) else flat[np.isfinite(flat)]
     if finite.size == 0:
         return {"max": math.nan, "mean": math.nan, "top10": math.nan, "var": math.nan}
     k = max(1, math.ceil(TOP_FRACTION * finite.size))
-    top = _top(finite, k)
     # Summed in ascending order: a float64 sum depends on the order of its terms, and the score
     # must not depend on where in the tensor the largest errors lie.
-    largest, top10 = float(top.max()) if top.size else 0.0, float(np.sort(top).sum() / k)
+    known = largest if finite is flat else None
+    top = tensor_stats.top_ascending(finite.reshape(-1), k, known)
+    top = _ascending(_top(finite, k, known)) if top is None else top
+    largest, top10 = float(top[-1]) if top.size else 0.0, float(top.sum() / k)
     mean = float(finite.mean())
     spread = tensor_stats.squared_deviation_sum(finite, mean)  # not np.dot: BLAS threads would spin
     return {"max": largest, "mean": mean, "top10": top10, "var": spread / finite.size}
 
 
-def _top(values: np.ndarray, k: int) -> np.ndarray:
+def _top(values: np.ndarray, k: int, largest: float | None = None) -> np.ndarray:
     """The ``k`` largest of ``values`` (finite float64 >= 0), less the zeros among them: those
     above the k-th largest, then that value as often as it is among them. ``tensor_stats.top``
-    (a radix select on the bit patterns, which order as the values), else ``np.partition``."""
+    (a radix select on the bit patterns, which order as the values; ``largest``, the largest
+    value when known, spares it a pass), else ``np.partition``."""
     flat = np.ascontiguousarray(values).reshape(-1)
-    found = tensor_stats.top(flat, k)
+    found = tensor_stats.top(flat, k, largest)
     if found is not None:
         return found
     kth = np.partition(flat, flat.size - k)[flat.size - k]
     above = flat[flat > kth]
     return above if kth == 0 else np.concatenate([above, np.full(k - above.size, kth)])
+
+
+def _ascending(values: np.ndarray) -> np.ndarray:
+    """``np.sort(values)`` of ``_top``'s values (float64 >= 0): ``tensor_stats.ascending``'s radix
+    sort where it applies, the same array."""
+    found = tensor_stats.ascending(values)
+    return np.sort(values) if found is None else found
 
 
 # Bit b of every byte value, for the per-bit histogram of a byte histogram.
@@ -352,7 +364,7 @@ def tensor_scores(candidate: torch.Tensor, golden: torch.Tensor, reference: torc
     gold = Golden.of(golden) if gold is None else gold
     diff = difference(candidate, gold) if diff is None else diff
     noise = summary(abs_error(reference, golden, gold)) if noise is None else noise
-    abs_scores = summary(diff.err)
+    abs_scores = summary(diff.err, diff.top)
     out = {f"err_{k}": v for k, v in abs_scores.items()}
     out |= {f"noise_{k}": v for k, v in noise.items()}
     out |= {f"rel_{k}": abs_scores[k] / max(noise[k], TINY) for k in abs_scores}

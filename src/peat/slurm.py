@@ -30,14 +30,27 @@ def resources(config: dict, vendor: str | None) -> dict[str, str]:
     return {"slurm_partition": spec.get("partition") or "", "gres": spec.get("gres") or ""}
 
 
+# The gres snakemake-executor-plugin-slurm submits (its set_gres_string): name[:type][:count], the
+# type without '-'. It refuses any other at a job's submission, after the jobs before it have run.
+PLUGIN_GRES = re.compile(r"[a-zA-Z0-9_]+(:[a-zA-Z0-9_.]+)?(:\d+[TGM]?)?")
+
+
 def check_config(config: dict) -> None:
-    """Every GPU vendor the study runs on needs a GPU request, or its jobs would land on CPUs."""
+    """Every GPU vendor the study runs on needs a GPU request, or its jobs would land on CPUs, and
+    every request must be one the SLURM plugin submits."""
     vendors = (config.get("slurm") or {}).get("vendors") or {}
     for vendor in config["vendors"]:
-        if vendor in GPU_VENDORS and not (vendors.get(vendor) or {}).get("gres"):
+        gres = (vendors.get(vendor) or {}).get("gres")
+        if vendor in GPU_VENDORS and not gres:
             raise PeatError(
                 f"config key 'slurm.vendors.{vendor}.gres' is missing: {vendor} jobs need a GPU request "
                 f"such as \"gpu:1\" (and usually a partition)"
+            )
+        if gres and not PLUGIN_GRES.fullmatch(str(gres)):
+            raise PeatError(
+                f"config key 'slurm.vendors.{vendor}.gres': {gres!r} is not a request snakemake-executor-plugin-slurm "
+                f"submits (one NAME[:TYPE][:COUNT], TYPE of letters, digits, '_' and '.'); ask for \"gpu:1\" on a "
+                f"partition of that GPU type"
             )
 
 
@@ -68,7 +81,9 @@ def cluster_nodes() -> dict[str, Partition]:
     which is how a job without a partition asks."""
     if shutil.which("sinfo") is None:
         raise PeatError("executor 'slurm': 'sinfo' is not on PATH (run this on a SLURM login node)")
-    proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c %m %l %G"], capture_output=True, text=True)
+    # --all: a user's sinfo leaves out hidden partitions (Hidden=YES), which sbatch takes all the same.
+    proc = subprocess.run(["sinfo", "--all", "--noheader", "--Node", "--format=%P %c %m %l %G"], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise PeatError(f"executor 'slurm': sinfo failed: {reason}")
@@ -125,11 +140,12 @@ def check_partitions(requested: dict[str, str], origins: dict[str, str], availab
             )
 
 
-def check_sizes(jobs, largest: dict[str, Partition], threads: int = 1) -> None:
+def check_sizes(jobs, largest: dict[str, Partition], threads: int = 1, defaults: list[str] = ()) -> None:
     """Fail on the first job that asks for more CPUs or memory than any node of its partition has,
     or more time than the partition allows: sbatch refuses such memory, but such CPUs pend forever
     (squeue's reason PartitionConfig), and such time too.
-    ``threads``: the config's, which every training job runs whatever it is granted."""
+    ``threads``: the config's, which every training job runs whatever it is granted; ``defaults``:
+    the ``--default-resources`` in effect (``name=value``), which the hints repeat."""
     for job in jobs:
         if getattr(job, "is_local", False):  # localrules (plots, the report) run here, never through sbatch
             continue
@@ -149,13 +165,13 @@ def check_sizes(jobs, largest: dict[str, Partition], threads: int = 1) -> None:
         if (job.resources.get("mem_mb") or 0) > mem_mb:
             raise PeatError(f"rule {rule} asks for {job.resources['mem_mb']} MB (mem_mb), but the largest node of "
                             f"{where} has {mem_mb} MB; lower it, e.g. --set-resources {rule}:mem_mb={mem_mb} "
-                            f"or --default-resources mem_mb={mem_mb}")
+                            f"or {_default_resources(defaults, 'mem_mb', mem_mb)}")
         # Past the partition's MaxTime the job pends forever (reason PartitionTimeLimit), as for CPUs.
         runtime = job.resources.get("runtime") or 0
         if limit is not None and runtime > limit:
             raise PeatError(f"rule {rule} asks for {runtime} min (runtime), but {where} has a time limit of {limit} "
                             f"min: it would pend forever; lower it, e.g. --set-resources {rule}:runtime={limit} "
-                            f"or --default-resources runtime={limit}")
+                            f"or {_default_resources(defaults, 'runtime', limit)}")
         gres = job.resources.get("gres") or ""
         if gres and part.nodes and not any(_has(node, gres) for node in part.nodes):
             vendor = getattr(getattr(job, "wildcards", None), "vendor", None)
@@ -165,15 +181,25 @@ def check_sizes(jobs, largest: dict[str, Partition], threads: int = 1) -> None:
                             f"(gres there: {', '.join(have) or 'none'}): sbatch would refuse it")
 
 
+def _default_resources(defaults: list[str], name: str, value: int) -> str:
+    """``--default-resources`` with ``name`` changed: the option replaces the profile's whole list, so
+    ``mem_mb=N`` alone would drop the profile's runtime (jobs get the partition's default time limit)."""
+    # mem and mem_mib are mem_mb in other units; tmpdir is Snakemake's own default, there whatever
+    # the option gives.
+    same = {"mem_mb": {"mem_mb", "mem", "mem_mib"}}.get(name, {name})
+    kept = [d for d in defaults if d.partition("=")[0] not in same and d != "tmpdir=system_tmpdir"]
+    return " ".join(["--default-resources", f"{name}={value}", *kept])
+
+
 def _has(node: dict, gres: str) -> bool:
     """Whether a node holds the request: its count of that name, of that type if one is named."""
     (name, kind), count = next(iter(gres_counts(gres).items()))
     return sum(c for (n, t), c in node.items() if n == name and kind in ("", t)) >= count
 
 
-def preflight(config: dict, jobs) -> None:
+def preflight(config: dict, jobs, defaults: list[str] = ()) -> None:
     """Run before the first sbatch: config sanity, then every job's partition, CPUs and memory
-    against sinfo."""
+    against sinfo. ``defaults``: the ``--default-resources`` in effect, as ``name=value``."""
     check_config(config)
     jobs = list(jobs)
     requested = {}
@@ -182,4 +208,4 @@ def preflight(config: dict, jobs) -> None:
         requested.setdefault(partition, job.rule.name)
     largest = cluster_nodes()
     check_partitions(requested, config_origins(config), sorted(name for name in largest if name))
-    check_sizes(jobs, largest, config["threads"])
+    check_sizes(jobs, largest, config["threads"], list(defaults or ()))

@@ -265,7 +265,11 @@ onstart:
     # Before the first sbatch: a partition the cluster lacks, or a request no node meets, fails here.
     if workflow.executor_plugin.name == "slurm":
         try:
-            peat.slurm.preflight(config, workflow.dag.needrun_jobs())
+            peat.slurm.preflight(
+                config,
+                workflow.dag.needrun_jobs(),
+                workflow.resource_settings.default_resources.args,
+            )
         except PeatError as err:
             sys.exit(f"peat: {err}")
     # Jobs run here: without this, a GPU vendor's jobs failed only after the jobs before them had run.

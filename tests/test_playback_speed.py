@@ -1,0 +1,110 @@
+"""The shortcuts that make playback's scoring and later observing points cheaper compute exactly
+what they replace: the same values, bit for bit, and the same modules patched."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from peat import scores, tensor_stats
+from peat.propagate import _all_finite, _downstream, _fast, _fast_modules, _float64
+
+
+def _compiled():
+    if not tensor_stats.compiled():
+        pytest.skip("no C compiler here")
+
+
+@pytest.mark.parametrize("n", [16384, 20001])
+def test_select_of_keys_below_two_to_the_sixteen_is_numpys_partition(n):
+    """select counts keys below 2^16 directly when the rank's key is one of them (ULP distances near
+    golden), else runs its radix rounds: np.partition's key either way, across that boundary too."""
+    _compiled()
+    rng = np.random.default_rng(n)
+    straddle = np.where(rng.random(n) < 0.5, 65535, 65536)
+    for keys in (rng.geometric(0.3, n).astype(np.uint32), straddle.astype(np.uint32), straddle.astype(np.uint64),
+                 np.where(rng.random(n) < 0.01, 2**31, rng.integers(0, 9, n)).astype(np.uint32),
+                 rng.integers(0, 2**32, n, dtype=np.uint32), np.zeros(n, dtype=np.uint32)):
+        for i in sorted({0, n // 2 - 1, n // 2, n - 1, int(rng.integers(0, n))}):
+            assert tensor_stats.select(keys, i) == np.partition(keys, i)[i], (keys.dtype, i)
+
+
+def test_ascending_is_numpys_sort_and_summary_sums_it_so():
+    """tensor_stats.ascending (a radix sort) is np.sort bit for bit on values >= 0: few distinct ones
+    (an error's largest 10 %), spread over every binade, subnormal, all equal; it declines -0.0.
+    summary's top-10 % mean, summed in that order, is the one np.sort gives."""
+    _compiled()
+    rng = np.random.default_rng(0)
+    n = 70_000
+    few = rng.integers(1, 200, n) * 2.0**-30
+    for x in (few, np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-300, 300, n), np.full(n, 3.0),
+              np.full(n, 2.0**-1074), rng.integers(0, 0x7FEFFFFFFFFFFFFF, n, dtype=np.uint64).view(np.float64)):
+        assert np.array_equal(tensor_stats.ascending(x).view(np.uint64), np.sort(x).view(np.uint64))
+    signed = few.copy()
+    signed[7] = -0.0
+    assert tensor_stats.ascending(signed) is None and tensor_stats.ascending(few[:100]) is None
+    err = few.reshape(700, 100)
+    k = int(np.ceil(scores.TOP_FRACTION * err.size))
+    assert scores.summary(err)["top10"] == float(np.sort(err.reshape(-1))[-k:].sum() / k)
+
+
+def test_all_finite_is_isfinite_all_even_where_the_sum_overflows():
+    big = torch.full((2, 3, 1, 1), 3e38)
+    assert _all_finite(big) and not torch.isfinite(big.sum())  # finite elements, an infinite sum
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for base in (torch.zeros(2, 3, 1, 1), big.clone()):
+            base[1, 2, 0, 0] = bad
+            assert not _all_finite(base)
+    assert _all_finite(torch.zeros(2, 0, 1, 1)) and _all_finite(torch.randn(4, 5, 2, 2, dtype=torch.float64))
+
+
+def test_the_modules_found_fast_once_patch_what_checking_each_time_patches():
+    """_fast_modules, found once per rebuilt network, picks the convolutions _fast picks one by one:
+    the float64 copy and the downstream network patch the same ones either way."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 3, 3, padding=1),
+                          nn.Conv2d(3, 2, 1), nn.Conv2d(2, 2, 3, padding="same"))
+    with torch.no_grad():
+        model[3].weight[0, 0, 0, 0] = float("inf")
+    fast = _fast_modules(model)
+    assert fast == {name for name, m in model.named_modules() if _fast(m)} == {"0", "2"}
+    patched = (lambda net: {name for name, m in net.named_modules() if "forward" in m.__dict__})
+    assert patched(_float64(model, fast)) == {"0", "2"}
+    with _downstream(model, "0", set(), channels_last=True, fast=fast):
+        assert patched(model) == {"2"}
+    assert patched(model) == set()
+
+
+def test_summary_given_the_largest_error_is_the_summary_without_it():
+    """summary and top read the largest error from the caller when it is known (Diff.top): the same
+    scores and the same values as finding it, with infinite errors, zeros, ties and no error."""
+    rng = np.random.default_rng(3)
+    n = 50_000
+    base = rng.integers(0, 300, n) * 2.0**-30
+    for err in (base, np.zeros(n), np.full(n, 7.0), np.where(rng.random(n) < 0.001, np.inf, base), base[:100]):
+        largest = err.max(initial=0.0)
+        assert scores.summary(err, largest) == scores.summary(err)
+        k = max(1, n // 10)
+        if np.isfinite(largest) and tensor_stats.compiled() and err.size >= k:
+            assert np.array_equal(tensor_stats.top(err, k, largest), tensor_stats.top(err, k))
+
+
+@pytest.mark.parametrize("n", [4096, 70_000])
+def test_the_largest_ten_percent_found_sorted_are_top_sorted(n):
+    """top_ascending (the keys from the k-th largest's leading bits on, sorted) is np.sort of top:
+    the same values bit for bit, zeros left out, ties kept, or None (then top and ascending)."""
+    _compiled()
+    rng = np.random.default_rng(n)
+    base = np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-30, 5, n)
+    found = 0
+    for x in (base, np.where(rng.random(n) < 0.5, 0.0, base), np.zeros(n), np.full(n, 5.0),
+              rng.integers(0, 50, n) * 2.0**-20, np.full(n, 2.0**-1074)):
+        for k in sorted({1, 2, n // 10, n // 2, n - 1, n}):
+            for largest in (None, x.max()):
+                got = tensor_stats.top_ascending(x, k, largest)
+                if got is not None:
+                    found += 1
+                    assert np.array_equal(got.view(np.uint64), np.sort(tensor_stats.top(x, k)).view(np.uint64)), k
+    assert found > 50
+    signed = base.copy()
+    signed[3] = -0.0
+    assert tensor_stats.top_ascending(signed, n // 10) is None
