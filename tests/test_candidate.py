@@ -426,6 +426,13 @@ def test_config_cross_checks():
         candidate.check(bad)
     bad["kernels"]["welford_ln"] |= {"op": "linear", "impl": "golden", "computation": "input_grad"}
     candidate.check(bad)
+    # Playback would replay the kernel unharmed and the verdict say pass for a faulty kernel.
+    bad["playback"] = {"computations": ["forward", "weight_grad"]}
+    with pytest.raises(PeatError) as err:
+        candidate.check(bad)
+    assert str(err.value) == ("config key 'kernels.welford_ln.computation': input_grad is not in playback.computations "
+                              "(forward, weight_grad), so playback never injects its error 'tile:4:splitk'; add it "
+                              "there or inject into a replayed computation")
 
 
 def test_config_refuses_a_kernel_seed_its_generator_cannot_take():

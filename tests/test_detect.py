@@ -3,13 +3,14 @@ order, envelopes measured on the inputs, correct alternative kernels passing, an
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from peat import detect, errors, evidence, kernels, scores
+from peat import detect, errors, evidence, io, kernels, scores
 
 torch.set_num_threads(1)
 
@@ -549,6 +550,12 @@ def test_verdict_layers_hold_what_the_readme_says():
                               "score": 1.0, "steps": 3, "classes": {"none": 2, "reduced_precision": 1}}]
     failed = detect.judge(pd.DataFrame(rows[:1]), {"outcome": {"status": "crash", "message": "boom"}})
     assert failed["layers"] == []
+    # A NaN among the top 10 %: the score is infinite, null in the JSON (which has no Infinity).
+    broken = golden.clone()
+    broken.view(-1)[:3] = float("nan")
+    row = {**rows[0], **evidence.evidence(broken, golden, env), "rel_top10": float("inf")}
+    entry = json.loads(io.json_text(detect.verdict(pd.DataFrame([row]))))["layers"][0]
+    assert (entry["error_model"], entry["score"]) == ("non_finite", None)
 
 
 @pytest.mark.parametrize("content", [b"", b"PAR1 cut short"])
