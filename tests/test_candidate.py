@@ -248,7 +248,7 @@ def test_an_error_aimed_at_a_gradient_autograd_never_computes_is_named_not_silen
     kspec = {"op": "conv2d", "error": "nan:1", "computation": "input_grad", "layers": ["conv1", "layer1.0.conv1"]}
     out = candidate.train_candidate("resnet18", spec, "nan_dx", kspec, digits, golden, tmp_path / "out", seed=0)
     assert out["status"] == "ok" and out["layers"] == ["conv1", "layer1.0.conv1"]
-    assert out["layers_not_injected"] == ["conv1"]
+    assert (out["layers_not_injected"], out["computation"]) == (["conv1"], "input_grad")  # the report names both
     assert out["nonfinite_loss"]  # layer1.0.conv1 got it
     warnings = [line for line in capfd.readouterr().err.splitlines() if "never injected" in line]
     assert warnings == ["warning: kernels.nan_dx.error 'nan:1' is never injected at layer 'conv1': the backward pass "

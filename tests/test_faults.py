@@ -316,7 +316,8 @@ def test_playback_of_an_error_aimed_at_a_gradient_the_context_never_records_name
     kspec = {"op": "conv2d", "error": "nan:1", "computation": "input_grad", "layers": ["conv1"]}
     playback.run_job("resnet18", "cpu", "nan_dx", kspec, tmp_path / "golden/context.h5", tmp_path / "k.parquet",
                      tmp_path / "k.json", errors_=[], settings={}, rules={})
-    assert json.loads((tmp_path / "k.json").read_text())["layers_not_injected"] == ["conv1"]
+    record = json.loads((tmp_path / "k.json").read_text())
+    assert (record["layers_not_injected"], record["computation"]) == (["conv1"], "input_grad")  # the report names both
     assert [line for line in capfd.readouterr().err.splitlines() if "never injected" in line] == [
         "warning: kernels.nan_dx.error 'nan:1' is never injected at layer 'conv1': the context records no input_grad "
         "there"]

@@ -471,7 +471,8 @@ def train_candidate(model: str, spec: dict, kernel_name: str, kspec: dict, data_
     # Read before training: a damaged golden curve is one line naming it, not a traceback after hours.
     golden = read_csv(golden_dir / "metrics.csv", required=("step", "epoch", "split", *CURVES))
     record = {"model": model, "vendor": vendor, "kernel": kernel_name, "op": kspec["op"],
-              "impl": kspec.get("impl", "golden"), "error": kspec.get("error"), "schedule": schedule,
+              "impl": kspec.get("impl", "golden"), "error": kspec.get("error"),
+              "computation": kspec.get("computation", "forward") if kspec.get("error") else None, "schedule": schedule,
               "layers_requested": layers}
     # A rerun starts afresh (above) and no rule reads a candidate's or an RFI case's epoch
     # checkpoints: their results are curves, calls and final weights. So neither is written.

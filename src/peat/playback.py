@@ -261,6 +261,7 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     sidecar = {"context": str(plan.context), "context_attrs": _jsonable(info["attrs"]), "layers": layers,
                "errors": plan.errors, "max_samples": plan.max_samples, "outcomes": outcomes,
                "outcome": _overall(outcomes), "timings": timer.record(), "layers_not_injected": uninjected,
+               "computation": plan.kernel.meta.get("computation") if plan.kernel.meta.get("error") else None,
                **plan.meta}
     return table, sidecar
 
