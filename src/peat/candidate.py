@@ -19,7 +19,6 @@ import fnmatch
 import math
 import re
 import shutil
-import sys
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Callable
@@ -342,8 +341,8 @@ def _warn_uninjected(module, layer: str, kernel_name: str, kspec: dict, listed: 
         if not needed:
             why = "its weight is frozen (or absent)" if computation == "weight_grad" else \
                 "its input needs no gradient (data, or only frozen layers before it)"
-            print(f"warning: kernels.{kernel_name}.error {kspec['error']!r} is never injected at layer {layer!r}: "
-                  f"the backward pass computes no {computation} there, as {why}", file=sys.stderr, flush=True)
+            errors.warn_never_injected(kernel_name, kspec["error"], layer,
+                                       f"the backward pass computes no {computation} there, as {why}")
             with listed.open("a") as f:
                 f.write(f"{layer}\n")
 

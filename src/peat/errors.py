@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -435,6 +436,13 @@ def _splitk_chunks(model: ErrorModel, t, operands):
 
 
 # -- faulty kernels --------------------------------------------------------------------------
+def warn_never_injected(kernel_name: str, error: str, layer: str, why: str) -> None:
+    """One line on stderr: a faulty kernel's error has nothing to act on at ``layer``, so what
+    reads as the error absorbed there (candidate training) or a clean verdict (playback) is golden's."""
+    print(f"warning: kernels.{kernel_name}.error {error!r} is never injected at layer {layer!r}: {why}",
+          file=sys.stderr, flush=True)
+
+
 def faulty(kernel, error, computation: str = "forward", seed: int = 0, strict: bool = False):
     """``kernel`` with ``error`` injected into one computation (casts act on its operands).
 

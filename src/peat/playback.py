@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -275,8 +274,8 @@ def _uninjected(plan: Plan, layers: list[str], probed: dict) -> list[str]:
         return []
     missing = [layer for layer in layers if (layer, computation) not in probed]
     for layer in missing:
-        print(f"warning: kernels.{plan.meta.get('kernel', plan.kernel.name)}.error {plan.kernel.meta['error']!r} "
-              f"is never injected at layer {layer!r}: the context records no {computation} there", file=sys.stderr)
+        errors.warn_never_injected(plan.meta.get("kernel", plan.kernel.name), plan.kernel.meta["error"], layer,
+                                   f"the context records no {computation} there")
     return missing
 
 
