@@ -353,7 +353,8 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
                                         r"a:runtime=120 or --default-resources runtime=120$"):
         slurm.check_sizes([job("a", 1, "short", runtime=121)], timed)
     # A GPU request, against each node's generic resources as sinfo lists them.
-    nodes = [slurm.gres_counts("gpu:a100:4(S:0-1)"), slurm.gres_counts("gpu:v100:2,mps:100")]
+    nodes = [slurm.Node(64, 512000, slurm.gres_counts("gpu:a100:4(S:0-1)")),
+             slurm.Node(64, 512000, slurm.gres_counts("gpu:v100:2,mps:100"))]
     gpus = {"gpu": slurm.Partition(64, 512000, None, tuple(nodes))}
     asking = [job(str(i), 1, "gpu") for i in range(4)]
     for each, gres in zip(asking, ["gpu", "gpu:4", "gpu:v100:2", "gpu:A100:1"]):
@@ -374,6 +375,23 @@ def test_sizes_are_checked_against_the_largest_node_of_the_jobs_partition():
                                         r"default partition has 4: it would pend forever; lower the config's "
                                         r"'threads' to 4 \(reruns everything\)$"):
         slurm.check_sizes([job("golden_train", 8)], largest, threads=8)
+    # The largest node in CPUs is not the largest in memory, nor the one with the GPU: a job runs on one.
+    mixed = [slurm.Node(32, 4000), slurm.Node(4, 256000), slurm.Node(8, 16000, slurm.gres_counts("gpu:1"))]
+    mixed = {"": slurm.Partition(32, 256000, None, tuple(mixed))}
+    fitting = [job("a", 32, mem_mb=4000), job("b", 4, mem_mb=256000), job("c", 8, mem_mb=16000)]
+    fitting[2].resources["gres"] = "gpu:1"
+    slurm.check_sizes(fitting, mixed)
+    with pytest.raises(PeatError) as err:
+        slurm.check_sizes([job("e", 16, mem_mb=64000)], mixed)
+    assert str(err.value) == ("rule e asks for 16 CPUs per task and 64000 MB, but no single node of the default "
+                              "partition has them together (nodes: 32 CPUs/4000 MB; 4 CPUs/256000 MB; "
+                              "8 CPUs/16000 MB/gpu:1): SLURM cannot place it; lower one of them (--set-threads, "
+                              "--set-resources)")
+    gpu_job = job("f", 16, mem_mb=1000)
+    gpu_job.resources["gres"] = "gpu:1"
+    with pytest.raises(PeatError, match=r"^rule f asks for 16 CPUs per task and 1000 MB and --gres=gpu:1, but no "
+                                        r"single node"):
+        slurm.check_sizes([gpu_job], mixed)
 
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .io import PeatError
 
@@ -67,13 +67,24 @@ def config_origins(config: dict) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Node:
+    cpus: int
+    mem_mb: int
+    gres: dict = field(default_factory=dict)  # {(name, type): count}
+
+    def __str__(self) -> str:
+        gres = ",".join(f"{n}:{t}:{c}" if t else f"{n}:{c}" for (n, t), c in sorted(self.gres.items()))
+        return f"{self.cpus} CPUs/{self.mem_mb} MB" + (f"/{gres}" if gres else "")
+
+
+@dataclass(frozen=True)
 class Partition:
     """What a partition offers a job, as ``sinfo`` lists it."""
 
     cpus: int                         # of its largest node
     mem_mb: int                       # of its largest node
     time_limit: int | None = None     # minutes; None: infinite
-    nodes: tuple[dict, ...] = ()      # each node's generic resources, {(name, type): count}
+    nodes: tuple[Node, ...] = ()
 
 
 def cluster_nodes() -> dict[str, Partition]:
@@ -92,8 +103,9 @@ def cluster_nodes() -> dict[str, Partition]:
         partition, cpus, mem, limit, gres = line.split()
         for name in {partition.rstrip("*"), *([""] if partition.endswith("*") else [])}:
             have = largest.get(name, Partition(0, 0))
-            largest[name] = Partition(max(have.cpus, int(cpus.rstrip("+"))), max(have.mem_mb, int(mem.rstrip("+"))),
-                                      time_limit_minutes(limit), (*have.nodes, gres_counts(gres)))
+            node = Node(int(cpus.rstrip("+")), int(mem.rstrip("+")), gres_counts(gres))
+            largest[name] = Partition(max(have.cpus, node.cpus), max(have.mem_mb, node.mem_mb),
+                                      time_limit_minutes(limit), (*have.nodes, node))
     return largest
 
 
@@ -176,9 +188,17 @@ def check_sizes(jobs, largest: dict[str, Partition], threads: int = 1, defaults:
         if gres and part.nodes and not any(_has(node, gres) for node in part.nodes):
             vendor = getattr(getattr(job, "wildcards", None), "vendor", None)
             key = f" (config key 'slurm.vendors.{vendor}.gres')" if vendor else ""
-            have = sorted({f"{n}:{t}:{c}" if t else f"{n}:{c}" for node in part.nodes for (n, t), c in node.items()})
+            have = sorted({f"{n}:{t}:{c}" if t else f"{n}:{c}" for node in part.nodes for (n, t), c in node.gres.items()})
             raise PeatError(f"rule {rule} asks for --gres={gres}{key}, but no node of {where} has it "
                             f"(gres there: {', '.join(have) or 'none'}): sbatch would refuse it")
+        # Each alone fits some node, but a job runs on one: the CPUs on one node, the memory on another.
+        mem = job.resources.get("mem_mb") or 0
+        if part.nodes and not any(node.cpus >= job.threads and node.mem_mb >= mem and (not gres or _has(node, gres))
+                                  for node in part.nodes):
+            asked = f"{job.threads} CPUs per task and {mem} MB" + (f" and --gres={gres}" if gres else "")
+            raise PeatError(f"rule {rule} asks for {asked}, but no single node of {where} has them together "
+                            f"(nodes: {'; '.join(sorted(set(map(str, part.nodes))))}): SLURM cannot place it; "
+                            "lower one of them (--set-threads, --set-resources)")
 
 
 def _default_resources(defaults: list[str], name: str, value: int) -> str:
@@ -194,7 +214,7 @@ def _default_resources(defaults: list[str], name: str, value: int) -> str:
 def _has(node: dict, gres: str) -> bool:
     """Whether a node holds the request: its count of that name, of that type if one is named."""
     (name, kind), count = next(iter(gres_counts(gres).items()))
-    return sum(c for (n, t), c in node.items() if n == name and kind in ("", t)) >= count
+    return sum(c for (n, t), c in node.gres.items() if n == name and kind in ("", t)) >= count
 
 
 def preflight(config: dict, jobs, defaults: list[str] = ()) -> None:
