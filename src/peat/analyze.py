@@ -393,11 +393,12 @@ def _whole_decades(logs: np.ndarray, *anchors: float) -> tuple[float, float]:
 
 
 def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], lists) -> None:
-    """One error map per case: the first replayed step of the first layer by name, forward pass
-    (else input_grad, else weight_grad). One colour scale for all panels (a scale per panel made a
+    """One error map per case: the first replayed step of the network's first layer (the table's
+    order: by name, GPT-2's lm_head came first), forward pass (else input_grad, else weight_grad). One colour scale for all panels (a scale per panel made a
     rounding-sized error look as bright as a lane fault's), from the smallest nonzero block to the
     largest; blocks without error are drawn apart, as no logarithm fits them."""
-    first = own.sort_values(["computation", "layer", "step"]).groupby("case", sort=True).head(1)
+    depth = own["layer"].map({layer: i for i, layer in enumerate(dict.fromkeys(own["layer"]))})
+    first = own.assign(depth=depth).sort_values(["computation", "depth", "step"]).groupby("case", sort=True).head(1)
     cases = first.to_dict("records")
     index = sorted(first.index)
     found = dict(zip(index, lists("map", index)))
