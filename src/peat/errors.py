@@ -328,21 +328,29 @@ def _lane(model: ErrorModel, t: torch.Tensor, generator) -> torch.Tensor:
     # At least one lane to draw: an empty tensor's selects nothing.
     period = max(1, min(model.count, m.shape[1]))
     lane = int(torch.randint(period, (1,), generator=generator))
-    if model.mode == "stuck":
+    std = None if model.mode == "stuck" else _finite_stats(t)[1]
+
+    def corrupted(cols: slice) -> torch.Tensor:  # the faulty values of columns ``cols``
+        if model.mode != "stuck":
+            # Where one std is below the dtype's spacing (bf16 near 300), the lane would round back, unchanged.
+            return _nudged(m[:, cols], std)
         # One row (a norm's weight gradient is a vector): each column's first value is itself, so the
         # lane is stuck at its own first element instead.
-        new = m[:1].expand_as(m) if len(m) > 1 else m[:, torch.arange(m.shape[1], device=m.device) % period]
-    else:
-        # Where one std is below the dtype's spacing (bf16 near 300), the lane would round back, unchanged.
-        new = _nudged(m, _finite_stats(t)[1])
-    changing = (~_kept(m, new)).any(0)
-    if not bool(changing[lane::period].any()):
+        return m[:1, cols].expand_as(m[:, cols]) if len(m) > 1 else \
+            m[:, torch.arange(m.shape[1], device=m.device)[cols] % period]
+
+    # The drawn lane alone first: the whole matrix only where it is left as it was (one lane in `period`).
+    new = corrupted(slice(lane, None, period))
+    if not bool((~_kept(m[:, lane::period], new)).any()):
         # A lane it leaves as it was (all inf or NaN under an offset; dead channels, constant down their
         # columns, stuck at that value) was a case labeled periodic_lane that was golden.
+        every = corrupted(slice(None))
+        changing = (~_kept(m, every)).any(0)
         lanes = torch.zeros(math.ceil(len(changing) / period) * period, dtype=torch.bool)
         lanes[:len(changing)] = changing.cpu()
         lane = _redrawn(lane, lanes.view(-1, period).any(0), generator)
-    m[:, lane::period] = new[:, lane::period]
+        new = every[:, lane::period]
+    m[:, lane::period] = new
     return unmatrix(m.t() if model.axis == "row" else m, t)
 
 
