@@ -103,7 +103,8 @@ class ErrorModel:
             out = _lane(self, t, generator)
         else:
             out = _tile(self, t, generator, operands)
-        self._previous = t.detach().clone()  # what a stale tile would still hold next call
+        if self.mode == "stale":  # what a stale tile would still hold next call; a copy of every result else
+            self._previous = t.detach().clone()
         if self.strict and not self.on_operands and bool(_kept(t.detach(), out).all()):
             raise NotInjected(f"error spec {self.spec!r} changes nothing in this result (shape {tuple(t.shape)}): "
                               "every element it can act on already holds what it would set")
