@@ -3,6 +3,7 @@ contexts: a tiny model trained a few steps under the real Profiler, and the test
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import json
@@ -180,6 +181,22 @@ def test_reduced_precision_is_accepted_unless_configured(context):
     assert detect.verdict(table)["error_model"] == "reduced_precision"
     assert detect.verdict(table)["verdict"] == "pass"
     assert detect.verdict(table, detect.Rules(accept_reduced_precision=False))["verdict"] == "fail"
+
+
+def test_a_verdict_judges_with_the_rules_playback_scored_the_table_with(context):
+    """judge(table, record, rules=Rules(k32=16)) on a table scored with k32 = 8 named k32 = 16 in
+    its evidence and applied 8 (the envelopes, S and G are measured in playback); judge(table,
+    record) named the defaults whatever playback had used. The record keeps its rules now."""
+    wide = detect.Rules(k32=16)
+    table, record = replay(context, errors=[], layers=["4"], computations=("forward",), rules=wide)
+    assert record["rules"] == dataclasses.asdict(wide)
+    assert detect.judge(table, record)["evidence"]["rules"] == dataclasses.asdict(wide)
+    strict = dataclasses.replace(wide, accept_reduced_precision=False)  # the verdict's own setting may differ
+    assert detect.judge(table, record, strict)["evidence"]["rules"]["accept_reduced_precision"] is False
+    with pytest.raises(PeatError, match=r"scored with detect.k32=16 \(given 8.0\); replay with playback.Plan"):
+        detect.judge(table, record, detect.Rules())
+    record.pop("rules")  # a record written before playback kept them: the rules asked, as before
+    assert detect.judge(table, record, detect.Rules(cover=0.95))["evidence"]["rules"]["cover"] == 0.95
 
 
 # A batch norm forward as F.batch_norm's, but for its update of the running statistics.

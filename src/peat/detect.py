@@ -246,10 +246,32 @@ def not_applicable(record: dict) -> str:
     return f"no recorded layer of the kernel's op in {record.get('context')}"
 
 
-def judge(table: pd.DataFrame, record: dict, rules: Rules = Rules()) -> dict:
+# The one setting the verdict alone reads: every other shaped the table's evidence in playback.
+VERDICT_ONLY = ("accept_reduced_precision",)
+
+
+def rules_of(record: dict, rules: Rules | None = None) -> Rules:
+    """The rules to judge a playback's table with: those it was scored with (the record's ``rules``),
+    with ``rules``' ``accept_reduced_precision``. A setting of ``rules`` that differs from the record's
+    in any other is refused: the table's envelopes, S, G and their shapes were measured with the
+    record's, so the verdict would name settings it did not apply."""
+    measured = {k: v for k, v in (record.get("rules") or {}).items() if k in Rules.__dataclass_fields__}
+    if rules is None:
+        return Rules(**measured)
+    differ = [k for k, v in measured.items() if k not in VERDICT_ONLY and getattr(rules, k) != v]
+    if differ:
+        used = ", ".join(f"detect.{k}={measured[k]!r} (given {getattr(rules, k)!r})" for k in differ)
+        raise PeatError(f"playback record of {record.get('context')}: its table was scored with {used}; "
+                        "replay with playback.Plan(rules=...) to judge with other settings")
+    return rules
+
+
+def judge(table: pd.DataFrame, record: dict, rules: Rules | None = None) -> dict:
     """The verdict of one kernel from what ``peat.playback.replay`` returns (its table and record):
     unlike ``verdict`` on the table alone, a crash after the probe (a row with an ``error``) fails
-    it, and nothing replayed passes as not applicable."""
+    it, and nothing replayed passes as not applicable. ``rules``: by default those playback scored
+    the table with (``rules_of``)."""
+    rules = rules_of(record, rules)
     outcome = record.get("outcome", {"status": "ok"})
     if "error" in table and table["error"].notna().any():
         # A pseudo-error model that cannot act on this op (tile:T:splitk on a norm) says
@@ -274,7 +296,8 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules = Rules()) -> dict:
 def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
     """One workflow job: the verdict JSON of one kernel from its playback table and record."""
     # No rule reads the list columns (bits, maps): 80 % of the table's memory in pandas.
-    result = judge(read_parquet_scalars(table_path), read_json(record_path), rules_from(section))
+    rules = None if section is None else rules_from(section)  # None: those playback scored the table with
+    result = judge(read_parquet_scalars(table_path), read_json(record_path), rules)
     write_json(out, result)
     print(f"detect: {result['verdict']} ({result['error_model']}, confidence {result['confidence']:.3f})")
     return result

@@ -23,7 +23,7 @@ import hashlib
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -260,6 +260,7 @@ def replay(plan: Plan) -> tuple[pd.DataFrame, dict]:
     sidecar = {"context": str(plan.context), "context_attrs": _jsonable(info["attrs"]), "layers": layers,
                "errors": plan.errors, "max_samples": plan.max_samples, "outcomes": outcomes,
                "outcome": _overall(outcomes), "timings": timer.record(), "layers_not_injected": uninjected,
+               "rules": asdict(plan.rules),  # what the table's evidence was measured with (detect.rules_of)
                "computation": plan.kernel.meta.get("computation") if plan.kernel.meta.get("error") else None,
                **plan.meta}
     return table, sidecar
