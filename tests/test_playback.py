@@ -84,6 +84,21 @@ def test_one_row_per_tensor_per_case_and_context_untouched(context):
     assert ((ref["rel_top10"] > 0.2) & (ref["rel_top10"] < 5)).all()
 
 
+@pytest.mark.parametrize("given, said", [
+    ({"computations": ("forward", "fwd")}, "playback.Plan: computations holds 'fwd'; each is one of forward, "),
+    ({"max_samples": 0}, "playback.Plan: max_samples=0: steps replayed per layer need an integer >= 1"),
+    ({"max_samples": 1.5}, "playback.Plan: max_samples=1.5: "),
+    ({"layers": "fc"}, "playback.Plan: layers='fc': a list is expected, e.g. ['fc']"),
+    ({"errors": "rv:1"}, "playback.Plan: errors='rv:1': a list is expected"),
+])
+def test_a_plan_refuses_bad_settings_in_one_line(context, given, said):
+    """Unchecked outside the workflow's config schema: a misspelt computation ended the replay in a
+    KeyError, max_samples=0 replayed nothing and its verdict passed as not applicable, and a string
+    was read letter by letter (layers="fc": no recorded layer matches 'f')."""
+    with pytest.raises(PeatError, match=re.escape(said)):
+        playback.Plan(context=context, kernel=kernels.golden("linear"), **given)
+
+
 def test_first_layer_has_no_input_gradient_rows(context):
     table, _ = replay(context, "conv2d", errors=[])
     assert set(table.loc[table["layer"] == "0", "computation"]) == {"forward", "weight_grad"}

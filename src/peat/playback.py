@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from . import detect, errors, evidence, kernels, provenance, scores
-from .io import PeatError, atomic_path, open_h5, write_json
+from .io import PeatError, atomic_path, check_int, open_h5, write_json
 from .profiler import read_layer, recorded_steps
 
 ROW_BINS = 256  # the per-row error profile is summed into at most this many bins
@@ -99,6 +99,22 @@ class Plan:
     propagate: object = None                    # peat.propagate.Propagator or None
     rules: detect.Rules = detect.Rules()
     device: torch.device = torch.device("cpu")
+
+    def __post_init__(self):
+        # The config schema checks these for the workflow; from a library call, a misspelt computation
+        # ended the replay in a KeyError, max_samples=0 replayed nothing and passed as not applicable,
+        # and a string was taken as a list of its letters (layers="fc": the globs 'f' and 'c').
+        for name in ("layers", "errors", "computations"):
+            if isinstance(getattr(self, name), str):
+                raise PeatError(f"playback.Plan: {name}={getattr(self, name)!r}: a list is expected, "
+                                f"e.g. [{getattr(self, name)!r}]")
+        if self.max_samples is not None:
+            check_int("playback.Plan: max_samples", self.max_samples, 1,
+                      "steps replayed per layer need an integer >= 1 (None: every step)")
+        for computation in self.computations:
+            if computation not in kernels.COMPUTATIONS:
+                raise PeatError(f"playback.Plan: computations holds {computation!r}; "
+                                f"each is one of {', '.join(kernels.COMPUTATIONS)}")
 
 
 # -- the context ---------------------------------------------------------------------------
