@@ -588,3 +588,25 @@ def test_rule_of_thumb_on_an_all_nan_result_fails_it_without_a_warning():
         got = detect.peat_rule_of_thumb(rows)
     assert got["verdict"] == "fail" and [f["layer"] for f in got["failed"]] == ["fc", "ln"]
     assert math.isnan(got["failed"][0]["log10_var_floor"]) and got["failed"][1]["log10_var_floor"] == 12.0
+
+
+def test_rule_of_thumb_passes_an_exact_output_without_elements():
+    """A zero-size batch's output is exact (error_model none, allclose holds) but its scores are NaN,
+    which the rule of thumb took for a non-finite error: its baseline failed a correct kernel."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from peat import playback
+
+    rows = []
+    for shape, layer in (((0, 4), "empty"), ((4, 6), "fc")):
+        golden = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        base = {"layer": layer, "op": "linear", "step": 0, "computation": "forward", "fop": "output", "tensor": "O"}
+        scored = playback._Scored(playback.Plan(context=Path("-"), kernel=None), base,
+                                  {"golden": golden, "fp64": golden.double(), **{p: golden for p in evidence.PRECISIONS}})
+        scored.add("kernel", golden.clone())
+        rows += scored.rows
+    got = detect.verdict(pd.DataFrame(rows))
+    assert (got["verdict"], got["error_model"], got["evidence"]["baselines"]["allclose"]["verdict"]) == ("pass", "none", "pass")
+    assert got["evidence"]["baselines"]["peat_rule_of_thumb"] == {"verdict": "pass", "failed": []}
