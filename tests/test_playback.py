@@ -90,11 +90,13 @@ def test_one_row_per_tensor_per_case_and_context_untouched(context):
     ({"max_samples": 1.5}, "playback.Plan: max_samples=1.5: "),
     ({"layers": "fc"}, "playback.Plan: layers='fc': a list is expected, e.g. ['fc']"),
     ({"errors": "rv:1"}, "playback.Plan: errors='rv:1': a list is expected"),
+    ({"layers": []}, "playback.Plan: layers is empty: nothing would be replayed (None: every recorded layer"),
+    ({"computations": ()}, "playback.Plan: computations is empty: nothing would be replayed"),
 ])
 def test_a_plan_refuses_bad_settings_in_one_line(context, given, said):
     """Unchecked outside the workflow's config schema: a misspelt computation ended the replay in a
-    KeyError, max_samples=0 replayed nothing and its verdict passed as not applicable, and a string
-    was read letter by letter (layers="fc": no recorded layer matches 'f')."""
+    KeyError, max_samples=0, layers=[] or computations=() replayed nothing and its verdict passed as
+    not applicable, and a string was read letter by letter (layers="fc": no recorded layer matches 'f')."""
     with pytest.raises(PeatError, match=re.escape(said)):
         playback.Plan(context=context, kernel=kernels.golden("linear"), **given)
 

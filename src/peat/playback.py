@@ -102,12 +102,17 @@ class Plan:
 
     def __post_init__(self):
         # The config schema checks these for the workflow; from a library call, a misspelt computation
-        # ended the replay in a KeyError, max_samples=0 replayed nothing and passed as not applicable,
-        # and a string was taken as a list of its letters (layers="fc": the globs 'f' and 'c').
+        # ended the replay in a KeyError, max_samples=0, layers=[] or computations=() replayed nothing and
+        # passed as not applicable, and a string was taken as a list of its letters (layers="fc": the
+        # globs 'f' and 'c').
         for name in ("layers", "errors", "computations"):
             if isinstance(getattr(self, name), str):
                 raise PeatError(f"playback.Plan: {name}={getattr(self, name)!r}: a list is expected, "
                                 f"e.g. [{getattr(self, name)!r}]")
+        for name in ("layers", "computations"):
+            if getattr(self, name) is not None and len(getattr(self, name)) == 0:
+                raise PeatError(f"playback.Plan: {name} is empty: nothing would be replayed"
+                                + (" (None: every recorded layer of the kernel's op)" if name == "layers" else ""))
         if self.max_samples is not None:
             check_int("playback.Plan: max_samples", self.max_samples, 1,
                       "steps replayed per layer need an integer >= 1 (None: every step)")
