@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from peat import detect, errors, evidence, io, kernels, scores
+from peat.io import PeatError
 
 torch.set_num_threads(1)
 
@@ -610,3 +612,19 @@ def test_rule_of_thumb_passes_an_exact_output_without_elements():
     got = detect.verdict(pd.DataFrame(rows))
     assert (got["verdict"], got["error_model"], got["evidence"]["baselines"]["allclose"]["verdict"]) == ("pass", "none", "pass")
     assert got["evidence"]["baselines"]["peat_rule_of_thumb"] == {"verdict": "pass", "failed": []}
+
+
+@pytest.mark.parametrize("given, said", [
+    ({"tile": 0}, "detect.tile=0: an integer >= 1 expected"),
+    ({"k32": 0}, "detect.k32=0: a number > 1 expected"),
+    ({"cover": 0.3}, "detect.cover=0.3: a number > 0.5 and <= 1 expected"),
+    ({"sparse_min": 2.5}, "detect.sparse_min=2.5: an integer >= 1 expected"),
+    ({"max_tiles": True}, "detect.max_tiles=True: an integer >= 1 expected"),
+    ({"accept_reduced_precision": "no"}, "detect.accept_reduced_precision='no': true or false expected"),
+])
+def test_rules_outside_the_configs_bounds_are_one_line(given, said):
+    """Made in code, Rules were not checked as the config is: tile=0 and k32=0 ended a replay in a
+    ZeroDivisionError, cover=0.3 judged a kernel, and accept_reduced_precision="no" failed in pandas."""
+    with pytest.raises(PeatError, match=f"^{re.escape(said)}$"):
+        detect.Rules(**given)
+    assert detect.Rules(k32=np.float64(16), tile=np.int64(8), band=1, accept_reduced_precision=np.bool_(False))

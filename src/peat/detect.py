@@ -62,6 +62,7 @@ the footprint exact.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -90,6 +91,27 @@ class Rules:
     tile: int = 16              # edge of the tiles the reduced-precision envelope is measured in
     band: float = 2.0           # a rounding error within this factor of tau32 may fall either side of it
     accept_reduced_precision: bool = True
+
+    def __post_init__(self):
+        # The config schema's bounds, for Rules made in code: tile=0 or k32=0 ended a replay in a
+        # ZeroDivisionError, cover=0.3 let a shape explain S with a third of it, and
+        # accept_reduced_precision="no" (a true string) failed in pandas.
+        for name, (least, above, most, integer) in _BOUNDS.items():
+            value = getattr(self, name)
+            kind = numbers.Integral if integer else numbers.Real
+            if (isinstance(value, bool) or not isinstance(value, kind) or not (value > least if above else value >= least)
+                    or (most is not None and value > most)):
+                bound = f"{'>' if above else '>='} {least}" + (f" and <= {most}" if most is not None else "")
+                raise PeatError(f"detect.{name}={value!r}: {'an integer' if integer else 'a number'} {bound} expected")
+        if not isinstance(self.accept_reduced_precision, (bool, np.bool_)):
+            raise PeatError(f"detect.accept_reduced_precision={self.accept_reduced_precision!r}: true or false expected")
+
+
+# Each numeric setting's bounds, as the config schema has them: (least, exclusive, most, integer).
+_BOUNDS = {"k32": (1, True, None, False), "krp": (0, True, None, False), "sparse": (0, True, 1, False),
+           "sparse_min": (1, False, None, True), "fill": (0, True, 1, False), "cover": (0.5, True, 1, False),
+           "block_area": (0, True, 1, False), "max_tiles": (1, False, None, True), "tile": (1, False, None, True),
+           "band": (1, False, None, False)}
 
 
 # -- rules ---------------------------------------------------------------------------------------
