@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import numbers
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -116,6 +117,12 @@ class Plan:
         if self.max_samples is not None:
             check_int("playback.Plan: max_samples", self.max_samples, 1,
                       "steps replayed per layer need an integer >= 1 (None: every step)")
+        # A limit no call can meet failed every kernel as a timeout (or oom): the verdict blamed the kernel.
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real) or not self.timeout > 0:
+            raise PeatError(f"playback.Plan: timeout={self.timeout!r}: seconds per kernel call need a number > 0")
+        if self.memory_mb is not None:
+            check_int("playback.Plan: memory_mb", self.memory_mb, 16,
+                      "extra MiB the isolated first call may map need an integer >= 16 (None: no limit)")
         for computation in self.computations:
             if computation not in kernels.COMPUTATIONS:
                 raise PeatError(f"playback.Plan: computations holds {computation!r}; "
