@@ -481,6 +481,11 @@ def test_a_result_in_another_dtype_or_device_after_the_probe_is_a_shape_mismatch
     playback.write(table, record, tmp_path / "t.parquet", tmp_path / "t.json")
     got = detect.run_job(tmp_path / "t.parquet", tmp_path / "t.json", tmp_path / "v.json")
     assert got["verdict"] == "fail" and got["error_model"] == "shape_mismatch"
+    # The table alone, as judge without the record: a TypeError on the failed row's missing scores, or
+    # (a failed call's row, which has no fop) a pass on the rows scored.
+    alone = detect.verdict(table)
+    assert (alone["verdict"], alone["error_model"], alone["evidence"]["outcome"]["message"]) == \
+        ("fail", "shape_mismatch", f"4 step 2 kernel: {message}")
 
 
 def test_a_kernel_returning_one_buffer_does_not_change_the_result_variants_inject_into(context, tmp_path):

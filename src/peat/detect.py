@@ -191,10 +191,28 @@ def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
 
 
 # -- kernel verdict ------------------------------------------------------------------------------
+def failed(table: pd.DataFrame, outcome: dict) -> tuple[dict, pd.DataFrame]:
+    """The kernel's outcome given the rows of its calls that failed after the probe (a row with an
+    ``error``: a crash, a timeout, a result of another shape or dtype), and the table without them."""
+    if "error" not in table or not table["error"].notna().any():
+        return outcome, table
+    # A pseudo-error model that cannot act on this op (tile:T:splitk on a norm) says
+    # nothing about the kernel; any other failure, in whichever case it came, is its own.
+    own = table[table["error"].notna() & (table["status"] != "not_applicable")]
+    if len(own) and outcome.get("status", "ok") == "ok":  # a failed probe's outcome stays the kernel's
+        bad = own.iloc[0]
+        outcome = {"status": bad.get("status") or "crash",
+                   "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
+    return outcome, table[table["error"].isna()]
+
+
 def verdict(table: pd.DataFrame, rules: Rules = Rules(), outcome: dict | None = None) -> dict:
-    """The Detector's JSON for one kernel from its playback rows (case == "kernel", fop == "output");
-    ``judge`` also reads the failures playback recorded beside them."""
-    if outcome is not None and outcome.get("status", "ok") != "ok":
+    """The Detector's JSON for one kernel from its playback rows (case == "kernel", fop == "output"),
+    failed by a row of a call that failed (``failed``) as by a failed probe's ``outcome``; ``judge``
+    also reads the outcome playback recorded beside them."""
+    # A failed row has no scores: the verdict on a table holding one ended in a TypeError.
+    outcome, table = failed(table, outcome or {"status": "ok"})
+    if outcome.get("status", "ok") != "ok":
         return {"verdict": "fail", "error_model": outcome["status"],  # crash | oom | timeout | shape_mismatch
                 "confidence": 1.0, "evidence": {"outcome": outcome}, "layers": []}
     own = table[(table["case"] == "kernel") & (table["fop"] == "output")]
@@ -296,16 +314,7 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules | None = None) -> dict
     it, and nothing replayed passes as not applicable. ``rules``: by default those playback scored
     the table with (``rules_of``)."""
     rules = rules_of(record, rules)
-    outcome = record.get("outcome", {"status": "ok"})
-    if "error" in table and table["error"].notna().any():
-        # A pseudo-error model that cannot act on this op (tile:T:splitk on a norm) says
-        # nothing about the kernel; any other failure, in whichever case it came, is its own.
-        own = table[table["error"].notna() & (table["status"] != "not_applicable")]
-        if len(own) and outcome.get("status", "ok") == "ok":  # a failed probe's outcome stays the kernel's
-            bad = own.iloc[0]
-            outcome = {"status": bad.get("status") or "crash",
-                       "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
-        table = table[table["error"].isna()]
+    outcome, table = failed(table, record.get("outcome", {"status": "ok"}))
     if outcome.get("status", "ok") != "ok" or not table.empty:
         result = verdict(table, rules, outcome=outcome)
     else:
