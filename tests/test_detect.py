@@ -290,6 +290,23 @@ def test_a_lane_stuck_on_a_norms_weight_gradient_vector_is_a_lane(width):
     assert classify(scattered, golden, env) == "random_value"
 
 
+
+def test_a_stuck_row_lane_on_a_column_vector_is_a_lane_as_on_a_row_vector():
+    """A one-output linear layer's forward (batch 16, one column): a row lane stuck at its first value,
+    3 of 4 wrong, read as random_value, while the same values as a row vector (a norm's weight
+    gradient) read as periodic_lane: only a row vector's values were looked at."""
+    g = torch.Generator().manual_seed(0)
+    sample = {"A": torch.randn(16, 8, generator=g), "W": torch.randn(1, 8, generator=g), "B": torch.randn(1, generator=g)}
+    attrs, gold = {"op": "linear"}, kernels.golden("linear")
+    golden, ref = kernels.call(gold, "forward", sample, attrs), kernels.call(gold, "forward", sample, attrs, torch.float64)
+    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", sample, attrs) for p in evidence.PRECISIONS}
+    faulty = errors.parse("lane:4:stuck:row").apply(golden, torch.Generator().manual_seed(0))
+    assert golden.shape == (16, 1) and int((faulty != golden).sum()) == 3
+    for shape in ((16, 1), (1, 16)):
+        env = evidence.envelopes(golden.reshape(shape), ref.reshape(shape),
+                                 {p: t.reshape(shape) for p, t in rounded.items()})
+        assert classify(faulty.reshape(shape), golden.reshape(shape), env) == "periodic_lane", shape
+
 def test_a_wrong_loss_is_classed_by_its_value():
     """A one-element tensor (the loss at the later observing point) has no layout: beyond the
     reduced-precision envelope its one wrong value reads as a zero, a bit flip or a random value,

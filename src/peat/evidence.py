@@ -221,8 +221,10 @@ def shape(mask: np.ndarray, candidate: torch.Tensor, gold: Golden, noise, rules:
         return out
     if n * rules.cover <= rules.block_area * mask.size:  # else no tiles within block_area can explain S
         out |= _blocks(mask, rules)
-    row = as_matrix(candidate) if mask.shape[0] == 1 else None  # a vector's values, for a stuck lane
-    out |= _lanes(mask, rules, out["sparse"], gold.matrix, 0.0 if isinstance(noise, TileBound) else noise, row)
+    # A vector's values, for a stuck lane: a row's (a norm's weight gradient) or a column's (a one-output
+    # linear layer's forward, a depthwise convolution's weight gradient), whose row lanes are its elements.
+    vector = as_matrix(candidate).reshape(-1) if 1 in mask.shape else None
+    out |= _lanes(mask, rules, out["sparse"], gold.matrix, 0.0 if isinstance(noise, TileBound) else noise, vector)
     if not out["sparse"]:
         return out
     c, g = masked(candidate, mask).astype(np.float32, copy=False), gold.matrix[mask]
@@ -316,8 +318,9 @@ def _stuck_at_first(index: np.ndarray, held: np.ndarray, golden: np.ndarray | No
     to a value golden has, which random values never are."""
     if candidate is None or golden is None or len(index) < 3 or not held[1:].all():
         return False
-    first = golden[0, index[0]]
-    return bool(first != 0 and np.all(candidate[0, index[1:]] == first))
+    # Lanes of one element are a vector's elements, in its flat order whichever way it lies.
+    first = golden.reshape(-1)[index[0]]
+    return bool(first != 0 and np.all(candidate[index[1:]] == first))
 
 
 @QUIET  # a span of golden's infinities is NaN (never within noise), of float32's extremes inf
