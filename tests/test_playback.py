@@ -105,6 +105,17 @@ def test_a_plan_refuses_bad_settings_in_one_line(context, given, said):
         playback.Plan(context=context, kernel=kernels.golden("linear"), **given)
 
 
+def test_a_plan_refuses_a_faulty_kernel_whose_computation_it_does_not_replay(context):
+    """A kernel faulty in its weight gradient, replayed in its forward alone, passed as none: its
+    error was never injected, and no record field said so."""
+    faulty = errors.faulty(kernels.golden("linear"), "rv:3", "weight_grad")
+    with pytest.raises(PeatError, match=re.escape(
+            "playback.Plan: computations (forward, input_grad) leave out weight_grad, where kernel 'mine' injects "
+            "its error rv:3 (kernels.mine.computation): playback.computations must include it")):
+        playback.Plan(context=context, kernel=faulty, computations=("forward", "input_grad"), meta={"kernel": "mine"})
+    assert playback.Plan(context=context, kernel=faulty, computations=("weight_grad",)).kernel is faulty
+
+
 def test_first_layer_has_no_input_gradient_rows(context):
     table, _ = replay(context, "conv2d", errors=[])
     assert set(table.loc[table["layer"] == "0", "computation"]) == {"forward", "weight_grad"}

@@ -127,6 +127,13 @@ class Plan:
             if computation not in kernels.COMPUTATIONS:
                 raise PeatError(f"playback.Plan: computations holds {computation!r}; "
                                 f"each is one of {', '.join(kernels.COMPUTATIONS)}")
+        # A faulty kernel whose faulty computation is not replayed was judged on golden results alone: a pass.
+        meta = getattr(self.kernel, "meta", None) or {}
+        if meta.get("error") and meta.get("computation") not in self.computations:
+            name = self.meta.get("kernel", self.kernel.name)
+            raise PeatError(f"playback.Plan: computations ({', '.join(self.computations)}) leave out "
+                            f"{meta.get('computation')}, where kernel {name!r} injects its error {meta['error']} "
+                            f"(kernels.{name}.computation): playback.computations must include it")
 
 
 # -- the context ---------------------------------------------------------------------------
