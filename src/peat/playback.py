@@ -102,38 +102,50 @@ class Plan:
     device: torch.device = torch.device("cpu")
 
     def __post_init__(self):
-        # The config schema checks these for the workflow; from a library call, a misspelt computation
-        # ended the replay in a KeyError, max_samples=0, layers=[] or computations=() replayed nothing and
-        # passed as not applicable, and a string was taken as a list of its letters (layers="fc": the
-        # globs 'f' and 'c').
-        for name in ("layers", "errors", "computations"):
-            if isinstance(getattr(self, name), str):
-                raise PeatError(f"playback.Plan: {name}={getattr(self, name)!r}: a list is expected, "
-                                f"e.g. [{getattr(self, name)!r}]")
-        for name in ("layers", "computations"):
-            if getattr(self, name) is not None and len(getattr(self, name)) == 0:
-                raise PeatError(f"playback.Plan: {name} is empty: nothing would be replayed"
-                                + (" (None: every recorded layer of the kernel's op)" if name == "layers" else ""))
-        if self.max_samples is not None:
-            check_int("playback.Plan: max_samples", self.max_samples, 1,
-                      "steps replayed per layer need an integer >= 1 (None: every step)")
-        # A limit no call can meet failed every kernel as a timeout (or oom): the verdict blamed the kernel.
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real) or not self.timeout > 0:
-            raise PeatError(f"playback.Plan: timeout={self.timeout!r}: seconds per kernel call need a number > 0")
-        if self.memory_mb is not None:
-            check_int("playback.Plan: memory_mb", self.memory_mb, 16,
-                      "extra MiB the isolated first call may map need an integer >= 16 (None: no limit)")
-        for computation in self.computations:
-            if computation not in kernels.COMPUTATIONS:
-                raise PeatError(f"playback.Plan: computations holds {computation!r}; "
-                                f"each is one of {', '.join(kernels.COMPUTATIONS)}")
-        # A faulty kernel whose faulty computation is not replayed was judged on golden results alone: a pass.
-        meta = getattr(self.kernel, "meta", None) or {}
-        if meta.get("error") and meta.get("computation") not in self.computations:
-            name = self.meta.get("kernel", self.kernel.name)
-            raise PeatError(f"playback.Plan: computations ({', '.join(self.computations)}) leave out "
-                            f"{meta.get('computation')}, where kernel {name!r} injects its error {meta['error']} "
-                            f"(kernels.{name}.computation): playback.computations must include it")
+        # The config schema checks these for the workflow; a library call's were not checked.
+        _check_lists(self)
+        _check_limits(self)
+        _check_injected(self)
+
+
+def _check_lists(plan: Plan) -> None:
+    """A string was taken as a list of its letters (layers="fc": the globs 'f' and 'c'), an empty list
+    (and max_samples=0) replayed nothing and passed as not applicable, a misspelt computation ended
+    the replay in a KeyError."""
+    for name in ("layers", "errors", "computations"):
+        if isinstance(getattr(plan, name), str):
+            raise PeatError(f"playback.Plan: {name}={getattr(plan, name)!r}: a list is expected, "
+                            f"e.g. [{getattr(plan, name)!r}]")
+    for name in ("layers", "computations"):
+        if getattr(plan, name) is not None and len(getattr(plan, name)) == 0:
+            raise PeatError(f"playback.Plan: {name} is empty: nothing would be replayed"
+                            + (" (None: every recorded layer of the kernel's op)" if name == "layers" else ""))
+    for computation in plan.computations:
+        if computation not in kernels.COMPUTATIONS:
+            raise PeatError(f"playback.Plan: computations holds {computation!r}; "
+                            f"each is one of {', '.join(kernels.COMPUTATIONS)}")
+
+
+def _check_limits(plan: Plan) -> None:
+    """A limit no call can meet failed every kernel as a timeout (or oom): the verdict blamed the kernel."""
+    if plan.max_samples is not None:
+        check_int("playback.Plan: max_samples", plan.max_samples, 1,
+                  "steps replayed per layer need an integer >= 1 (None: every step)")
+    if isinstance(plan.timeout, bool) or not isinstance(plan.timeout, numbers.Real) or not plan.timeout > 0:
+        raise PeatError(f"playback.Plan: timeout={plan.timeout!r}: seconds per kernel call need a number > 0")
+    if plan.memory_mb is not None:
+        check_int("playback.Plan: memory_mb", plan.memory_mb, 16,
+                  "extra MiB the isolated first call may map need an integer >= 16 (None: no limit)")
+
+
+def _check_injected(plan: Plan) -> None:
+    """A faulty kernel whose faulty computation is not replayed was judged on golden results alone: a pass."""
+    meta = getattr(plan.kernel, "meta", None) or {}
+    if meta.get("error") and meta.get("computation") not in plan.computations:
+        name = plan.meta.get("kernel", plan.kernel.name)
+        raise PeatError(f"playback.Plan: computations ({', '.join(plan.computations)}) leave out "
+                        f"{meta.get('computation')}, where kernel {name!r} injects its error {meta['error']} "
+                        f"(kernels.{name}.computation): playback.computations must include it")
 
 
 # -- the context ---------------------------------------------------------------------------
