@@ -365,3 +365,32 @@ def test_a_kernel_failure_message_with_dollar_signs_is_written_as_it_is(table, t
         drawn_texts = [t._preprocess_math(t.get_text()) for t in fig.findobj(Text)]
         assert any(message in text and not math for text, math in drawn_texts), name
     assert (tmp_path / "none" / "heatmap.png").exists()
+
+
+def test_the_first_panel_says_when_its_layer_was_not_replayed_there(table, tmp_path, drawn):
+    """A first layer replayed only in backward: its forward panel, the grid's first, was drawn empty
+    on a 0..1 axis without a word (seaborn's legend handles live there, so it seemed to have data)."""
+    back = table[(table["layer"] == "a") & (table["computation"] == "weight_grad")].assign(layer="z")
+    analyze.figures(pd.concat([back, table[table["layer"] == "b"]], ignore_index=True), tmp_path)
+    texts = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in drawn["score_vs_iteration"].axes}
+    assert texts["forward\nz"] == ["not replayed"] and texts["input_grad\nz"] == ["not replayed"]
+    assert all(not t for title, t in texts.items() if title not in ("forward\nz", "input_grad\nz"))
+
+
+def test_results_without_a_finite_error_say_so_and_draw_every_figure(table, tmp_path, drawn):
+    """An output without elements (a zero-size batch) or all NaN has NaN scores: its panels were
+    blank without a word, and a table of such results alone ended the job in seaborn's ValueError
+    ("Could not interpret value `_y`") or UnboundLocalError."""
+    unscored = table["computation"] == "weight_grad"
+    table = table.assign(err_top10=table["err_top10"].where(~unscored), rel_top10=table["rel_top10"].where(~unscored))
+    analyze.figures(table, tmp_path)
+    score = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in drawn["score_vs_iteration"].axes}
+    assert score["weight_grad\na"] == score["weight_grad\nb"] == [analyze.NO_SCORE]
+    assert score["input_grad\na"] == ["not replayed"] and not score["forward\na"]
+    boxes = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in drawn["distributions"].axes}
+    assert boxes == {"computation = forward": [], "computation = input_grad": [],
+                     "computation = weight_grad": [analyze.NO_SCORE]}
+    analyze.figures(table.assign(err_top10=np.nan, rel_top10=np.nan), tmp_path / "none")
+    assert sorted(p.stem for p in (tmp_path / "none").glob("*.png")) == sorted(analyze.FIGURES)
+    for name in ("score_vs_iteration", "distributions"):
+        assert [t.get_text() for t in drawn[name].axes[0].texts] == [analyze.NO_SCORE_ANYWHERE]

@@ -56,6 +56,10 @@ HEAT_WIDTH = 12
 # Decades over fp32 noise the heatmap's colours reach at least: a thousand times the noise, about fp16's
 # rounding (3-4), so a kernel at noise level sits mid-scale and the top colour means reduced precision or worse.
 HEAT_TOP = 3.0
+# What a panel or figure without a finite score says: a result without a finite error (an output without
+# elements, as of a zero-size batch, or one all NaN/Inf) has NaN scores, which no line or box can draw.
+NO_SCORE = "no finite error\n(no element, or all NaN/Inf)"
+NO_SCORE_ANYWHERE = "no result has a finite error (outputs without elements, or all NaN/Inf): nothing to plot"
 # The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
 COLUMNS = [*KEYS, "step", *SCORES, "error", "status", "map_rows", "map_cols", "nonfinite"]
 
@@ -280,40 +284,8 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     # By name, which is forward, input_grad, weight_grad, as in the heatmap: in the table's order a first
     # layer without an input gradient put weight_grad before input_grad, so panels moved between runs.
     computations = sorted(pd.unique(own["computation"]))
-    # A dozen cases in hue alone gave near-identical teals and pinks: the marker tells them apart too.
-    grid = sns.relplot(named[named["layer"].isin(shown)], x="step", y="log10_err_top10", hue="case", style="case", col="layer", row="computation",
-                       kind="line", markers=True, dashes=False, height=2.2, aspect=1.3, row_order=computations,
-                       facet_kws={"sharey": False}, errorbar=None)
-    grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
-    # Two lines: seaborn's "computation = ... | layer = ...", and even "forward | <GPT-2 layer>", overran the next panel's.
-    grid.set_titles("{row_name}\n{col_name}")
-    # Beyond the figure's right edge: a long layer name's title ran under the legend of a one-column grid.
-    sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))
-    for ax in grid.axes.flat:
-        # Steps: a lone step was ticked -0.050 to 0.050, and nine ticks of 0..120 ran into each other.
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True, min_n_ticks=1))
-        if not ax.has_data():  # e.g. the input gradient of a network's first layer: nothing computes it
-            ax.text(0.5, 0.5, "not replayed", ha="center", va="center", transform=ax.transAxes, color="grey")
-            ax.set_yticks([])
-    grid.tight_layout()  # again, for the two-line titles: their first line ran into the panel above
-    if left:
-        _note(grid.figure, f"{len(shown)} of {len(shown) + len(left)} layers: those with the kernel's largest "
-                           f"top-10% error over fp32 noise; left out (in layers.csv): {', '.join(left)}")
-    _save(grid.figure, out / "score_vs_iteration.png", dpi, failed)
-
-    # One x scale for all computations: the axis is relative to each tensor's own fp32 noise, so
-    # forward and backward sit side by side as PEAT compares them.
-    # Beyond MAX_LAYERS, one box per case over every layer and step.
-    cases = list(pd.unique(named["case"]))
-    grid = sns.catplot(named, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
-                       order=cases, col_order=computations, kind="box", legend=not left and "auto", height=3.2,
-                       aspect=0.9, sharex=True, fliersize=2)
-    grid.set_axis_labels(REL_LABEL, "")
-    _cut_beyond(grid, named, cases)
-    if left:
-        _note(grid.figure, f"all {len(shown) + len(left)} layers pooled (each layer's statistics: layers.csv)")
-    _save(grid.figure, out / "distributions.png", dpi, failed)
-
+    _score_vs_iteration(named, shown, left, computations, out / "score_vs_iteration.png", dpi, failed)
+    _distributions(named, left, computations, out / "distributions.png", dpi, failed)
     _heatmap(own[own["case"] == "kernel"], out / "heatmap.png", dpi, failed)
 
     counts = {}
@@ -327,6 +299,67 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     ax.set_ylabel("")
     _save(fig, out / "bits.png", dpi, failed)
     _spatial_maps(own, out / "spatial.png", dpi, failed, lists)
+
+
+def _score_vs_iteration(named: pd.DataFrame, shown: list[str], left: list[str], computations: list[str],
+                        path: Path, dpi: int, failed: list[str]) -> None:
+    if named["log10_err_top10"].isna().all():  # seaborn cannot draw lines of NaN alone (a ValueError on "_y")
+        _empty(path, NO_SCORE_ANYWHERE, dpi, failed)
+        return
+    # A dozen cases in hue alone gave near-identical teals and pinks: the marker tells them apart too.
+    grid = sns.relplot(named[named["layer"].isin(shown)], x="step", y="log10_err_top10", hue="case", style="case",
+                       col="layer", row="computation", kind="line", markers=True, dashes=False, height=2.2,
+                       aspect=1.3, row_order=computations, facet_kws={"sharey": False}, errorbar=None)
+    grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
+    # Two lines: seaborn's "computation = ... | layer = ...", and even "forward | <GPT-2 layer>", overran the next panel's.
+    grid.set_titles("{row_name}\n{col_name}")
+    # Beyond the figure's right edge: a long layer name's title ran under the legend of a one-column grid.
+    sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))
+    for ax in grid.axes.flat:
+        # Steps: a lone step was ticked -0.050 to 0.050, and nine ticks of 0..120 ran into each other.
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True, min_n_ticks=1))
+    _say_unscored(grid.axes_dict, named.groupby(["computation", "layer"])["log10_err_top10"].count(), clear_y=True)
+    grid.tight_layout()  # again, for the two-line titles: their first line ran into the panel above
+    if left:
+        _note(grid.figure, f"{len(shown)} of {len(shown) + len(left)} layers: those with the kernel's largest "
+                           f"top-10% error over fp32 noise; left out (in layers.csv): {', '.join(left)}")
+    _save(grid.figure, path, dpi, failed)
+
+
+def _distributions(named: pd.DataFrame, left: list[str], computations: list[str], path: Path, dpi: int,
+                   failed: list[str]) -> None:
+    """One x scale for all computations: the axis is relative to each tensor's own fp32 noise, so
+    forward and backward sit side by side as PEAT compares them. Beyond MAX_LAYERS, one box per
+    case over every layer and step."""
+    if named["log10_rel_top10"].isna().all():  # seaborn's boxplot fails on NaN alone (UnboundLocalError)
+        _empty(path, NO_SCORE_ANYWHERE, dpi, failed)
+        return
+    cases = list(pd.unique(named["case"]))
+    layers = named["layer"].nunique()
+    grid = sns.catplot(named, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
+                       order=cases, col_order=computations, kind="box", legend=not left and "auto", height=3.2,
+                       aspect=0.9, sharex=True, fliersize=2)
+    grid.set_axis_labels(REL_LABEL, "")
+    _say_unscored(grid.axes_dict, named.groupby("computation")["log10_rel_top10"].count(), clear_y=False)
+    _cut_beyond(grid, named, cases)
+    if left:
+        _note(grid.figure, f"all {layers} layers pooled (each layer's statistics: layers.csv)")
+    _save(grid.figure, path, dpi, failed)
+
+
+def _say_unscored(axes: dict, scored: pd.Series, clear_y: bool) -> None:
+    """Write on each empty panel why it is empty: nothing replayed there (``axes``' key not in
+    ``scored``, the count of finite scores per panel) or no finite score. Not ``ax.has_data()``:
+    seaborn puts its legend's handles on the first panel, which then never said it was empty, and a
+    panel of NaN lines has data too."""
+    for key, ax in axes.items():
+        count = scored.get(key, None)
+        if count:
+            continue
+        ax.text(0.5, 0.5, "not replayed" if count is None else NO_SCORE, ha="center", va="center",
+                transform=ax.transAxes, color="grey")
+        if clear_y:  # not a shared axis, whose case labels the first panel holds for all
+            ax.set_yticks([])
 
 
 def _nonfinite_named(own: pd.DataFrame) -> pd.DataFrame:
@@ -363,7 +396,7 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     order = {layer: i for i, layer in enumerate(dict.fromkeys(kernel["layer"]))}
     heat = heat.reindex(sorted(heat.index, key=lambda key: (order[key[0]], key[1])))
     if heat.isna().to_numpy().all():  # NaN scores: those of results without a finite element (an all-NaN output)
-        _empty(path, "no score of the kernel itself: every result of it was all NaN", dpi, failed)
+        _empty(path, "no score of the kernel itself: no result of it had a finite error (no element, or all NaN)", dpi, failed)
         return
     # At least 3 in tall: the colorbar's label ran off a figure of one to three rows.
     fig, ax = plt.subplots(figsize=(2.0 + min(HEAT_WIDTH, 0.5 * max(1, heat.shape[1])),
