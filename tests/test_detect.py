@@ -645,3 +645,22 @@ def test_rules_outside_the_configs_bounds_are_one_line(given, said):
     with pytest.raises(PeatError, match=f"^{re.escape(said)}$"):
         detect.Rules(**given)
     assert detect.Rules(k32=np.float64(16), tile=np.int64(8), band=1, accept_reduced_precision=np.bool_(False))
+
+
+def test_allclose_baseline_counts_failed_cases_beside_rows_that_failed():
+    """A pseudo-error's not_applicable row (rz:1 on an output with nothing to zero) leaves the table's
+    allclose column object-typed (NaN there): ~True is -2, and failed_cases read -30 for 6."""
+    import pandas as pd
+
+    sample, attrs, golden, ref, env = case("linear")
+    faulty = errors.parse("rv:1").apply(golden, torch.Generator().manual_seed(0))
+    rows = [{**evidence.evidence(candidate, golden, env), "case": "kernel", "fop": "output", "op": "linear",
+             "layer": "fc", "computation": "forward", "tensor": "O", "step": step, "rel_top10": 1.0, "rel_var": 1.0,
+             "allclose": bool(evidence.allclose(candidate, golden))}
+            for step, candidate in ((0, golden.clone()), (1, faulty), (2, faulty))]
+    rows.append({"layer": "fc", "step": 0, "computation": "forward", "case": "rz:1", "status": "not_applicable",
+                 "error": "NotInjected: changes nothing"})
+    table = pd.DataFrame(rows)
+    assert table["allclose"].dtype == object
+    got = detect.judge(table, {})["evidence"]["baselines"]["allclose"]
+    assert (got["verdict"], got["failed_cases"]) == ("fail", 2)
