@@ -394,3 +394,16 @@ def test_results_without_a_finite_error_say_so_and_draw_every_figure(table, tmp_
     assert sorted(p.stem for p in (tmp_path / "none").glob("*.png")) == sorted(analyze.FIGURES)
     for name in ("score_vs_iteration", "distributions"):
         assert [t.get_text() for t in drawn[name].axes[0].texts] == [analyze.NO_SCORE_ANYWHERE]
+
+
+def test_spatial_maps_skip_outputs_without_elements(table, tmp_path, drawn):
+    """A zero-size batch's output has an empty map (0 x 6): the first layer's, it drew a blank panel
+    per case while the next layer's errors went unshown. Without any element, the figure says so."""
+    empty = table[table["layer"] == "a"]
+    empty = empty.assign(layer="empty", map_rows=0, map=[np.zeros(0)] * len(empty), err_top10=np.nan, rel_top10=np.nan)
+    analyze.figures(pd.concat([empty, table], ignore_index=True), tmp_path)
+    titles = {ax.get_title().split("\n")[1] for ax in drawn["spatial"].axes if ax.get_title()}
+    assert titles == {"a forward step 0"}
+    analyze.figures(empty, tmp_path / "none")
+    text = [t.get_text() for t in drawn["spatial"].axes[0].texts]
+    assert text == ["no error map: every result was an output without elements"]
