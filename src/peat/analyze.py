@@ -50,6 +50,8 @@ REL_CUT = 12
 # Layers drawn apart: score_vs_iteration took ~1 s a panel and 20 layers made it 4,700 px wide; the
 # distributions packed 20 layers' boxes per case into 3.2 in. Beyond this, see ``_shown_layers``.
 MAX_LAYERS = 6
+# The distributions' panels (inches): as wide whatever their height, which grows by a case's row beyond a dozen cases.
+DIST_WIDTH, DIST_HEIGHT, DIST_CASE = 2.9, 3.2, 0.27
 # Inches of the heatmap's step columns at most: at half an inch a step, every step of a long training
 # replayed (max_samples_per_layer: null) made it 5,571 px wide at 200 steps, 269 tall, a strip in the report.
 HEAT_WIDTH = 12
@@ -336,9 +338,11 @@ def _distributions(named: pd.DataFrame, left: list[str], computations: list[str]
         return
     cases = list(pd.unique(named["case"]))
     layers = named["layer"].nunique()
+    # Taller with more cases, each panel as wide: 28 cases (every error spec) in 3.2 in ran their labels together.
+    height = max(DIST_HEIGHT, DIST_CASE * len(cases))
     grid = sns.catplot(named, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
-                       order=cases, col_order=computations, kind="box", legend=not left and "auto", height=3.2,
-                       aspect=0.9, sharex=True, fliersize=2)
+                       order=cases, col_order=computations, kind="box", legend=not left and "auto", height=height,
+                       aspect=DIST_WIDTH / height, sharex=True, fliersize=2)
     grid.set_axis_labels(REL_LABEL, "")
     _say_unscored(grid.axes_dict, named.groupby("computation")["log10_rel_top10"].count(), clear_y=False)
     _cut_beyond(grid, named, cases)
