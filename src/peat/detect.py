@@ -191,7 +191,7 @@ def peat_rule_of_thumb(table: pd.DataFrame) -> dict:
 
 
 # -- kernel verdict ------------------------------------------------------------------------------
-def failed(table: pd.DataFrame, outcome: dict) -> tuple[dict, pd.DataFrame]:
+def after_probe(table: pd.DataFrame, outcome: dict) -> tuple[dict, pd.DataFrame]:
     """The kernel's outcome given the rows of its calls that failed after the probe (a row with an
     ``error``: a crash, a timeout, a result of another shape or dtype), and the table without them."""
     if "error" not in table or not table["error"].notna().any():
@@ -208,10 +208,10 @@ def failed(table: pd.DataFrame, outcome: dict) -> tuple[dict, pd.DataFrame]:
 
 def verdict(table: pd.DataFrame, rules: Rules = Rules(), outcome: dict | None = None) -> dict:
     """The Detector's JSON for one kernel from its playback rows (case == "kernel", fop == "output"),
-    failed by a row of a call that failed (``failed``) as by a failed probe's ``outcome``; ``judge``
+    failed by a row of a call that failed (``after_probe``) as by a failed probe's ``outcome``; ``judge``
     also reads the outcome playback recorded beside them."""
     # A failed row has no scores: the verdict on a table holding one ended in a TypeError.
-    outcome, table = failed(table, outcome or {"status": "ok"})
+    outcome, table = after_probe(table, outcome or {"status": "ok"})
     if outcome.get("status", "ok") != "ok":
         return {"verdict": "fail", "error_model": outcome["status"],  # crash | oom | timeout | shape_mismatch
                 "confidence": 1.0, "evidence": {"outcome": outcome}, "layers": []}
@@ -317,7 +317,7 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules | None = None) -> dict
     it, and nothing replayed passes as not applicable. ``rules``: by default those playback scored
     the table with (``rules_of``)."""
     rules = rules_of(record, rules)
-    outcome, table = failed(table, record.get("outcome", {"status": "ok"}))
+    outcome, table = after_probe(table, record.get("outcome", {"status": "ok"}))
     if outcome.get("status", "ok") != "ok" or not table.empty:
         result = verdict(table, rules, outcome=outcome)
     else:
