@@ -35,6 +35,9 @@ from .io import atomic_path, iter_list_rows, open_h5, read_json, read_parquet_sc
 
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
 KEYS = ["case", "computation", "layer", "fop", "tensor"]
+# layers.csv's columns: the keys, mean and std of each score, iterations and those of them unscored.
+LAYER_COLUMNS = [*KEYS, *(f"{score}_{stat}" for score in SCORES for stat in ("mean", "std")), "iterations", "unscored"]
+SUMMARY_KEYS = ("ranges", "spearman", "repeated_blocks", "forward_backward", "propagation")
 FIGURES = ("score_vs_iteration", "distributions", "heatmap", "bits", "spatial")
 # A training batch norm forward's updated running statistics: rows of its output too (peat.playback).
 RUNNING = ("running_mean", "running_var")
@@ -482,8 +485,10 @@ def analyze(table: pd.DataFrame, context: str | Path, out: str | Path, dpi: int 
     ``figures``; ``record``: the playback record, which says why nothing was replayed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    layers = per_layer(table) if len(table) else pd.DataFrame(columns=KEYS)
-    summary = {}
+    # Nothing replayed (a table without rows or columns) writes the same columns and keys as a run does:
+    # a header of the five keys and a summary of {} failed a reader of several kernels' results.
+    layers = per_layer(table) if len(table) else pd.DataFrame(columns=LAYER_COLUMNS)
+    summary = {key: [] for key in SUMMARY_KEYS}
     if len(table):
         own, own_layers = _results(table), _results(layers)
         summary = {"ranges": ranges(own_layers), "spearman": spearman(own, summaries(context, set(own["step"]))),

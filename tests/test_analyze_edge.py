@@ -1,0 +1,61 @@
+"""The Analyzer's tables (layers.csv, summary.json) at the edges a user meets: nothing replayed,
+one layer, one step, one case, steps far from 0, scores without a finite value, names out of order."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+
+from peat import analyze
+from peat.profiler import summary_dtype
+
+
+def _row(case, computation, layer, step, err, **extra):
+    m = np.full((2, 3), err)
+    return {"case": case, "computation": computation, "layer": layer, "fop": "output", "tensor": "O", "step": step,
+            **dict.fromkeys(analyze.SCORES, 1.0), "err_top10": err, "nonfinite": 0, "error": None, "status": None,
+            "bits": np.arange(32) % 2, "map": m.reshape(-1), "map_rows": 2, "map_cols": 3, **extra}
+
+
+def _context(path, layers, steps, w_mean=lambda layer, step: step + 1.0):
+    """A context holding only per-step summaries: W and act of each layer at each step."""
+    rows = [(step, 0, layer.encode(), tensor, w_mean(i, step) if tensor == b"W" else 2.0 * step + i, 1.0 + i,
+             0, 0, 0, 0) for step in steps for i, layer in enumerate(layers) for tensor in (b"W", b"act")]
+    with h5py.File(path, "w") as f:
+        f.create_dataset("summaries", data=np.array(rows, dtype=summary_dtype([x.encode() for x in layers])))
+    return path
+
+
+def _strict(path):
+    """summary.json as jq reads it: a NaN or Infinity is no JSON."""
+    def refuse(name):
+        raise ValueError(f"{path}: {name} is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_figures():
+    """These tests read the tables; the figures have tests of their own (test_analyze_figures.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(analyze, "figures", lambda *args, **kwargs: None)
+        yield
+
+
+def test_nothing_replayed_writes_the_columns_and_keys_of_a_run(tmp_path):
+    """A kernel with nothing to replay wrote a summary.json of {} and a layers.csv of the five key
+    columns, where a run whose every call failed wrote the five summary lists and every statistic:
+    a reader of several kernels' results failed on the first such kernel."""
+    context = _context(tmp_path / "c.h5", ["fc"], [0])
+    failed = pd.DataFrame([_row("kernel", "forward", "fc", 0, np.nan) | {"error": "RuntimeError: x", "status": "crash"}])
+    analyze.analyze(failed, context, tmp_path / "failed")
+    analyze.analyze(pd.DataFrame(), context, tmp_path / "none")
+    ran = analyze.analyze(pd.DataFrame([_row("kernel", "forward", "fc", 0, 1e-7)]), context, tmp_path / "ran")
+    for out in ("failed", "none"):
+        assert _strict(tmp_path / out / "summary.json") == dict.fromkeys(analyze.SUMMARY_KEYS, [])
+        assert pd.read_csv(tmp_path / out / "layers.csv").columns.tolist() == analyze.LAYER_COLUMNS
+    assert set(ran) == set(analyze.SUMMARY_KEYS)
+    assert pd.read_csv(tmp_path / "ran" / "layers.csv").columns.tolist() == analyze.LAYER_COLUMNS
