@@ -603,3 +603,29 @@ def test_layers_a_faulty_kernels_error_never_reached_are_named_in_its_rows(tmp_p
     assert "<th>not injected</th>" in page and "<td>input_grad at conv1</td>" in page
     for key in ("verdicts", "candidate"):
         assert "<b>not injected</b> names the computation and the layers" in SECTIONS[key][1]
+
+
+@pytest.mark.parametrize("where, content, message", [
+    ("results/detect/m/cpu/k.json", '["verdict"]', "not a JSON object (not a detector result?)"),
+    ("results/candidate/m/cpu/k/outcome.json", "[1, 2]", "not a JSON object (not a run's or drill's result?)"),
+    ("results/sdc/m/clean.json", "3", "not a JSON object (not a run's or drill's result?)"),
+    ("reports/benchmarks/results.json", "5", "not a list of benchmarks (not make bench's results.json?)"),
+    ("results/golden/m/cpu/metrics.csv", "a,b\n1,2\n",
+     "missing columns epoch, split, loss, accuracy, perplexity (damaged, or not the file expected?)"),
+    ("results/golden/m/cpu/metrics.csv", "step,epoch,split,loss,accuracy,perplexity\n",
+     "no rows (a golden training's metrics.csv has one per step)"),
+    ("results/detect/m/cpu/gone.json", None, "no such file (an input of the report)"),
+])
+def test_a_damaged_or_missing_stage_output_is_one_line_naming_it(tmp_path, where, content, message):
+    """A verdict holding a list ended the report in an AttributeError, a number in a TypeError, a
+    metrics.csv of other columns in a KeyError, one of a header alone in an IndexError, none naming
+    the file; an outcome.json holding a list gave a row of its run's keys alone; a missing file was
+    left out without a word, its row missing from the page. No page is written."""
+    bad = tmp_path / where
+    bad.parent.mkdir(parents=True)
+    if content is not None:
+        bad.write_text(content)
+    with pytest.raises(PeatError) as err:
+        build([bad], tmp_path / "out", name="bad", models=["m"], vendors=["cpu"])
+    assert str(err.value) == f"{bad}: {message}"
+    assert not (tmp_path / "out").exists()

@@ -98,6 +98,8 @@ TABLES = {
     "benchmarks.csv": ["benchmark"],
 }
 MAX_ROWS = 40
+# The columns of a golden run's metrics.csv that its row in golden.csv reads.
+GOLDEN_COLUMNS = ("epoch", "split", "loss", "accuracy", "perplexity")
 # A JSON result's columns that lead its row, where it has them: a candidate or RFI run's, a drill's.
 OUTCOME_COLUMNS = ("status", "steps_trained", "max_abs_loss_diff", "nonfinite_loss", "message", "not_injected",
                    "outcome", "detected", "detection_step", "localized", "right_rank", "false_alarms")
@@ -171,13 +173,16 @@ def build(files: list[str | Path], out_dir: str | Path, *, name: str, models: li
 
 
 def _expand(files) -> set[Path]:
-    """Files, with folders (directory() outputs) replaced by the files inside them."""
+    """Files, with folders (directory() outputs) replaced by the files inside them. A missing one is
+    an error naming it: it was left out without a word, its section or row missing from the page."""
     out = set()
     for f in map(Path, files):
         if f.is_dir():
             out.update(p for p in f.rglob("*") if p.is_file() and not p.name.startswith("."))
         elif f.exists():
             out.add(f)
+        else:
+            raise PeatError(f"{f}: no such file (an input of the report)")
     return out
 
 
@@ -264,7 +269,7 @@ def _study_table(path: Path) -> pd.DataFrame:
 
 
 def _verdict_row(path: Path, model: str, vendor: str, injected: str) -> dict:
-    data = read_json(path)
+    data = _json_object(path, "a detector result")
     if "verdict" not in data:
         raise PeatError(f"{path}: missing key 'verdict' (not a detector result?)")
     # Nothing replayed (the model records no layer of the kernel's op): the Detector's pass is no
@@ -275,6 +280,15 @@ def _verdict_row(path: Path, model: str, vendor: str, injected: str) -> dict:
             "error_model": data.get("error_model", ""), "confidence": data.get("confidence", float("nan")),
             "injected": injected, "not_injected": _not_injected(_sidecar(path, model, vendor)),
             **provenance.columns(data)}
+
+
+def _json_object(path: Path, what: str) -> dict:
+    """A JSON file's object; one line naming the file where it holds another value (a list or a number
+    ended the report in an AttributeError or a TypeError naming none, or gave a row of its keys alone)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise PeatError(f"{path}: not a JSON object (not {what}?)")
+    return data
 
 
 def _sidecar(verdict: Path, model: str, vendor: str) -> dict:
@@ -295,7 +309,10 @@ def _not_injected(data: dict) -> str:
 
 
 def _golden_row(path: Path, model: str, vendor: str) -> dict:
-    metrics = read_csv(path)
+    # Its columns and a row: other columns ended the report in a KeyError, a header alone in an IndexError.
+    metrics = read_csv(path, required=GOLDEN_COLUMNS)
+    if metrics.empty:
+        raise PeatError(f"{path}: no rows (a golden training's metrics.csv has one per step)")
     val = metrics[metrics["split"] == "val"]
     last = val.iloc[-1] if len(val) else metrics.iloc[-1]
     return {"model": model, "vendor": vendor, "epochs": int(metrics["epoch"].max()),
@@ -305,8 +322,8 @@ def _golden_row(path: Path, model: str, vendor: str) -> dict:
 
 def _flat_row(path: Path, **keys) -> dict:
     """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
-    data = read_json(path)
-    scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if isinstance(data, dict) else {}
+    data = _json_object(path, "a run's or drill's result")
+    scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
     if scalars and "layers_not_injected" in data:  # a list, like the layers it ran in: one cell naming them and the pass
         scalars["not_injected"] = _not_injected(data)
     # The outcome, then details: how far a candidate or RFI run trained (a crash keeps its curve to
@@ -333,6 +350,8 @@ def _benchmark_table(path: Path) -> pd.DataFrame:
     items = data.get("benchmarks", data) if isinstance(data, dict) else data
     if isinstance(items, dict):
         items = [{"benchmark": k, **(v if isinstance(v, dict) else {"value": v})} for k, v in items.items()]
+    if not isinstance(items, list):  # a number ended the report in a TypeError naming no file
+        raise PeatError(f"{path}: not a list of benchmarks (not make bench's results.json?)")
     rows = [{k: v for k, v in item.items() if not isinstance(v, (dict, list))} for item in items if isinstance(item, dict)]
     # No entries still write the key column: a CSV of one empty line cannot be read back.
     table = pd.DataFrame(rows, columns=None if rows else TABLES["benchmarks.csv"]).rename(columns={"name": "benchmark"})
