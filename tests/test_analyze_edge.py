@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from peat import analyze
+from peat.io import PeatError
 from peat.profiler import summary_dtype
 
 
@@ -59,3 +60,16 @@ def test_nothing_replayed_writes_the_columns_and_keys_of_a_run(tmp_path):
         assert pd.read_csv(tmp_path / out / "layers.csv").columns.tolist() == analyze.LAYER_COLUMNS
     assert set(ran) == set(analyze.SUMMARY_KEYS)
     assert pd.read_csv(tmp_path / "ran" / "layers.csv").columns.tolist() == analyze.LAYER_COLUMNS
+
+
+@pytest.mark.parametrize("content", ["[]", "3"])
+def test_a_playback_record_holding_no_object_is_one_line_naming_it(tmp_path, content):
+    """A record holding a list ended the analyze job in an AttributeError naming no file."""
+    pd.DataFrame([_row("kernel", "forward", "fc", 0, 1e-7)]).drop(columns=["error", "status"]).to_parquet(
+        tmp_path / "t.parquet")
+    record = tmp_path / "record.json"
+    record.write_text(content)
+    with pytest.raises(PeatError) as err:
+        analyze.run_job(tmp_path / "t.parquet", _context(tmp_path / "c.h5", ["fc"], [0]), tmp_path / "out",
+                        record=record)
+    assert str(err.value) == f"{record}: not a JSON object (not a playback record?)"

@@ -31,7 +31,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from .detect import not_applicable  # noqa: E402
-from .io import atomic_path, iter_list_rows, open_h5, read_json, read_parquet_scalars, write_csv, write_json  # noqa: E402
+from .io import PeatError, atomic_path, iter_list_rows, open_h5, read_json, read_parquet_scalars, write_csv, write_json  # noqa: E402
 
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
 KEYS = ["case", "computation", "layer", "fop", "tensor"]
@@ -512,7 +512,16 @@ def _results(frame: pd.DataFrame) -> pd.DataFrame:
 def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: int = 80,
             record: str | Path | None = None) -> dict:
     """One workflow job: tables and figures of one kernel's playback table (and its record's outcomes)."""
-    record = read_json(record) if record is not None else None
+    record = _record(record) if record is not None else None
     return analyze(read_parquet_scalars(table_path, COLUMNS), context, out, dpi,
-                   record.get("outcomes", []) if record else [],
+                   record.get("outcomes") or [] if record else [],
                    lambda column, index: iter_list_rows(table_path, column, index), record)
+
+
+def _record(path: str | Path) -> dict:
+    """The playback record: one line naming it where it holds no JSON object (a list ended the job in
+    an AttributeError naming no file)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise PeatError(f"{path}: not a JSON object (not a playback record?)")
+    return data
