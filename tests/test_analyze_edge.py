@@ -73,3 +73,20 @@ def test_a_playback_record_holding_no_object_is_one_line_naming_it(tmp_path, con
         analyze.run_job(tmp_path / "t.parquet", _context(tmp_path / "c.h5", ["fc"], [0]), tmp_path / "out",
                         record=record)
     assert str(err.value) == f"{record}: not a JSON object (not a playback record?)"
+
+
+def test_layers_csv_lists_layers_in_the_networks_order(tmp_path):
+    """layers.csv sorted layers by name: MobileNetV2's classifier came first and features.10 before
+    features.2, as the heatmap once did."""
+    names = ["features.0.0", "features.2.conv.0", "features.10.conv.0", "classifier.1"]
+    table = pd.DataFrame([_row(case, computation, layer, step, 1e-7 * (i + 1)) for case in ("ref:fp64", "kernel")
+                          for computation in ("weight_grad", "forward") for i, layer in enumerate(names)
+                          for step in (4, 9)])
+    analyze.analyze(table, _context(tmp_path / "c.h5", names, [4, 9]), tmp_path / "out")
+    layers = pd.read_csv(tmp_path / "out" / "layers.csv")
+    assert layers[["case", "computation"]].drop_duplicates().values.tolist() == [
+        ["kernel", "forward"], ["kernel", "weight_grad"], ["ref:fp64", "forward"], ["ref:fp64", "weight_grad"]]
+    for _, rows in layers.groupby(["case", "computation"]):
+        assert rows["layer"].tolist() == names
+        assert rows["err_top10_mean"].tolist() == pytest.approx([1e-7, 2e-7, 3e-7, 4e-7])
+    assert layers["iterations"].tolist() == [2] * 16

@@ -77,13 +77,17 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     """Mean and sample std (ddof 1: NaN for one iteration) over iterations of each score in
     ``SCORES``, per case x computation x layer x observing point. ``unscored``: iterations whose
     result had no finite error (its ``err_*`` scores NaN: an all-NaN output), which the means
-    leave out, so they are counted apart from ``iterations``."""
-    grouped = _ok(table).groupby(KEYS, sort=True)[list(SCORES)]
+    leave out, so they are counted apart from ``iterations``. Layers in the network's order (the
+    table's), as in the figures: by name, MobileNetV2's features.10-17 came before features.2."""
+    own = _ok(table)
+    depth = pd.Categorical(own["layer"], categories=list(dict.fromkeys(own["layer"])))
+    grouped = own.assign(layer=depth).groupby(KEYS, sort=True, observed=True)[list(SCORES)]
     out = grouped.agg(["mean", "std"])
     out.columns = [f"{score}_{stat}" for score, stat in out.columns]
     out["iterations"] = grouped.size()
     out["unscored"] = out["iterations"] - grouped.count()["err_top10"]
-    return out.reset_index()
+    out = out.reset_index()
+    return out.assign(layer=out["layer"].astype(str))
 
 
 def ranges(layers: pd.DataFrame) -> list[dict]:
