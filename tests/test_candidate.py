@@ -308,6 +308,23 @@ def test_a_crashed_kernel_reports_no_nonfinite_loss(digits, tmp_path):
     assert record["status"] == "crash" and record["nonfinite_loss"] is False
 
 
+@pytest.mark.parametrize("source, where, raised", [
+    ("def forward(x, weight, bias):\n    raise RuntimeError('boom')\n", "forward", "RuntimeError: boom"),
+    ("def weight_grad(grad_out, x, transposed):\n    return grad_out.t() @ x\n", "weight_grad",
+     "TypeError: weight_grad() missing 1 required positional argument: 'transposed'"),
+])
+def test_a_kernel_that_raises_is_a_crash_naming_its_computation_and_layer(digits, tmp_path, source, where, raised):
+    """The crash said only what the kernel raised ("TypeError: weight_grad() missing ..."): not
+    which computation nor which of the routed layers, as a shape mismatch or an input written says."""
+    record = train_crashing_kernel(digits, tmp_path, source)
+    assert (record["status"], record["message"]) == ("crash", f"kernel 'raises' {where} at layer 'fc' raised {raised}")
+
+
+def test_a_kernel_that_raises_in_an_isolated_call_is_named_as_before():
+    """Outside a routed training run (playback's calls, a load) the message is the exception's own."""
+    assert kernels._failure(RuntimeError("boom\nmore")) == ("crash", "RuntimeError: boom")
+
+
 def test_a_crashed_kernels_outcome_is_strict_json(digits, tmp_path):
     """The crash's missing candidate losses were written as a bare NaN, which jq and
     JavaScript's JSON.parse reject; they are null."""

@@ -597,13 +597,28 @@ NOT_THE_KERNEL = "no_space"
 
 
 def _failure(err: BaseException) -> tuple[str, str]:
-    """(status, one-line message) for an exception a kernel raised."""
+    """(status, one-line message) for an exception a kernel raised; one a routed call raised is
+    prefixed with that call (``_raised_at``)."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return NOT_THE_KERNEL, os_error_line(err)
     oom = isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or any(m in str(err) for m in OOM_MARKERS)
     status = "shape_mismatch" if isinstance(err, ShapeMismatch) else "oom" if oom else "crash"
     text = f"{type(err).__name__}: {err}".strip().splitlines()
-    return status, text[0] if text else type(err).__name__
+    line = text[0] if text else type(err).__name__
+    where = getattr(err, _RAISED_AT, None)
+    return status, f"{where} raised {line}" if where else line
+
+
+_RAISED_AT = "_peat_raised_at"
+
+
+def _raised_at(err: BaseException, call: str) -> None:
+    """Mark ``err`` as raised by the routed kernel call ``call`` (the innermost, where calls nest):
+    a training run's crash said only "RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+    naming neither the computation nor which of the routed layers raised it, as its other outcomes do."""
+    if not hasattr(err, _RAISED_AT):
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type without attributes
+            setattr(err, _RAISED_AT, call)
 
 
 def _failed(status: str, message: str, seconds: float) -> Outcome:
@@ -1021,7 +1036,11 @@ def _untouched(plan: _Plan, computation: str, sample: dict):
         # changed the layer's buffers for good, e.g. running_var.add_(eps).rsqrt_() at validation.
         inputs |= {name: sample[name] for name in ("running_mean", "running_var") if torch.is_tensor(sample.get(name))}
     versions = {name: t._version for name, t in inputs.items()}
-    value = plan.kernel.computation(computation)(*args, **kwargs)
+    try:
+        value = plan.kernel.computation(computation)(*args, **kwargs)
+    except BaseException as err:
+        _raised_at(err, f"kernel {plan.kernel.name!r} {computation} at layer {plan.layer!r}")
+        raise
     for name, t in inputs.items():
         if t._version != versions[name]:
             raise WroteInput(f"kernel {plan.kernel.name!r} {computation} at layer {plan.layer!r} wrote into its input "
