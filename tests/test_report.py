@@ -500,6 +500,9 @@ def test_a_runtime_fi_case_shows_its_loss_against_golden_as_a_candidate_run_does
     ([2.0, 1.5, 1.2], "candidate = golden at every step"),  # no validation row differs
     ([2.0, 1.5, float("nan")], "candidate = golden at every step with both losses finite"),  # stopped at step 2
     ([float("nan")] * 3, "no step with both losses finite"),
+    # A loss gone inf: its log axis of inf alone ended the report in "Data cannot be log-scaled".
+    ([2.0, float("inf"), float("inf")], "candidate = golden at every step with both losses finite"),
+    ([float("inf")] * 3, "no step with both losses finite"),
 ])
 def test_a_loss_difference_panel_without_a_difference_says_why(tmp_path, monkeypatch, candidate, said):
     """A candidate training exactly as golden drew the difference panel blank, ticked -0.04..0.04:

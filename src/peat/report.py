@@ -502,7 +502,9 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
         left.set(xlabel="optimizer step", ylabel="training loss", title="loss",
                  yscale=loss_scale(train["loss_golden"], train["loss_candidate"]))
         left.legend(fontsize="small")
-        diff = (train["loss_candidate"] - train["loss_golden"]).abs()
+        # An infinite loss is no finite difference, as a NaN one: a candidate whose loss went inf made a
+        # log axis of inf alone, and the report ended in "Data cannot be log-scaled".
+        diff = (train["loss_candidate"] - train["loss_golden"]).abs().replace(float("inf"), float("nan"))
         right.plot(train["step"], diff.where(diff > 0), "o-", ms=3, color="C3")
         right.set(xlabel="optimizer step", ylabel="|candidate - golden|", title="loss difference (0 not shown)",
                   xlim=left.get_xlim())
