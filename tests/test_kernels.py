@@ -707,6 +707,20 @@ def test_load_a_file_that_a_plain_import_would_load(tmp_path):
     assert kernels.load(path, "linear").custom == ("forward",)
 
 
+def test_a_kernel_package_that_fails_to_import_is_one_line_for_its_sources(tmp_path, monkeypatch):
+    """Finding ``mypkg.kern`` runs ``mypkg/__init__.py``: an error there (a missing toolkit) ended the
+    config check and the workflow's parse with its traceback, where loading it says so in one line."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("raise RuntimeError('no toolkit')\n")
+    (tmp_path / "mypkg" / "kern.py").write_text("def forward(x, weight, bias):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for find in (kernels.source_files, lambda impl: kernels.load(impl, "linear")):
+        with pytest.raises(PeatError) as caught:
+            find("mypkg.kern")
+        assert str(caught.value) == "kernel impl 'mypkg.kern': import failed: RuntimeError: no toolkit"
+    sys.modules.pop("mypkg", None)
+
+
 def test_source_files_list_what_should_rerun_jobs():
     assert kernels.source_files("golden") == []
     files = [Path(f).name for f in kernels.source_files("peat.alt_kernels.blocked_gemm")]

@@ -277,6 +277,8 @@ def source_of(impl: str) -> str | None:
         spec = importlib.util.find_spec(impl)
     except (ImportError, ValueError):
         spec = None
+    except Exception as err:  # finding mypkg.kern imports mypkg: its own code failed (the config check's traceback)
+        raise PeatError(_import_failed(impl, err)) from None
     if spec is None or spec.origin is None:
         raise PeatError(f"kernel impl {impl!r}: no such file or importable module")
     origin = Path(spec.origin)
