@@ -330,12 +330,18 @@ def test_bad_detector_result_is_one_line(tmp_path, content, message):
     assert str(err.value) == f"{bad}: {message}"
 
 
-def test_bad_metrics_file_is_one_line(tmp_path):
+@pytest.mark.parametrize("content, message", [
+    ("a,b\n1,2\n", "needs columns step, epoch, split, loss (not a training metrics file?)"),
+    # Without its metric: a KeyError ('accuracy') naming no file.
+    ("step,epoch,split,loss,perplexity\n0,1,train,2.0,\n0,1,val,2.0,\n",
+     "needs column accuracy, or perplexity with values (not a training metrics file?)"),
+])
+def test_bad_metrics_file_is_one_line(tmp_path, content, message):
     bad = tmp_path / "metrics.csv"
-    bad.write_text("a,b\n1,2\n")
+    bad.write_text(content)
     with pytest.raises(PeatError) as err:
         training_curves(bad, tmp_path / "x.png", title="x")
-    assert str(err.value) == f"{bad}: needs columns step, epoch, split, loss (not a training metrics file?)"
+    assert str(err.value) == f"{bad}: {message}"
     assert not (tmp_path / "x.png").exists()
 
 

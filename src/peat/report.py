@@ -476,6 +476,8 @@ def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str,
     train, val = metrics[metrics["split"] == "train"], metrics[metrics["split"] == "val"]
     text = "perplexity" in val and val["perplexity"].notna().any()
     metric = "perplexity" if text else "accuracy"
+    if metric not in val:  # a KeyError naming no file
+        raise PeatError(f"{metrics_csv}: needs column accuracy, or perplexity with values (not a training metrics file?)")
     with _axes(dpi) as (fig, (left, right)):
         left.plot(train["step"], train["loss"], lw=1, label="train (per step)")
         left.plot(val["step"], val["loss"], "o", label="validation (per epoch)")
