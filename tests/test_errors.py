@@ -523,6 +523,33 @@ def test_faulty_kernels_are_seeded_and_advance_per_call():
     assert a.name == "golden+rv:2" and a.input_grad is kernels.golden("linear").input_grad
 
 
+@pytest.mark.parametrize("spec", ["rv:1", "bit_flip:30", "tile:4", "lane:2", "fp16", "tf32", "fp64"])
+@pytest.mark.parametrize("returned", [None, "numpy", torch.float64, torch.bfloat16])
+def test_a_faulty_kernels_result_of_the_wrong_kind_is_left_for_the_caller_to_name(spec, returned):
+    """A user kernel that forgot its ``return`` (or returned a NumPy array, or float64) and carried an
+    ``error`` crashed inside the error ("'NoneType' object has no attribute 'detach'", "bit flips act
+    on float32 tensors"), or a cast hid its dtype, where without the error it is a shape_mismatch that
+    names what it returned. The result comes back as the kernel returned it (fp64 alone computes in float64)."""
+    x, w = torch.randn(6, 10, generator=gen(10)), torch.randn(9, 10, generator=gen(11))
+
+    def forward(x, weight, bias):
+        out = torch.nn.functional.linear(x, weight, bias)
+        return None if returned is None else out.numpy() if returned == "numpy" else out.to(returned)
+
+    kernel = kernels.Kernel("user", "linear", forward, *(kernels.GOLDEN["linear"][c] for c in ("input_grad", "weight_grad")),
+                            custom=("forward",))
+    got = errors.faulty(kernel, spec).forward(x, w, None)
+    operands = [errors.round_to(a, spec) if spec in errors.CASTS else a for a in (x, w)]
+    want = forward(*operands, None)
+    if spec == "fp64" and torch.is_tensor(want):  # computed in float64 by design, then as the operands
+        want = want.float()
+    assert type(got) is type(want)
+    if torch.is_tensor(want):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elif want is not None:
+        assert got.dtype == want.dtype and (got == want).all()
+
+
 def test_a_replica_repeats_the_next_injection_without_advancing():
     x, w = torch.randn(6, 10, generator=gen(10)), torch.randn(9, 10, generator=gen(11))
     inner = errors.faulty(kernels.golden("linear"), "tile:4", seed=1)  # stale: zeros first, then the last output

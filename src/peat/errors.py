@@ -472,7 +472,10 @@ def _injecting(func, model: ErrorModel, generator: torch.Generator, op: str, com
     def wrapped(*args, **kwargs):
         if model.on_operands:
             return _cast_call(func, model.kind, args, kwargs, computation)
-        return model.apply(func(*args, **kwargs), generator, operands=(op, computation, args, kwargs))
+        out = func(*args, **kwargs)
+        if _refused(out, _operand_dtype(args)):
+            return out
+        return model.apply(out, generator, operands=(op, computation, args, kwargs))
 
     wrapped.error, wrapped.inner, wrapped.generator, wrapped.where = model, func, generator, (op, computation)
     # The same fault (model state, draws) around another base: golden as on a transposed layer (kernels.on_layer).
@@ -510,9 +513,22 @@ def _replica(func):
     return _injecting(_replica(func.inner), dataclasses.replace(model), generator, *func.where)
 
 
+def _operand_dtype(args) -> torch.dtype:
+    return next(a.dtype for a in args if torch.is_tensor(a))
+
+
+def _refused(out, dtype: torch.dtype) -> bool:
+    """Whether ``out`` is a result the caller refuses (``kernels.wrong_result``): not a tensor (a kernel
+    that forgot its ``return``, a NumPy prototype's array) or of another dtype than its operands. The
+    error leaves it as it is, so that the caller names it a shape_mismatch as without the error: applied,
+    it crashed on it ("'NoneType' object has no attribute 'detach'") or, cast back, hid its dtype."""
+    return not torch.is_tensor(out) or out.dtype != dtype
+
+
 def _cast_call(func, precision: str, args, kwargs, computation: str):
-    """Call ``func`` (a ``computation``) on operands rounded to ``precision``; the result keeps the input dtype."""
-    dtype = next(a.dtype for a in args if torch.is_tensor(a))
+    """Call ``func`` (a ``computation``) on operands rounded to ``precision``; the result keeps the input
+    dtype (fp64's, computed in float64, cast back; another cast's as the kernel returned it)."""
+    dtype = _operand_dtype(args)
     cast = lambda a: round_to(a, precision) if torch.is_tensor(a) and a.is_floating_point() else a  # noqa: E731
     # A training batch norm's output never reads its running statistics: it only updates them, and
     # they stay float32 buffers (nn.BatchNorm's, under autocast too). Rounding them would widen the
@@ -527,7 +543,7 @@ def _cast_call(func, precision: str, args, kwargs, computation: str):
     for key in state:
         if new.get(key) is not kwargs.get(key):
             kwargs[key].copy_(new[key])
-    return out.to(dtype)
+    return out.to(dtype) if precision == "fp64" and torch.is_tensor(out) else out
 
 
 def _unrounded(value, precision: str):
