@@ -550,6 +550,17 @@ def test_a_faulty_kernels_result_of_the_wrong_kind_is_left_for_the_caller_to_nam
         assert got.dtype == want.dtype and (got == want).all()
 
 
+def test_every_bit_of_a_faulty_kernels_seed_changes_its_draws():
+    """torch's generator keeps a seed's low 32 bits: seeds 2**32, 2**63 and 2**40 + 5 injected what
+    seeds 0, 0 and 5 did, while the config takes 64-bit seeds. Seeds within 32 bits draw as ever."""
+    x, w = torch.randn(6, 10, generator=gen(10)), torch.randn(9, 10, generator=gen(11))
+    seeds = (0, 5, 2**32 - 1, 2**32, 2**40 + 5, 2**63, 2**64 - 1)
+    outs = {s: errors.faulty(kernels.golden("linear"), "rv:2", seed=s).forward(x, w, None) for s in seeds}
+    assert all(not torch.equal(outs[a], outs[b]) for i, a in enumerate(seeds) for b in seeds[i + 1:])
+    plain = errors.parse("rv:2").apply(torch.nn.functional.linear(x, w), torch.Generator().manual_seed(5))
+    assert torch.equal(outs[5], plain)
+
+
 def test_a_replica_repeats_the_next_injection_without_advancing():
     x, w = torch.randn(6, 10, generator=gen(10)), torch.randn(9, 10, generator=gen(11))
     inner = errors.faulty(kernels.golden("linear"), "tile:4", seed=1)  # stale: zeros first, then the last output

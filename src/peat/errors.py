@@ -32,6 +32,7 @@ raises ``NotInjected`` where asked (``strict``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 import sys
@@ -452,6 +453,17 @@ def warn_never_injected(kernel_name: str, error: str, layer: str, why: str) -> N
           file=sys.stderr, flush=True)
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator whose draws depend on every bit of ``seed`` (0 to 2**64 - 1, as the config takes).
+
+    torch seeds its Mersenne Twister with a seed's low 32 bits only, so seeds 2**32 apart drew the same
+    faults (2**32 as 0, 2**63 as 0): a seed past 32 bits is hashed to 32 first. One within 32 bits
+    seeds it as ever, its draws unchanged."""
+    if seed >= 2**32:
+        seed = int.from_bytes(hashlib.sha256(seed.to_bytes(8, "little")).digest()[:4], "little")
+    return torch.Generator().manual_seed(seed)
+
+
 def faulty(kernel, error, computation: str = "forward", seed: int = 0, strict: bool = False):
     """``kernel`` with ``error`` injected into one computation (casts act on its operands).
 
@@ -461,8 +473,7 @@ def faulty(kernel, error, computation: str = "forward", seed: int = 0, strict: b
     returns that result (training goes on, as with a real fault that did not show).
     """
     model = dataclasses.replace(parse(error) if isinstance(error, str) else error, strict=strict)
-    wrapped = _injecting(kernel.computation(computation), model, torch.Generator().manual_seed(seed),
-                         kernel.op, computation)
+    wrapped = _injecting(kernel.computation(computation), model, seeded(seed), kernel.op, computation)
     custom = tuple(c for c in COMPUTATIONS if c in kernel.custom or c == computation)
     return dataclasses.replace(kernel, name=f"{kernel.name}+{model.spec}", **{computation: wrapped}, custom=custom,
                                meta=kernel.meta | {"error": model.spec, "computation": computation, "seed": seed})
