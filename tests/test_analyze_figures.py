@@ -424,3 +424,21 @@ def test_distributions_of_many_cases_keep_their_labels_apart(table, tmp_path, dr
     labels = [t.get_window_extent() for t in fig.axes[0].get_yticklabels() if t.get_text()]
     assert len(labels) == 29 and not any(a.overlaps(b) for a, b in zip(labels, labels[1:]))
     assert fig.get_figwidth() == pytest.approx(width, rel=0.1)
+
+
+def test_distributions_of_one_value_keep_their_ticks_apart(table, tmp_path, drawn):
+    """One layer, one step, one case at exactly fp32 noise (log 0): the shared axis ran -0.075 to
+    0.075 and its seven labels into each other."""
+    one = table[(table["case"] == "kernel") & (table["layer"] == "b") & (table["step"] == 0)].assign(rel_top10=1.0)
+    analyze.figures(one, tmp_path)
+    fig = drawn["distributions"]
+    FigureCanvasAgg(fig)  # laid out again at the dpi it was saved at
+    fig.set_dpi(80)
+    fig.canvas.draw()
+    low, high = fig.axes[0].get_xlim()
+    assert (low, high) == pytest.approx((-0.5, 0.5))
+    for ax in fig.axes:
+        ticks = [t.get_window_extent() for t in ax.get_xticklabels() if t.get_text() and low <= t.get_position()[0] <= high]
+        assert len(ticks) >= 3 and not any(a.overlaps(b) for a, b in zip(ticks, ticks[1:]))
+    analyze.figures(table, tmp_path)  # a decade or more: as it was
+    assert drawn["distributions"].axes[0].get_xlim()[1] == analyze.REL_CUT
