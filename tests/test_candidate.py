@@ -474,8 +474,13 @@ def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path
                "ok.py": 'OP = "linear"\n\ndef input_grad(grad_out, weight):\n    return grad_out @ weight\n',
                "dynamic.py": 'globals()["line" + "ar"] = object()\n',
                # Its jobs failed, the first after golden training.
-               "unparsable.py": "def forward(x, weight, bias)\n    return x\n", "nul.py": "def forward\0"}
+               "unparsable.py": "def forward(x, weight, bias)\n    return x\n", "nul.py": "def forward\0",
+               # Named after the op, as load() does not read it: refused in the job, after golden training.
+               "opname.py": "def linear(x, weight, bias):\n    return x @ weight.t() + bias\n",
+               "namespace.py": "class linear:\n    def forward(x, weight, bias):\n        return x @ weight.t() + bias\n"}
     errors = {"typo.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
+              "opname.py": "defines none of forward, input_grad, weight_grad for op 'linear' (def linear is not one "
+                           "of them: name it after the computation)",
               "unparsable.py": "SyntaxError: expected ':' (line 1)",
               "nul.py": "SyntaxError: source code string cannot contain null bytes"}
     for name, text in sources.items():
@@ -484,7 +489,8 @@ def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path
         if name in errors:
             with pytest.raises(PeatError) as err:
                 candidate.check(config)
-            assert str(err.value) == f"config key 'kernels.my_gemm.impl': {tmp_path / name}{' ' if name == 'typo.py' else ': '}{errors[name]}"
+            gap = " " if errors[name].startswith("defines") else ": "
+            assert str(err.value) == f"config key 'kernels.my_gemm.impl': {tmp_path / name}{gap}{errors[name]}"
         else:
             candidate.check(config)
 

@@ -93,8 +93,10 @@ def check(config: dict) -> None:
             raise PeatError(f"config key 'kernels.{name}.op': {spec['op']}, but {spec['impl']} is a {declared} "
                             f"kernel (OP = {declared!r})")
         if tree is not None and not _may_define(tree, spec["op"]):
+            named = f" (def {spec['op']} is not one of them: name it after the computation)" \
+                if _op_function(tree, spec["op"]) else ""
             raise PeatError(f"config key 'kernels.{name}.impl': {spec['impl']} defines none of "
-                            f"{', '.join(kernels.COMPUTATIONS)} for op {spec['op']!r}")
+                            f"{', '.join(kernels.COMPUTATIONS)} for op {spec['op']!r}{named}")
         for model in models_for(config, name):
             _check_recorded(config, name, model)
             _check_layers(config, name, model)
@@ -171,7 +173,11 @@ def _may_define(tree: ast.Module, op: str) -> bool:
     misspelt ``def fwd``, which load() refused in the job, after golden training."""
     names = {*kernels.COMPUTATIONS, op, *_DYNAMIC}
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            # A function named like the op is no namespace (load reads a routine's module): def linear(...)
+            # alone passed here and load() refused it in the job, after golden training.
+            found = {node.name} - {op}
+        elif isinstance(node, ast.ClassDef):
             found = {node.name}
         elif isinstance(node, ast.alias):
             found = {node.asname or node.name.split(".")[-1]}
@@ -184,6 +190,11 @@ def _may_define(tree: ast.Module, op: str) -> bool:
         if found & names:
             return True
     return False
+
+
+def _op_function(tree: ast.Module, op: str) -> bool:
+    """Whether a kernel source defines a top-level function named like its op (``def linear``)."""
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == op for n in tree.body)
 
 
 def _bound_names(node: ast.stmt) -> set[str]:
