@@ -477,10 +477,12 @@ def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path
                "unparsable.py": "def forward(x, weight, bias)\n    return x\n", "nul.py": "def forward\0",
                # Named after the op, as load() does not read it: refused in the job, after golden training.
                "opname.py": "def linear(x, weight, bias):\n    return x @ weight.t() + bias\n",
-               "namespace.py": "class linear:\n    def forward(x, weight, bias):\n        return x @ weight.t() + bias\n"}
+               "namespace.py": "class linear:\n    def forward(x, weight, bias):\n        return x @ weight.t() + bias\n",
+               "other_op.py": "class conv2d:\n    def forward(x, weight, bias, **hp):\n        return x\n"}
     errors = {"typo.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
               "opname.py": "defines none of forward, input_grad, weight_grad for op 'linear' (def linear is not one "
                            "of them: name it after the computation)",
+              "other_op.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
               "unparsable.py": "SyntaxError: expected ':' (line 1)",
               "nul.py": "SyntaxError: source code string cannot contain null bytes"}
     for name, text in sources.items():

@@ -170,9 +170,12 @@ _DYNAMIC = {"*", "__getattr__", "globals", "setattr", "vars", "exec", "__dict__"
 def _may_define(tree: ast.Module, op: str) -> bool:
     """Whether a Python kernel source may define one of the computations: False only where none
     of their names, the op's namespace or a way to bind names dynamically appears in it, as with a
-    misspelt ``def fwd``, which load() refused in the job, after golden training."""
+    misspelt ``def fwd``, which load() refused in the job, after golden training. What another
+    op's namespace holds (``class conv2d: def forward``) is not looked at: load() never reads it for ``op``."""
     names = {*kernels.COMPUTATIONS, op, *_DYNAMIC}
-    for node in ast.walk(tree):
+    others = set(kernels.OPS) - {op}
+    outside = [top for top in tree.body if not (isinstance(top, ast.ClassDef) and top.name in others)]
+    for node in (node for top in outside for node in ast.walk(top)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             # A function named like the op is no namespace (load reads a routine's module): def linear(...)
             # alone passed here and load() refused it in the job, after golden training.
