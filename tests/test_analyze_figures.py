@@ -442,3 +442,21 @@ def test_distributions_of_one_value_keep_their_ticks_apart(table, tmp_path, draw
         assert len(ticks) >= 3 and not any(a.overlaps(b) for a, b in zip(ticks, ticks[1:]))
     analyze.figures(table, tmp_path)  # a decade or more: as it was
     assert drawn["distributions"].axes[0].get_xlim()[1] == analyze.REL_CUT
+
+
+def test_an_infinite_score_is_drawn_at_the_largest_float_and_leaves_the_heatmap_scale(table, tmp_path, drawn):
+    """Inf elements count as the largest float64, and a mean over several overflows to inf: that score
+    had no line in the score figure and a blank heatmap cell, while one Inf element (a score of 1e305)
+    stretched the heatmap's colours to 306 decades, every other cell one flat colour."""
+    table = table.assign(nonfinite=0)
+    b = (table["case"] == "kernel") & (table["layer"] == "b") & (table["computation"] == "forward")
+    table.loc[b & (table["step"] == 2), ["err_top10", "rel_top10", "nonfinite"]] = [np.inf, np.inf, 3]
+    table.loc[b & (table["step"] == 0), ["err_top10", "rel_top10", "nonfinite"]] = [8.8e305, 1e303, 1]
+    analyze.figures(table, tmp_path)
+    panel = next(ax for ax in drawn["score_vs_iteration"].axes if ax.get_title() == "forward\nb")
+    kernel = next(line for line in panel.get_lines() if len(line.get_xdata()) == 2 and line.get_ydata()[0] > 300)
+    assert kernel.get_ydata()[1] == pytest.approx(np.log10(np.finfo(np.float64).max))
+    heat = [ax for ax in drawn["heatmap"].axes if ax.get_label() != "<colorbar>"][0]
+    assert heat.collections[0].get_clim() == (-3.0, analyze.HEAT_TOP)
+    assert [t.get_text() for t in heat.texts] == ["NaN/Inf", "NaN/Inf"]
+    assert drawn["heatmap"].axes[1].get_label() == "<colorbar>" and heat.collections[0].colorbar.extend == "max"

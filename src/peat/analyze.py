@@ -247,7 +247,10 @@ def _empty(path: Path, text: str, dpi: int, failed: list[str] = ()) -> None:
 
 
 def _log(values: pd.Series, floor: float = 1e-30) -> pd.Series:
-    return np.log10(values.astype(float).clip(lower=floor))
+    """log10 of scores from ``floor`` to the largest float64: an infinite score (a mean or variance over
+    Inf elements, each counted as that float, overflowed) had no line in the score figure, a blank heatmap
+    cell and a distribution box of inf."""
+    return np.log10(values.astype(float).clip(lower=floor, upper=np.finfo(np.float64).max))
 
 
 def _shown_layers(own: pd.DataFrame) -> tuple[list[str], list[str]]:
@@ -427,8 +430,13 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     marks = bad.reindex(index=heat.index, columns=heat.columns).fillna(0) > 0
     # From the floor (exact match) to HEAT_TOP at least: scaled to the data alone, a kernel at 1.0 to 1.4
     # times the noise (0 to 0.15 decades) spanned the whole range, its cells as hot as a lane fault's.
-    vmin, vmax = _whole_decades(heat.to_numpy(dtype=float), np.log10(REL_FLOOR), HEAT_TOP)
-    sns.heatmap(heat, ax=ax, cmap="viridis", vmin=vmin, vmax=vmax, cbar_kws={"label": REL_LABEL})
+    # Of the cells without a NaN/Inf: an Inf element counts as the largest float, and one such cell stretched
+    # the colours to 306 decades, every other cell one flat colour. A marked cell beyond them takes the top one.
+    values = heat.to_numpy(dtype=float)
+    vmin, vmax = _whole_decades(values[~marks.to_numpy()], np.log10(REL_FLOOR), HEAT_TOP)
+    above = bool((values[np.isfinite(values)] > vmax).any())
+    sns.heatmap(heat, ax=ax, cmap="viridis", vmin=vmin, vmax=vmax,
+                cbar_kws={"label": REL_LABEL, "extend": "max" if above else "neither"})
     # Not seaborn's annotations: they skip a cell without a score, the very one of an all-NaN result.
     for row, col in zip(*np.nonzero(marks.to_numpy())):
         ax.text(col + 0.5, row + 0.5, "NaN/Inf", ha="center", va="center", color="firebrick", fontsize=7)
