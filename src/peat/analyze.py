@@ -536,7 +536,7 @@ def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: i
     """One workflow job: tables and figures of one kernel's playback table (and its record's outcomes)."""
     record = _record(record) if record is not None else None
     return analyze(read_parquet_scalars(table_path, COLUMNS), context, out, dpi,
-                   record.get("outcomes") or [] if record else [],
+                   (record.get("outcomes") or []) if record else [],
                    lambda column, index: iter_list_rows(table_path, column, index), record)
 
 
