@@ -456,10 +456,11 @@ def _whole_decades(logs: np.ndarray, *anchors: float) -> tuple[float, float]:
 
 def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], lists) -> None:
     """One error map per case: the first replayed step of the network's first layer (the table's
-    order: by name, GPT-2's lm_head came first), forward pass (else input_grad, else weight_grad). One colour scale for all panels (a scale per panel made a
-    rounding-sized error look as bright as a lane fault's), from the smallest nonzero block to the
-    largest; blocks without error are drawn apart, as no logarithm fits them. Of a result with
-    elements: a zero-size batch's output has an empty map, and its blank panels hid the next layer's."""
+    order: by name, GPT-2's lm_head came first), forward pass (else input_grad, else weight_grad),
+    of a result with elements (a zero-size batch's output has an empty map, and its blank panels hid
+    the next layer's). One colour scale for all panels (a scale per panel made a rounding-sized
+    error look as bright as a lane fault's), from the smallest nonzero block to the largest; blocks
+    without error are drawn apart, as no logarithm fits them."""
     own = own[own["map_rows"] * own["map_cols"] > 0]  # NaN (a row without a map) compares False: left out too
     if own.empty:
         _empty(path, "no error map: every result was an output without elements", dpi, failed)
