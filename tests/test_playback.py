@@ -110,8 +110,8 @@ def test_a_plan_refuses_a_faulty_kernel_whose_computation_it_does_not_replay(con
     error was never injected, and no record field said so."""
     faulty = errors.faulty(kernels.golden("linear"), "rv:3", "weight_grad")
     with pytest.raises(PeatError, match=re.escape(
-            "playback.Plan: computations (forward, input_grad) leave out weight_grad, where kernel 'mine' injects "
-            "its error rv:3 (kernels.mine.computation): playback.computations must include it")):
+            "playback.Plan: kernel 'mine' (kernels.mine.computation): weight_grad is not in playback.computations "
+            "(forward, input_grad), so playback never injects its error 'rv:3'; playback.computations must include it")):
         playback.Plan(context=context, kernel=faulty, computations=("forward", "input_grad"), meta={"kernel": "mine"})
     assert playback.Plan(context=context, kernel=faulty, computations=("weight_grad",)).kernel is faulty
 

@@ -79,9 +79,8 @@ def check(config: dict) -> None:
             raise PeatError(f"config key 'kernels.{name}.error': {spec['error']!r}: split-K applies to "
                             f"{errors.SPLITK_WHERE}, not the {' '.join(where)}")
         replayed = config.get("playback", {}).get("computations", kernels.COMPUTATIONS)
-        if spec.get("error") and where[1] not in replayed:  # playback would replay it unharmed: a pass
-            raise PeatError(f"config key 'kernels.{name}.computation': {where[1]} is not in playback.computations "
-                            f"({', '.join(replayed)}), so playback never injects its error {spec['error']!r}; "
+        if why := errors.never_replayed(spec.get("error"), where[1], replayed):
+            raise PeatError(f"config key 'kernels.{name}.computation': {why}; "
                             "add it there or inject into a replayed computation")
         try:
             sources = kernels.source_files(spec.get("impl", "golden"))

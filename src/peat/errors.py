@@ -446,6 +446,16 @@ def _splitk_chunks(model: ErrorModel, t, operands):
 
 
 # -- faulty kernels --------------------------------------------------------------------------
+def never_replayed(error: str | None, computation: str | None, replayed) -> str | None:
+    """Why playback would never inject a faulty kernel's ``error`` (None where it would): its
+    ``computation`` is not among the ``replayed`` ones, so the verdict judged golden's results, a pass.
+    The config check and ``playback.Plan`` both ask, each naming its own key."""
+    if not error or computation in replayed:
+        return None
+    return (f"{computation} is not in playback.computations ({', '.join(replayed)}), "
+            f"so playback never injects its error {error!r}")
+
+
 def warn_never_injected(kernel_name: str, error: str, layer: str, why: str) -> None:
     """One line on stderr: a faulty kernel's error has nothing to act on at ``layer``, so what
     reads as the error absorbed there (candidate training) or a clean verdict (playback) is golden's."""

@@ -141,11 +141,10 @@ def _check_limits(plan: Plan) -> None:
 def _check_injected(plan: Plan) -> None:
     """A faulty kernel whose faulty computation is not replayed was judged on golden results alone: a pass."""
     meta = getattr(plan.kernel, "meta", None) or {}
-    if meta.get("error") and meta.get("computation") not in plan.computations:
+    if why := errors.never_replayed(meta.get("error"), meta.get("computation"), plan.computations):
         name = plan.meta.get("kernel", plan.kernel.name)
-        raise PeatError(f"playback.Plan: computations ({', '.join(plan.computations)}) leave out "
-                        f"{meta.get('computation')}, where kernel {name!r} injects its error {meta['error']} "
-                        f"(kernels.{name}.computation): playback.computations must include it")
+        raise PeatError(f"playback.Plan: kernel {name!r} (kernels.{name}.computation): {why}; "
+                        "playback.computations must include it")
 
 
 # -- the context ---------------------------------------------------------------------------
@@ -318,7 +317,7 @@ def _uninjected(plan: Plan, layers: list[str], probed: dict) -> list[str]:
     computation has no recorded sample there (no input gradient at a layer fed by data, no weight
     gradient for a frozen weight), so the verdict judged the kernel clean on rows it left golden."""
     computation = plan.kernel.meta.get("computation")
-    if not plan.kernel.meta.get("error") or computation not in plan.computations:
+    if not plan.kernel.meta.get("error"):  # a faulty one's computation is replayed (_check_injected)
         return []
     missing = [layer for layer in layers if (layer, computation) not in probed]
     for layer in missing:
