@@ -330,6 +330,16 @@ def test_bad_detector_result_is_one_line(tmp_path, content, message):
     assert str(err.value) == f"{bad}: {message}"
 
 
+def test_detector_result_in_another_encoding_is_one_line(tmp_path):
+    """A result re-saved as Latin-1 (or a binary file in its place) ended the report in a UnicodeDecodeError."""
+    bad = tmp_path / "results/detect/m/cpu/k.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes('{"verdict": "pass", "note": "caf\u00e9"}'.encode("latin-1"))
+    with pytest.raises(PeatError) as err:
+        build([bad], tmp_path / "out", name="bad", models=["m"], vendors=["cpu"])
+    assert str(err.value) == f"{bad}: not valid JSON (byte 0xe9 at offset 32 is not UTF-8 text)"
+
+
 @pytest.mark.parametrize("content, message", [
     ("a,b\n1,2\n", "needs columns step, epoch, split, loss (not a training metrics file?)"),
     # Without its metric: a KeyError ('accuracy') naming no file.

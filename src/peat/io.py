@@ -75,6 +75,9 @@ def read_json(path: str | os.PathLike):
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise PeatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError as err:  # a binary or re-encoded file: JSON is UTF-8
+        raise PeatError(f"{path}: not valid JSON (byte {err.object[err.start]:#04x} at offset {err.start} "
+                        "is not UTF-8 text)") from None
 
 
 def read_csv(path: str | os.PathLike, required: tuple[str, ...] = (), **kwargs):
