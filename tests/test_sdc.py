@@ -1574,6 +1574,26 @@ def test_nccl_without_a_gpu_for_the_rank_is_one_line(monkeypatch):
         init_distributed("nccl", 5)
 
 
+@pytest.mark.parametrize("env, launched", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "2 rank(s) were launched (WORLD_SIZE)"),  # torchrun --nproc-per-node 2
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "127.0.0.1"}, "2 rank(s) were launched (SLURM_NTASKS)"),
+])
+def test_ranks_launched_unlike_the_configured_world_size_are_one_line(monkeypatch, env, launched):
+    # srun --ntasks 2 with sdc.world_size 3 and injected_rank 2: no rank injected the fault, and every
+    # drill JSON said "detected": false, "world_size": 2, with no word of the mismatch.
+    from peat.sdc_drill import init_distributed
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):  # restored after
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(PeatError) as err:
+        init_distributed("gloo", 5, 3)
+    assert str(err.value) == (f"config key 'sdc.world_size': 3, but {launched}: launch sdc.world_size ranks, "
+                              "or set it to the number launched")
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("gpus, backend", [(0, "gloo"), (1, "gloo"), (2, "gloo"), (3, "nccl"), (4, "nccl")])
 def test_auto_backend_takes_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, backend):
     # NCCL refuses two ranks on one GPU: 3 drill ranks on a one-GPU workstation must run on gloo.

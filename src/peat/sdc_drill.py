@@ -298,9 +298,11 @@ def _launch_timeout(sdc_cfg: dict) -> float:
 
 # --- the worker ---------------------------------------------------------------------------------
 
-def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.device]:
-    """Join the process group from torchrun's or SLURM's environment; every collective times out."""
+def init_distributed(backend: str, timeout_s: float, world_size: int | None = None) -> tuple[int, int, torch.device]:
+    """Join the process group from torchrun's or SLURM's environment; every collective times out.
+    ``world_size`` (sdc.world_size) must be the number of ranks launched."""
     env = os.environ
+    launched_by = "WORLD_SIZE"
     if "RANK" not in env and "SLURM_PROCID" in env:
         if "MASTER_ADDR" not in env:
             raise PeatError("MASTER_ADDR is not set under srun: export "
@@ -308,8 +310,14 @@ def init_distributed(backend: str, timeout_s: float) -> tuple[int, int, torch.de
         env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
                    LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
         env.setdefault("MASTER_PORT", "29500")
+        launched_by = "SLURM_NTASKS"
     if "RANK" not in env:
         raise PeatError("not launched by torchrun or srun (RANK and SLURM_PROCID are unset)")
+    # The config's injected rank, batch bounds and record are for sdc.world_size ranks: with fewer, an
+    # injected rank past the last one injected nothing and the drill recorded "not detected".
+    if world_size is not None and env.get("WORLD_SIZE") != str(world_size):
+        raise PeatError(f"config key 'sdc.world_size': {world_size}, but {env.get('WORLD_SIZE')} rank(s) were "
+                        f"launched ({launched_by}): launch sdc.world_size ranks, or set it to the number launched")
     use_cuda = _uses_cuda(backend, int(env.get("LOCAL_WORLD_SIZE") or _slurm_local_tasks(env)))
     device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda and device.index >= torch.cuda.device_count():  # else CUDA's own traceback from every rank
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         from .data import load
 
         data = load(args.data)  # a missing or wrong file: one line, not a traceback from every rank
-        rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"])
+        rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"], sdc_cfg["world_size"])
     except PeatError as err:
         print(f"{ERROR}{err}", file=sys.stderr)
         return EXIT_USAGE
