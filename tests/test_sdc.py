@@ -1551,6 +1551,26 @@ def test_unknown_drill_on_the_command_line_stops_before_any_rank_trains(tmp_path
     assert "--drills: unknown drill 'nan_grd'; allowed: clean, nan_grad" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, error", [
+    (b"sdc: {steps: [1\n", "{path}: not valid YAML (expected ',' or ']', but got '<stream end>' at line 2)"),
+    (b"\xff\xfeseed: 0\n", "{path}: not a YAML or JSON config (byte 0xff at offset 0 is not UTF-8 text)"),
+    # The workflow refuses it; the worker kept the last without a word.
+    (b"seed: 0\nseed: 1\n", "config key 'seed' is given twice in {path} (again at line 2); rename or remove one"),
+    (None, "{path}: is a folder; name the config file"),
+])
+def test_a_config_file_the_worker_cannot_read_is_one_line(tmp_path, monkeypatch, capsys, content, error):
+    # Each was a traceback from every rank (srun python -m peat.sdc_drill --config ...).
+    from peat.sdc_drill import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    path = tmp_path / "config.yaml"
+    path.mkdir() if content is None else path.write_bytes(content)
+    code = main(["--config", str(path), "--model", "resnet18", "--data", str(tmp_path / "d.h5"),
+                 "--out", str(tmp_path / "out")])
+    assert (code, capsys.readouterr().err) == (2, f"peat sdc drill: error: {error.format(path=path)}\n")
+
+
 def test_missing_dataset_is_one_line_from_every_rank(tmp_path, monkeypatch, capsys):
     # It was read after the process group was joined, outside the error handling: a traceback per rank.
     from peat.sdc_drill import main

@@ -402,10 +402,24 @@ def load_config(path: str | Path) -> dict:
     """Read and validate a workflow config (defaults filled in) and check the sdc section."""
     import yaml
 
+    from .config import check_unique_keys
+
     path = Path(path)
     if not path.exists():
         raise PeatError(f"{path}: no such config file")
-    return validated(yaml.safe_load(path.read_text()))
+    # Read on every rank (srun): a folder, a binary file or broken YAML was a traceback from each.
+    try:
+        check_unique_keys(path)  # as the workflow does: YAML keeps the last of two without a word
+        return validated(yaml.safe_load(path.read_text()))
+    except IsADirectoryError:
+        raise PeatError(f"{path}: is a folder; name the config file") from None
+    except UnicodeDecodeError as err:
+        raise PeatError(f"{path}: not a YAML or JSON config (byte {err.object[err.start]:#04x} at offset "
+                        f"{err.start} is not UTF-8 text)") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise PeatError(f"{path}: not valid YAML ({getattr(err, 'problem', None) or sdc.first_line(err)}{at})") from None
 
 
 def validated(config: dict) -> dict:
