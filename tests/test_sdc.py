@@ -1571,6 +1571,24 @@ def test_a_config_file_the_worker_cannot_read_is_one_line(tmp_path, monkeypatch,
     assert (code, capsys.readouterr().err) == (2, f"peat sdc drill: error: {error.format(path=path)}\n")
 
 
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
+    # Under a file: rank 0 died with a traceback making events/ at the first drill, and its peers with
+    # gloo's "Connection closed by peer" traceback from the guard's first gather; launch() with a traceback.
+    from peat.sdc_drill import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    (tmp_path / "file").touch()
+    out = tmp_path / "file" / "out"
+    expected = f"{out}: cannot make the output folder ([Errno 20] Not a directory: '{out}')"
+    code = main(["--config", str(_config_file(tmp_path)), "--model", "resnet18", "--data", str(tmp_path / "nope.h5"),
+                 "--out", str(out)])
+    assert (code, capsys.readouterr().err) == (2, f"peat sdc drill: error: {expected}\n")
+    with pytest.raises(PeatError) as err:
+        launch(make_config(), "resnet18", tmp_path / "nope.h5", out)
+    assert str(err.value) == expected
+
+
 def test_missing_dataset_is_one_line_from_every_rank(tmp_path, monkeypatch, capsys):
     # It was read after the process group was joined, outside the error handling: a traceback per rank.
     from peat.sdc_drill import main

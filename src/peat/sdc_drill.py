@@ -65,8 +65,7 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
     """
     config = validated(config)  # a raw YAML dict lacks the defaults read here and by the ranks
     sdc_cfg = config["sdc"]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_folder(out_dir)
     plan = out_dir / (".bench.json" if bench else ".plan.json")
     write_json(plan, config)
     args = ["--config", str(plan), "--model", model, "--data", str(data), "--out", str(out_dir)]
@@ -97,6 +96,16 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
             remaining = remaining[remaining.index(current) + 1:]
     finally:
         plan.unlink(missing_ok=True)
+
+
+def output_folder(path: str | Path) -> Path:
+    """``path``, made a folder if it is none yet; one line naming it where it cannot be."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PeatError(f"{path}: cannot make the output folder ({sdc.first_line(err)})") from None
+    return path
 
 
 def _check_started(what: str, ends: list[RankEnd]) -> None:
@@ -361,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PeatError(f"--drills: unknown drill {unknown[0]!r}; allowed: {', '.join(DRILLS + RELIABILITY)}")
         from .data import load
 
+        output_folder(args.out)  # else rank 0 failed alone making events/ in the first drill, its peers waiting
         data = load(args.data)  # a missing or wrong file: one line, not a traceback from every rank
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"], sdc_cfg["world_size"])
     except PeatError as err:
