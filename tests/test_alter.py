@@ -397,6 +397,48 @@ def test_a_damaged_object_header_fails_the_scan_with_one_line(tmp_path):
         A.scan(src)
 
 
+
+def test_a_damaged_dataspace_fails_alter_and_h5diff_with_one_line(tmp_path, capsys):
+    # h5py raises a KeyError for an object header HDF5 cannot decode: it was a traceback.
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(12345, np.float32)
+    data = bytearray(src.read_bytes())
+    dims = data.find((12345).to_bytes(8, "little"))  # the dataspace's first dimension
+    data[dims:dims + 8] = (10**12).to_bytes(8, "little")
+    src.write_bytes(data)
+    for argv in (["alter", str(src), str(tmp_path / "o.h5")], ["h5diff", str(src), str(src)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"peat {argv[0]}: error: {src}: damaged HDF5 file (Unable to synchronously open object)\n"
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_a_name_that_is_not_utf8_fails_with_one_line_naming_it(tmp_path, capsys):
+    src = tmp_path / "latin1.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset(b"gewicht_\xe4", data=np.ones(3, np.float32))  # as a tool writing Latin-1 names does
+    for argv in (["alter", str(src), str(tmp_path / "o.h5")], ["h5diff", str(src), str(src)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (f"peat {argv[0]}: error: {src}: the name b'gewicht_\\xe4' is not UTF-8 text, "
+                                           "as peat reads HDF5 names\n")
+
+
+def test_a_float_type_wider_than_numpy_holds_is_left_alone_and_not_compared(tmp_path):
+    # A 20-bit exponent: h5py raises a ValueError reading its dtype (it was a traceback of alter and h5diff).
+    src = tmp_path / "wide.h5"
+    wide = h5py.h5t.IEEE_F64LE.copy()
+    wide.set_fields(63, 43, 20, 0, 43)
+    wide.set_ebias(2**19 - 1)
+    with h5py.File(src, "w") as f:
+        h5py.h5d.create(f.id, b"wide", wide, h5py.h5s.create_simple((4,)))
+        f["next"] = np.arange(1, 5, dtype=np.float32)
+    rows = run_alter(src, tmp_path / "o.h5", fraction=1.0, region="sign").records
+    assert {r["dataset"] for r in rows} == {"/next"}
+    assert A.diff(src, tmp_path / "o.h5")["not_compared"] == {"/wide": "Insufficient precision in available types to represent"}
+    with pytest.raises(PeatError, match=r"'wide' names wide, which peat never alters \(a stored type peat cannot edit "
+                                        r"bit for bit\)$"):
+        run_alter(src, tmp_path / "o.h5", select=["wide"])
+
 def test_a_damaged_chunk_is_reported_in_the_input_not_its_temporary_copy(tmp_path, capsys):
     src = tmp_path / "in.h5"
     with h5py.File(src, "w") as f:

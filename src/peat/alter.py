@@ -107,7 +107,7 @@ def layout_of(ds: h5py.Dataset) -> Layout | None:
     """The layout of a dataset's elements, or None for non-numeric datasets (strings, compounds)."""
     try:
         dt = ds.dtype
-    except TypeError:  # a stored type numpy has no name for, such as a 3-byte integer
+    except (TypeError, ValueError):  # a stored type numpy has no name for: a 3-byte integer, a 20-bit exponent
         return None
     if dt.kind not in "fiu" or ds.id.get_type() != h5py.h5t.py_create(dt, logical=True):
         # Bits are edited in place: a stored element h5py converts (a 3-byte float read as
@@ -225,6 +225,8 @@ def scan(path: str | os.PathLike) -> list[Entry]:
     entries = []
     with open_h5(path) as f:
         def visit(name, obj):
+            if isinstance(name, bytes):  # h5py's fallback for a name it cannot decode
+                raise UnicodeDecodeError("utf-8", name, 0, len(name), "not UTF-8")
             if isinstance(obj, h5py.Dataset):
                 layout = layout_of(obj)
                 if layout is not None and obj.shape is not None and obj.size > 0:
@@ -232,14 +234,17 @@ def scan(path: str | os.PathLike) -> list[Entry]:
                                          location_class(name, obj.attrs), _offset(obj), _why_fixed(obj) is not None))
         try:
             f.visititems(visit)
-        except (OSError, RuntimeError) as err:
+        except UnicodeDecodeError as err:  # a damaged name, or one another tool wrote in another encoding
+            raise PeatError(f"{path}: the name {err.object!r} is not UTF-8 text, as peat reads HDF5 names") from None
+        except (OSError, RuntimeError, KeyError) as err:  # h5py: KeyError for an object header it cannot read
             raise PeatError(f"{path}: damaged HDF5 file ({_h5_reason(err)})") from None
     return sorted(entries, key=lambda e: e.path)
 
 
 def _h5_reason(err: Exception) -> str:
     """h5py's message up to HDF5's parenthesised detail ("Can't synchronously read data (...)")."""
-    return str(err).split("(")[0].strip()
+    text = err.args[0] if isinstance(err, KeyError) and err.args else err  # str(KeyError) adds quotes
+    return str(text).split("(")[0].strip()
 
 
 def links(path: str | os.PathLike, listed: list[str]) -> dict[str, str]:
@@ -294,7 +299,7 @@ def _why_unalterable(ds: h5py.Dataset) -> str | None:
     if layout_of(ds) is None:
         try:
             kind = _kind(ds.dtype)
-        except TypeError:
+        except (TypeError, ValueError):  # as in layout_of
             kind = None
         return f"{kind} values" if kind else "a stored type peat cannot edit bit for bit"
     if ds.shape is None or ds.size == 0:
