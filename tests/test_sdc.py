@@ -1479,6 +1479,23 @@ def test_launch_takes_a_raw_config_and_validates_it_itself(tmp_path):
         launch(raw_config(world_size=2, injected_rank=2), "resnet18", tmp_path / "nope.h5", tmp_path / "out2")
 
 
+def test_a_drain_marker_no_rank_can_write_fails_with_one_line_naming_it(digits, tmp_path):
+    # Every rank's guard refused it at once, but with the peers' exit code 3: the rule's line was the
+    # first drill's "unexpected end: rank exit codes [3, 3]", the cause only in the log. A placeholder
+    # other than {node} is refused with the config, before any rank starts.
+    with pytest.raises(PeatError, match=r"^config key 'sdc.drain_marker': '/x/\{host\}.json': the only placeholder "
+                                        r"is \{node\} \(KeyError: 'host'\)$"):
+        make_config(policy="stop", drain_marker="/x/{host}.json")
+    (tmp_path / "file").touch()
+    marker = tmp_path / "file" / "{node}.json"
+    with pytest.raises(PeatError) as err:
+        launch(make_config(world_size=2, steps=2, injection_step=1, drills=["clean"], policy="stop",
+                           drain_marker=str(marker)), "resnet18", digits, tmp_path / "out", timeout=300)
+    assert str(err.value) == (f"sdc drill of model 'resnet18': sdc.Guard: drain_marker='{marker}': cannot create "
+                              f"its folder ([Errno 17] File exists: '{marker.parent}') (rank 0 on node "
+                              f"{sdc.node_name()})")
+
+
 def test_a_share_too_small_for_batch_norm_fails_with_one_line_naming_the_batch(digits, tmp_path):
     # Two ranks sharing a batch of 2 train on one example each: batch norm refuses it at the
     # first step, on every rank, with torch's traceback and exit 1 ('unexpected end' of the drill).

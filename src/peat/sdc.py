@@ -808,16 +808,25 @@ def _node_marker(drain_marker) -> Path:
     return Path(str(drain_marker).format(node=node_name()))
 
 
+def marker_problem(drain_marker) -> str | None:
+    """Why ``drain_marker`` names no file on any node (a placeholder other than NODE), or None."""
+    try:
+        _node_marker(drain_marker)
+    except (KeyError, IndexError, ValueError) as err:
+        return f"the only placeholder is {NODE} ({type(err).__name__}: {err})"
+    return None
+
+
 def _unwritable(events, drain_marker) -> str | None:
     """Why this rank could not write the events file or the drain marker (their folders made now), or None.
     The guard writes them at an alarm only: there, one rank failed alone while its peers went on to the
     next collective until the timeout."""
     paths = {"events": events}
     if drain_marker is not None:
-        try:
-            paths["drain_marker"] = _node_marker(drain_marker)
-        except (KeyError, IndexError, ValueError) as err:
-            return f"drain_marker={str(drain_marker)!r}: the only placeholder is {NODE} ({type(err).__name__}: {err})"
+        problem = marker_problem(drain_marker)
+        if problem:
+            return f"drain_marker={str(drain_marker)!r}: {problem}"
+        paths["drain_marker"] = _node_marker(drain_marker)
     for label, path in paths.items():
         if path is None:
             continue

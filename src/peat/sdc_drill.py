@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_json(Path(args.out) / f"{drill}.json", result)
             if result["outcome"] == "stopped":  # policy stop: every rank leaves here, with the guard's code
                 return result["exit_code"]
-    except BatchTooSmall as err:  # every rank with such a share finds it at the first step
+    except (BatchTooSmall, Refused) as err:  # every rank with such a share finds it at the first step
         _fail(str(err), EXIT_USAGE)
     except PeatError as err:
         _fail(str(err), EXIT_PEER)
@@ -401,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"rank {rank}: out of memory in {task} ({sdc.first_line(err)}): lower sdc.batch_size", EXIT_OOM)
     dist.destroy_process_group()
     return 0
+
+
+class Refused(PeatError):
+    """A config error found once the ranks had joined (the guard's files): exit EXIT_USAGE, not as a peer's failure."""
 
 
 def _fail(message: str, code: int) -> None:
@@ -449,6 +453,9 @@ def check_config(config: dict) -> None:
         if name not in config["models"]:
             raise PeatError(f"config key 'sdc.models': unknown model {name!r}; defined: {', '.join(config['models'])}")
         _check_batch(config, name)
+    problem = cfg["drain_marker"] is not None and sdc.marker_problem(cfg["drain_marker"])
+    if problem:  # else found by the guard once every rank had started
+        raise PeatError(f"config key 'sdc.drain_marker': {cfg['drain_marker']!r}: {problem}")
     if cfg["injected_rank"] >= cfg["world_size"]:
         raise PeatError(f"config key 'sdc.injected_rank': {cfg['injected_rank']} is not below "
                         f"sdc.world_size ({cfg['world_size']})")
@@ -521,12 +528,15 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
     if rank == 0:
         events.parent.mkdir(parents=True, exist_ok=True)
         events.unlink(missing_ok=True)
-    guard = sdc.Guard(trainer.ddp, policy=cfg["policy"], events=events, audit_every=cfg["audit_every"],
-                      fingerprint_every=cfg["fingerprint_every"], audit_tolerance=cfg["audit_tolerance"],
-                      fused=cfg["fused"],
-                      save=lambda path: checkpoint.save(path, trainer.model, trainer.optimizer, step=guard.step,
-                                                        epoch=0, meta={"model": model_name, "sdc_drill": drill}),
-                      checkpoint=out_dir / f"{drill}.stop.h5", drain_marker=cfg["drain_marker"])
+    try:
+        guard = sdc.Guard(trainer.ddp, policy=cfg["policy"], events=events, audit_every=cfg["audit_every"],
+                          fingerprint_every=cfg["fingerprint_every"], audit_tolerance=cfg["audit_tolerance"],
+                          fused=cfg["fused"],
+                          save=lambda path: checkpoint.save(path, trainer.model, trainer.optimizer, step=guard.step,
+                                                            epoch=0, meta={"model": model_name, "sdc_drill": drill}),
+                          checkpoint=out_dir / f"{drill}.stop.h5", drain_marker=cfg["drain_marker"])
+    except PeatError as err:  # every rank refuses alike (a drain_marker no rank can write): a config error
+        raise Refused(str(err)) from None
     fault = None
     if rank == cfg["injected_rank"]:
         fault = Fault(drill, trainer.model, cfg["injection_step"], cfg["faults"], seed)
