@@ -1496,6 +1496,23 @@ def test_a_drain_marker_no_rank_can_write_fails_with_one_line_naming_it(digits, 
                               f"{sdc.node_name()})")
 
 
+def test_a_seed_past_32_bits_is_refused_in_one_line_and_faults_draw_as_peats_errors(tmp_path):
+    # The top-level seed feeds numpy's global seed (32 bits): refused before any rank starts, as every
+    # stage refuses it. A drill's fault draws as every other injected error (peat.errors.seeded): torch's
+    # manual_seed keeps a seed's low 32 bits only, so seeds 2**32 apart drew the same fault.
+    from peat import errors
+    from peat.sdc_drill import Fault
+
+    with pytest.raises(PeatError, match=r"^config key 'seed': 4294967296 is greater than the maximum of 4294967295$"):
+        launch(raw_config(world_size=2) | {"seed": 2**32}, "resnet18", tmp_path / "nope.h5", tmp_path / "out")
+    t = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    spec = {"weight_flip": "bit_flip:mantissa"}
+    drawn = {seed: Fault("weight_flip", torch.nn.Linear(2, 2), 0, spec, seed)._corrupt(t) for seed in (0, 2**32)}
+    assert torch.equal(drawn[2**32], errors.parse("bit_flip:mantissa").apply(t, errors.seeded(2**32)))
+    assert torch.equal(drawn[0], errors.parse("bit_flip:mantissa").apply(t, torch.Generator().manual_seed(0)))
+    assert not torch.equal(drawn[0], drawn[2**32])
+
+
 def test_a_share_too_small_for_batch_norm_fails_with_one_line_naming_the_batch(digits, tmp_path):
     # Two ranks sharing a batch of 2 train on one example each: batch norm refuses it at the
     # first step, on every rank, with torch's traceback and exit 1 ('unexpected end' of the drill).

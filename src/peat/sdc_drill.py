@@ -661,8 +661,9 @@ class Fault:
                 self._first.copy_(self._corrupt(self._first))
 
     def _corrupt(self, t: torch.Tensor) -> torch.Tensor:
-        # The same generator state on every call: a persistent fault hits the same lane each time.
-        wrong = self.error.apply(t.detach(), torch.Generator().manual_seed(self.seed))
+        # The same generator state on every call: a persistent fault hits the same lane each time. Seeded as
+        # peat.errors seeds every injected error (a seed past 32 bits hashed, not cut to its low 32 bits).
+        wrong = self.error.apply(t.detach(), errors.seeded(self.seed))
         return t + (wrong - t).detach()  # wrong values forward, gradients flow as through t
 
     def _on_gradient(self, grad):
