@@ -293,6 +293,24 @@ def test_scale_multiplies_exactly(mixed, tmp_path):
     assert not any(isinstance(r["new"], str) for r in tame)
 
 
+
+def test_scale_alters_only_values_the_factor_changes_as_h5diff_sees_them(tmp_path):
+    # 0 x 4, NaN x 4 and a bfloat16 1.0 x 1.001 (rounded back to 1.0) are the values they were: each was
+    # counted and logged as altered, which h5diff --positions did not list.
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.array([0.0, 1.0, 0.0, 2.0, np.nan, -0.0, 3.0], np.float32)
+        f["b_bf16"] = _bf16([1.0, 0.0, 1.5])
+    result = run_alter(src, tmp_path / "o.h5", fraction=1.0, scale=4.0)
+    assert result.flips == 5 and [(r["dataset"], r["index"], r["new"]) for r in result.records] == [
+        ("/b_bf16", [0], 4.0), ("/b_bf16", [2], 6.0), ("/w", [1], 4.0), ("/w", [3], 8.0), ("/w", [6], 12.0)]
+    seen = A.diff(src, tmp_path / "o.h5", positions=True)["positions"]  # bits there, a factor in the log
+    assert canon({**r, "bit": None} for r in seen) == canon(result.records)
+    rounded = run_alter(src, tmp_path / "o.h5", select=["b_bf16"], fraction=1.0, scale=1.001).records
+    assert rounded == []  # 1.0 and 1.5 round back, 0 stays: nothing to alter, nothing counted
+    with pytest.raises(PeatError, match=r": 1 values to corrupt but only 0 eligible values"):
+        run_alter(src, tmp_path / "o.h5", select=["b_bf16"], count=1, scale=1.001)
+
 def test_scale_factor_is_not_rounded_to_the_dtype_first(tmp_path):
     # 70000 overflows float16 but 0.001 x 70000 does not; 1e40 overflows float32 but 1e-30 x 1e40 does not.
     src = tmp_path / "in.h5"
@@ -306,7 +324,7 @@ def test_scale_factor_is_not_rounded_to_the_dtype_first(tmp_path):
 
 @pytest.mark.parametrize("old,factor,new", [
     (1.0, 1 + 2**-8 + 2**-30, 1 + 2**-7),  # just past the halfway point 1 + 2^-8: rounds up
-    (1 + 2**-7, (1 + 3 * 2**-8 - 2**-30) / (1 + 2**-7), 1 + 2**-7),  # just short of 1 + 3 * 2^-8: stays
+    (1 + 2**-7, (1 + 3 * 2**-8 - 2**-30) / (1 + 2**-7), None),  # just short of 1 + 3 * 2^-8: stays, no alteration
     (-1.0, 1 + 2**-8 + 2**-30, -(1 + 2**-7)),
     (3e38, 1.5, "inf"),
 ])
@@ -314,6 +332,10 @@ def test_bfloat16_scale_rounds_once_to_nearest(tmp_path, old, factor, new):
     src = tmp_path / "in.h5"
     with h5py.File(src, "w") as f:
         f["w_bf16"] = _bf16([old])
+    if new is None:
+        with pytest.raises(PeatError, match=r"1 values to corrupt but only 0 eligible values"):
+            run_alter(src, tmp_path / "o.h5", count=1, scale=factor)
+        return
     rows = run_alter(src, tmp_path / "o.h5", count=1, scale=factor).records
     assert rows[0]["new"] == new
 

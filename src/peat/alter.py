@@ -542,13 +542,17 @@ class Edit:
 
 
 def _eligible(entry: Entry, raw: np.ndarray, plan: Plan, masks: np.ndarray) -> np.ndarray | None:
-    """Boolean mask of values that can be corrupted under --no-nonfinite (None: all of them)."""
+    """Boolean mask of the values the corruption can alter, as asked (None: all of them)."""
     if plan.scale is not None:
-        if not entry.layout.is_float:
-            return None
-        new = _values(_scaled(raw, entry, plan.scale), entry.dtype, entry.layout)
-        return np.isfinite(_values(raw, entry.dtype, entry.layout)) & np.isfinite(new)
-    if not entry.layout.is_float:
+        # A value the factor leaves as it was (0 x F, NaN, a bfloat16 that rounds back) is no alteration:
+        # counted and logged, it was missing from h5diff.
+        scaled = _scaled(raw, entry, plan.scale)
+        changed = scaled != raw
+        if plan.nonfinite:
+            return changed
+        new = _values(scaled, entry.dtype, entry.layout)
+        return changed & np.isfinite(_values(raw, entry.dtype, entry.layout)) & np.isfinite(new)
+    if plan.nonfinite or not entry.layout.is_float:
         return None
     bad = _bad_counts(masks, entry.layout)
     return bad[_exponent_field(raw, entry.layout)] < len(masks)
@@ -574,8 +578,9 @@ def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> tuple[li
         entries = [e for e in entries if len(masks_of[e.path])]
     if not entries:
         raise PeatError(f"{source}: no selected dataset can take this corruption (dtype, --region/--bits width)")
-    eligible = {e.path: _eligible(e, storage.raw(e), plan, masks_of[e.path]) for e in entries} \
-        if not plan.nonfinite else {e.path: None for e in entries}
+    # Flips change every value they are given: only --no-nonfinite needs to read values to know.
+    read = plan.scale is not None or not plan.nonfinite
+    eligible = {e.path: _eligible(e, storage.raw(e), plan, masks_of[e.path]) if read else None for e in entries}
     counts = np.array([e.size if eligible[e.path] is None else int(eligible[e.path].sum()) for e in entries], np.int64)
     total = int(counts.sum())
     n = _amount(plan, total, rng)
