@@ -1513,6 +1513,25 @@ def test_a_seed_past_32_bits_is_refused_in_one_line_and_faults_draw_as_peats_err
     assert not torch.equal(drawn[0], drawn[2**32])
 
 
+def test_benchmark_audits_with_the_configured_tolerance(one_rank, digits, monkeypatch):
+    # Where replays are not bit-exact (heterogeneous nodes), sdc.audit_tolerance lets the drills pass, but
+    # --bench built its guard bit-exact: its first audit raised SDCError, a traceback from every rank.
+    from peat import sdc_drill
+    from peat.data import load
+
+    config = make_config(audit_tolerance=1e-5)
+    loss = sdc_drill.Trainer.loss
+
+    def replayed_one_ulp_off(self, module, step, rank):  # as another node's kernels would round
+        value = loss(self, module, step, rank)
+        return value if module is self.ddp else value * (1 + 2**-23)
+
+    monkeypatch.setattr(sdc_drill.Trainer, "loss", replayed_one_ulp_off)
+    result = sdc_drill.benchmark(config["models"]["resnet18"], load(digits), config["sdc"], 0, torch.device("cpu"),
+                                 steps=4)
+    assert result["steps"] == 4 and result["audit_s"] > 0
+
+
 def test_a_share_too_small_for_batch_norm_fails_with_one_line_naming_the_batch(digits, tmp_path):
     # Two ranks sharing a batch of 2 train on one example each: batch norm refuses it at the
     # first step, on every rank, with torch's traceback and exit 1 ('unexpected end' of the drill).
