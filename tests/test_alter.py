@@ -593,6 +593,18 @@ def test_a_log_without_bits_or_named_as_the_checkpoint_fails_with_one_line(mixed
     assert sha(mixed) == before and not (tmp_path / "p.h5").exists()
 
 
+
+def test_a_scale_log_replayed_on_integers_fails_with_one_line(tmp_path):
+    # --scale alters floats only; a replay rounded 3 x 1.5 to 4 in an int64 dataset of the same name.
+    src, log = tmp_path / "in.h5", tmp_path / "log.json"
+    with h5py.File(src, "w") as f:
+        f["n"] = np.array([3, 5, 7], np.int64)
+    log.write_text(json.dumps({"scale": 1.5, "injections": [{"dataset": "/n", "index": [0]}]}))
+    with pytest.raises(PeatError, match=rf"^{src}: log {log} scales /n, which holds int64 values; a scale factor "
+                                        r"alters floats only$"):
+        A.alter(src, tmp_path / "o.h5", A.Plan(), replay=log)
+    assert not (tmp_path / "o.h5").exists()
+
 # --- command line -----------------------------------------------------------------------------------
 
 

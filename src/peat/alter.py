@@ -840,6 +840,9 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> tuple
             raise PeatError(f"{source}: log {log} alters {name} at index {group[first[seen > 1][0]]['index']} twice: "
                             "give one injection per value (a list of bits)")
         if scale is not None:
+            if not entry.layout.is_float:  # as --scale draws: a product rounded to an integer is no scaling
+                raise PeatError(f"{source}: log {log} scales {name}, which holds {entry.layout.name} values; "
+                                "a scale factor alters floats only")
             edits.append(Edit(entry, positions, scale=scale))
         else:
             bits = [r["bit"] if isinstance(r["bit"], list) else [r["bit"]] for r in group]
