@@ -747,6 +747,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
     if log is not None:
         _check_json_output("--log", log, [src, out], "the checkpoint itself", "log")
+        if replay is not None:  # the new log would replace the replayed one's plan (seed, options) with itself
+            _check_json_output("--log", log, [replay], "the replayed log", "log")
     t0 = time.perf_counter()
     entries = [e for e in scan(src) if not e.fixed]
     if not entries:
