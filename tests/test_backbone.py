@@ -1343,6 +1343,37 @@ def test_a_run_interrupted_saving_its_final_checkpoint_resumes_in_this_process(t
         assert_bit_identical(tmp_path / "whole" / name, tmp_path / "resumed" / name)
 
 
+def test_a_killed_run_without_a_resume_point_publishes_none_of_its_checkpoints(tmp_path, monkeypatch):
+    """A run killed before its first resume point (here in its one epoch's final save) left its epoch
+    checkpoint in .partial: the next run, of an edited config, started afresh and published that
+    stale file (config_hash 'old') in checkpoints/ beside its own."""
+    from peat.train import Run, fit
+
+    g = torch.Generator().manual_seed(0)
+    ds = data.Dataset("image", *(data.Split(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
+                                 for n in (16, 4)), {})
+    save = checkpoint.save
+
+    def interrupted(path, *args, **kwargs):
+        if Path(path).name == "final.h5":
+            raise KeyboardInterrupt("killed")
+        save(path, *args, **kwargs)
+
+    def train(lr, checkpoint_epochs, config_hash):
+        run = Run(epochs=1, batch_size=8, optimizer={"name": "sgd", "lr": lr}, checkpoint_epochs=checkpoint_epochs,
+                  meta={"config_hash": config_hash})
+        fit(torch.nn.Linear(4, 3), ds, run, tmp_path, progress=False)
+
+    monkeypatch.setattr(checkpoint, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(0.1, [1], "old")
+    assert (tmp_path / ".partial" / "epoch001.h5").exists()
+    monkeypatch.setattr(checkpoint, "save", save)
+    train(0.5, [], "new")
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    assert not (tmp_path / ".partial").exists()
+
+
 def test_a_recorded_run_started_from_a_checkpoint_resumes_its_context(tmp_path):
     """fit's ``start``: the context begins at the checkpoint's step, so did its first snapshot; a
     resumed run looked for one from step 0 and refused to resume ('hold the steps before 0')."""

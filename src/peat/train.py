@@ -198,8 +198,14 @@ def stop_if_diverged(name: str) -> Callable[[dict], None]:
 
 def _resume_point(resume: Path, meta: dict, inputs: str) -> Path | None:
     """``resume`` when a killed run of these settings (``meta``) and ``inputs`` left it; its folder is
-    discarded when a run of other settings (an edited config) or inputs did: resuming would mix the two."""
+    discarded when a run of other settings (an edited config) or inputs did: resuming would mix the two.
+    A folder without a resume point (killed in its first epoch's saves, or in its last epoch's when that
+    was its first; any candidate run) is discarded too: its epoch checkpoints, of whatever settings it
+    ran, were published with this run's."""
     if not resume.exists():
+        if resume.parent.exists():
+            print(f"discarding {resume.parent}: left by a run that saved no resume point", flush=True)
+            shutil.rmtree(resume.parent)
         return None
     with open_h5(resume) as f:
         same = all(k in f.attrs and f.attrs[k] == v for k, v in meta.items())
