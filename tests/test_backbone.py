@@ -1084,6 +1084,26 @@ def test_a_glob_matching_no_layer_says_which_convs_are_not_recordable(tmp_path):
     assert str(err.value) == "config key 'record.layers': 'conv*' matches no conv/linear/norm layer; layers are e.g. 0"
 
 
+def test_a_step_numbered_again_is_refused_at_its_begin_naming_it(tmp_path):
+    """Steps counted per epoch (enumerate(loader) in each epoch) failed an epoch later, at the
+    repeated step's end, in h5py's 'Unable to synchronously create group (name already exists)'."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    prof = Profiler(tmp_path / "context.h5", ["*"], every=1)
+    prof.attach(model)
+    for step in range(2):
+        prof.begin_step(step, 1)
+        model(torch.randn(2, 4)).sum().backward()
+        prof.end_step()
+    with pytest.raises(PeatError, match=r"^Profiler: step 0 \(epoch 2\) is not after the last step, 1; number the "
+                                        r"steps across epochs \(one counter for the whole training\)$"):
+        prof.begin_step(0, 2)
+    prof.begin_step(2, 2)  # the next step is taken, and recorded
+    model(torch.randn(2, 4)).sum().backward()
+    prof.end_step()
+    prof.close()
+    assert profiler.recorded_steps(tmp_path / "context.h5", "0") == [0, 1, 2]
+
+
 def test_closed_profiler_leaves_no_empty_partial_folder(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 2))
     prof = Profiler(tmp_path / "context.h5", ["0"], every=1)

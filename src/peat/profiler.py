@@ -334,6 +334,9 @@ class Profiler:
         return step % self.every == 0 and (not self.epochs or epoch in self.epochs)
 
     def begin_step(self, step: int, epoch: int) -> None:
+        if step <= self.last_step:  # a step counted per epoch: h5py's 'name already exists' an epoch later
+            raise PeatError(f"Profiler: step {step} (epoch {epoch}) is not after the last step, {self.last_step}; "
+                            "number the steps across epochs (one counter for the whole training)")
         self.step, self.epoch = step, epoch
         self.recording = self.want(step, epoch)
         # A training-mode forward since the last step (say, a user's accuracy check) is no part of this one.
