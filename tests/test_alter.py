@@ -1099,6 +1099,21 @@ def test_selecting_a_tied_weight_by_its_link_names_the_dataset_to_select(tmp_pat
     assert not (tmp_path / "a.h5").exists()
 
 
+
+def test_a_replayed_log_naming_a_tied_weight_by_its_link_names_the_dataset(tmp_path):
+    # A hand-written log naming GPT-2's lm_head.weight: it said 'absent here' of a name the file has.
+    from peat import checkpoint, models
+
+    spec, attrs = {"arch": "gpt2", "size": {"hidden": 16, "layers": 1, "heads": 2}}, {"vocab_size": 50, "seq_len": 8}
+    checkpoint.save(tmp_path / "g.h5", models.build(spec, attrs, 0), None, step=0, epoch=0, meta={})
+    log = tmp_path / "log.json"
+    log.write_text(json.dumps({"injections": [{"dataset": "model/lm_head.weight", "index": [0, 0], "bit": 0}]}))
+    with pytest.raises(PeatError) as err:
+        A.alter(tmp_path / "g.h5", tmp_path / "a.h5", A.Plan(), replay=log)
+    assert str(err.value) == (f"{tmp_path / 'g.h5'}: log {log} names model/lm_head.weight, a link to "
+                              "model/transformer.wte.weight (one tensor under two names): name model/transformer.wte.weight")
+    assert not (tmp_path / "a.h5").exists()
+
 def test_a_damaged_golden_checkpoint_fails_the_cells_instead_of_reading_as_not_applicable(mixed, tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes()[:2000])

@@ -827,6 +827,9 @@ def edits_from_log(log, entries: list[Entry], storage: Storage, source) -> tuple
         if entry is None:
             if why := unalterable(source).get(name):  # else "absent here" of a dataset that is there
                 raise PeatError(f"{source}: log {log} names {name.lstrip('/')}, which peat never alters ({why})")
+            if target := links(source, list(by_path)).get(name):  # a tied weight's second name, as --select says
+                raise PeatError(f"{source}: log {log} names {name.lstrip('/')}, a link to {target.lstrip('/')} "
+                                f"(one tensor under two names): name {target.lstrip('/')}")
             close = difflib.get_close_matches(name, list(by_path), n=3, cutoff=0.3)
             raise PeatError(f"{source}: log {log} names {name!r}, absent here; closest: {', '.join(close) or 'none'}")
         if any(len(r["index"]) != len(entry.shape) for r in group):
