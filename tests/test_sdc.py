@@ -1532,6 +1532,32 @@ def test_benchmark_audits_with_the_configured_tolerance(one_rank, digits, monkey
     assert result["steps"] == 4 and result["audit_s"] > 0
 
 
+# The drill worker, rank 1 given a data file that does not exist (a node without it).
+MISSING_ON_ONE_NODE = """
+import os, sys
+from peat import sdc_drill
+if os.environ["SLURM_PROCID"] == "1":
+    sys.argv[sys.argv.index("--data") + 1] = "/nowhere/digits.h5"
+sys.exit(sdc_drill.main(sys.argv[1:]))
+"""
+
+
+def test_ranks_left_waiting_for_a_rank_that_refused_to_start_fail_as_its_peers(digits, tmp_path):
+    # Rank 0 waited to join the process group, then died with torch's DistStoreError traceback (exit 1):
+    # the launcher read [1, 2] as a crash, not rank 1's refusal (as for nccl with fewer GPUs than ranks).
+    from peat.sdc_drill import _check_started
+
+    config = _config_file(tmp_path, world_size=2, drills=["clean"], timeout_s=2)
+    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out",
+                        str(tmp_path / "out")], 2, tmp_path, timeout=120, entry=("-c", MISSING_ON_ONE_NODE))
+    assert [r.returncode for r in ranks] == [EXIT_PEER, 2], ranks[0].stdout[-2000:]
+    assert re.fullmatch(r"peat sdc drill: error: rank 0: joining the process group at 127\.0\.0\.1:\d+ failed: a peer "
+                        r"rank did not join within sdc\.timeout_s, or the address cannot be reached \(.+\)",
+                        ranks[0].stdout.strip().splitlines()[-1])
+    with pytest.raises(PeatError, match=r"^what: /nowhere/digits.h5: no such file$"):
+        _check_started("what", [RankEnd(r.returncode, r.stdout) for r in ranks])
+
+
 def test_a_share_too_small_for_batch_norm_fails_with_one_line_naming_the_batch(digits, tmp_path):
     # Two ranks sharing a batch of 2 train on one example each: batch norm refuses it at the
     # first step, on every rank, with torch's traceback and exit 1 ('unexpected end' of the drill).

@@ -334,8 +334,21 @@ def init_distributed(backend: str, timeout_s: float, world_size: int | None = No
                         f"{device.index} sees {torch.cuda.device_count()} GPU(s)")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    except ValueError as err:  # torch's env:// reading: a variable unset or not a number
+        raise PeatError(f"cannot join the process group: {sdc.first_line(err)}") from None
+    except (RuntimeError, dist.DistError) as err:
+        # A peer that refused to start (exit 2) never joins: the others waited here and died with torch's
+        # traceback (exit 1), which the launcher could not tell from a crash, and its line went unreported.
+        raise JoinFailed(f"rank {env['RANK']}: joining the process group at {env.get('MASTER_ADDR')}:"
+                         f"{env.get('MASTER_PORT')} failed: a peer rank did not join within sdc.timeout_s, or the "
+                         f"address cannot be reached ({sdc.first_line(err)})") from None
     return dist.get_rank(), dist.get_world_size(), device
+
+
+class JoinFailed(PeatError):
+    """The process group could not be joined: a peer's failure (exit EXIT_PEER), not this rank's config."""
 
 
 def _uses_cuda(backend: str, local_ranks: int) -> bool:
@@ -373,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         output_folder(args.out)  # else rank 0 failed alone making events/ in the first drill, its peers waiting
         data = load(args.data)  # a missing or wrong file: one line, not a traceback from every rank
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"], sdc_cfg["world_size"])
+    except JoinFailed as err:
+        print(f"{ERROR}{err}", file=sys.stderr)
+        return EXIT_PEER
     except PeatError as err:
         print(f"{ERROR}{err}", file=sys.stderr)
         return EXIT_USAGE
