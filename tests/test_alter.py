@@ -1114,6 +1114,17 @@ def test_a_replayed_log_naming_a_tied_weight_by_its_link_names_the_dataset(tmp_p
                               "model/transformer.wte.weight (one tensor under two names): name model/transformer.wte.weight")
     assert not (tmp_path / "a.h5").exists()
 
+
+def test_replaying_the_log_of_a_cell_that_was_not_applicable_fails_with_its_reason(mixed, tmp_path):
+    # Its replay was an unaltered copy, 'altered' without a word, as if it were the cell's checkpoint.
+    log = tmp_path / "cell.json"
+    row = S._cell("m", {}, "cpu", mixed, A.Plan(classes=["embedding"], count=10**6), None, 1, 0.02, "", 0, 1, "", log)
+    assert row["status"] == "not_applicable"
+    with pytest.raises(PeatError) as err:
+        A.alter(mixed, tmp_path / "o.h5", A.Plan(), replay=log)
+    assert str(err.value) == f"{log}: the log of a study cell that was not applicable, with no flips to redo ({row['reason']})"
+    assert not (tmp_path / "o.h5").exists()
+
 def test_a_damaged_golden_checkpoint_fails_the_cells_instead_of_reading_as_not_applicable(mixed, tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "epoch001.h5").write_bytes(mixed.read_bytes()[:2000])

@@ -867,6 +867,9 @@ def _read_log(log) -> tuple[list[dict], float | None]:
         rows, scale = data["injections"], data.get("scale")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise PeatError(f"{log}: not a peat alter injection log ({type(err).__name__}: {err})") from None
+    if "skipped" in data:  # else its replay is an unaltered copy that reads as the cell's altered checkpoint
+        raise PeatError(f"{log}: the log of a study cell that was not applicable, with no flips to redo "
+                        f"({data['skipped']})")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise PeatError(f"{log}: scale {scale!r} is not a number")
     if not isinstance(rows, list):
