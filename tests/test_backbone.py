@@ -1050,6 +1050,23 @@ def test_profiler_refuses_layers_as_a_string_and_every_below_one(tmp_path):
     Profiler(tmp_path / "context.h5", ["fc"], every=np.int64(20)).attach(model)  # any integer type
 
 
+def test_profiler_refuses_epochs_that_are_no_list_of_epoch_numbers(tmp_path):
+    """epochs=2 (for [2]) failed at attach in "TypeError: 'int' object is not iterable", a string at the
+    first step ("'in <string>' requires string as left operand"), [0] recorded nothing without a word."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    for epochs, reason in ((2, "expected a list of epoch numbers, or None for every epoch"),
+                           ("2", "expected a list of epoch numbers, or None for every epoch"),
+                           ([1, 0], "epoch=0: epochs are integers from 1, as training counts them"),
+                           ([1.5], "epoch=1.5: epochs are integers from 1, as training counts them")):
+        with pytest.raises(PeatError, match=rf"^Profiler: epochs={re.escape(repr(epochs))}: {reason}$"):
+            Profiler(tmp_path / "context.h5", ["0"], epochs=epochs)
+    assert not list(tmp_path.iterdir())
+    prof = Profiler(tmp_path / "context.h5", ["0"], epochs=(2, np.int64(3)))  # any iterable of integers
+    prof.attach(model)
+    assert prof.epochs == [2, 3] and not prof.want(0, 1) and prof.want(0, 3)
+    prof.abandon()
+
+
 def test_meta_that_is_no_hdf5_attribute_fails_naming_its_key_and_leaves_nothing(tmp_path):
     # It raised h5py's TypeError naming no key, with the file left open and the hooks attached:
     # the next Profiler on that path could not create the file.

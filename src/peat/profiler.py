@@ -23,6 +23,7 @@ GPT-2 ``Conv1D``) are stored in ``nn.Linear`` convention with attribute ``transp
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import fnmatch
 import os
@@ -163,6 +164,19 @@ def _write_meta(attrs: h5py.AttributeManager, meta: dict) -> None:
                             "give a string, a number or a list of them") from None
 
 
+def _epoch_list(epochs) -> list[int] | None:
+    """``epochs`` as a list, each an integer >= 1; a bare number (``epochs=2``) or a string failed at
+    ``attach`` or at the first step in a TypeError."""
+    if epochs is None:
+        return None
+    if isinstance(epochs, (str, bytes)) or not isinstance(epochs, collections.abc.Iterable):
+        raise PeatError(f"Profiler: epochs={epochs!r}: expected a list of epoch numbers, or None for every epoch")
+    epochs = list(epochs)
+    for epoch in epochs:
+        check_int(f"Profiler: epochs={epochs!r}: epoch", epoch, 1, "epochs are integers from 1, as training counts them")
+    return epochs
+
+
 def _weight(module: nn.Module) -> torch.Tensor | None:
     """``module.weight``, read without side effects. A parametrized weight (weight_norm,
     spectral_norm) is computed at each access, spectral_norm's after a power iteration in training
@@ -222,6 +236,7 @@ class Profiler:
     def __init__(self, path: str | Path, layers: list[str], *, every: int = 1, epochs: list[int] | None = None,
                  meta: dict | None = None, key: str = "record.layers", derived: bool = False):
         check_int("Profiler: every", every, 1, "record every N-th step needs an integer N >= 1")
+        epochs = _epoch_list(epochs)
         self.path = Path(path)
         # Kept beside the training state so that a killed run resumes the same file.
         self.partial = self.path.parent / ".partial" / self.path.name
