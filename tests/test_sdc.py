@@ -927,6 +927,25 @@ def test_guard_refuses_files_it_could_not_write_at_an_alarm(one_rank, tmp_path):
     assert not (tmp_path / "new" / "sdc.jsonl").exists()  # written at the first alarm only
 
 
+def test_policy_stop_makes_the_checkpoints_folder_or_refuses_it_when_built(one_rank, tmp_path):
+    # A checkpoint= in a folder not made yet: torch.save failed at the first stop, on the saving rank alone
+    # (FileNotFoundError, exit 1), while its peers waited in the stop's barrier until the timeout: no exit 75.
+    def save(path):
+        torch.save({"w": 1}, path)
+
+    checkpoint = tmp_path / "ckpt" / "sdc_stop.pt"
+    with pytest.raises(SystemExit) as stop:
+        _guarded_step(_overflow_in_the_sum, policy="stop", save=save, checkpoint=checkpoint)
+    assert stop.value.code == sdc.EXIT_SDC_UNLOCALIZED and torch.load(checkpoint) == {"w": 1}
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    for where, message in [(blocked / "stop.pt", "cannot create its folder"), (tmp_path, "is a folder; name the file")]:
+        with pytest.raises(PeatError, match=rf"^sdc.Guard: checkpoint={re.escape(repr(str(where)))}: {message}"):
+            sdc.Guard(ddp, policy="stop", save=save, checkpoint=where)
+    sdc.Guard(ddp, policy="log", save=save, checkpoint=blocked / "stop.pt")  # saved by policy stop only
+
+
 UNWRITABLE_ON_ONE_RANK = """
 import sys
 from datetime import timedelta

@@ -263,7 +263,8 @@ class Guard:
                  "fused": self.fused}
         ranks: list = [None] * self.world
         # A file one node cannot write is refused on every rank: raised on that rank alone, its peers waited here.
-        dist.all_gather_object(ranks, (node_name(), alike, _unwritable(events, drain_marker)), group=group)
+        saved = checkpoint if policy == "stop" and save is not None else None  # saved by a healthy rank at a stop
+        dist.all_gather_object(ranks, (node_name(), alike, _unwritable(events, drain_marker, saved)), group=group)
         self.hosts = [host for host, _, _ in ranks]
         for r, (host, _, problem) in enumerate(ranks):
             if problem:
@@ -817,11 +818,11 @@ def marker_problem(drain_marker) -> str | None:
     return None
 
 
-def _unwritable(events, drain_marker) -> str | None:
-    """Why this rank could not write the events file or the drain marker (their folders made now), or None.
-    The guard writes them at an alarm only: there, one rank failed alone while its peers went on to the
-    next collective until the timeout."""
-    paths = {"events": events}
+def _unwritable(events, drain_marker, checkpoint=None) -> str | None:
+    """Why this rank could not write the events file, the drain marker or the stop checkpoint (their folders
+    made now), or None. The guard writes them at an alarm only: there, one rank failed alone while its peers
+    went on to the next collective (or waited in the stop's barrier) until the timeout."""
+    paths = {"events": events, "checkpoint": checkpoint}
     if drain_marker is not None:
         problem = marker_problem(drain_marker)
         if problem:
