@@ -445,6 +445,22 @@ def test_a_name_that_is_not_utf8_fails_with_one_line_naming_it(tmp_path, capsys)
                                            "as peat reads HDF5 names\n")
 
 
+
+def test_attributes_in_another_encoding_are_read_and_a_damaged_one_is_named(tmp_path, capsys):
+    # A Latin-1 module_type was a UnicodeDecodeError traceback; a string type of an unknown encoding, a TypeError.
+    src = tmp_path / "latin1.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("model/bn.weight", data=np.ones(3, np.float32)).attrs["module_type"] = np.bytes_(b"BatchNorm\xe9")
+    assert [(e.path, e.cls) for e in A.scan(src)] == [("/model/bn.weight", "norm_weight")]
+    data = bytearray(src.read_bytes())
+    at = data.find(b"module_type\x00") + 16  # the attribute's datatype message: a fixed-length string
+    assert data[at] == 0x13
+    data[at + 1] = 0xA0 | data[at + 1] & 0x0F  # character set 10, which HDF5 does not define
+    src.write_bytes(data)
+    assert main(["alter", str(src), str(tmp_path / "o.h5")]) == 2
+    assert capsys.readouterr().err == (f"peat alter: error: {src}: damaged HDF5 file (Unable to read attribute "
+                                       "'module_type')\n")
+
 def test_a_float_type_wider_than_numpy_holds_is_left_alone_and_not_compared(tmp_path):
     # A 20-bit exponent: h5py raises a ValueError reading its dtype (it was a traceback of alter and h5diff).
     src = tmp_path / "wide.h5"

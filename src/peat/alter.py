@@ -92,9 +92,13 @@ FLOAT_LAYOUTS = {"float16": Layout("float16", 16, 5), "bfloat16": Layout("bfloat
 
 
 def _attr_text(attrs, key: str) -> str:
-    # h5py reads a variable-length string attribute as str, a fixed-length one as bytes.
-    value = attrs.get(key, b"")
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # h5py reads a variable-length string attribute as str, a fixed-length one as bytes, which another
+    # tool may have written in another encoding: only compared with tags, so undecodable bytes may go.
+    try:
+        value = attrs.get(key, b"")
+    except (OSError, KeyError, TypeError) as err:  # TypeError: a string type HDF5 knows no encoding of
+        raise OSError(f"Unable to read attribute {key!r} ({err})") from None  # scan's "damaged HDF5 file"
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _is_bfloat16(ds: h5py.Dataset) -> bool:
