@@ -1699,6 +1699,21 @@ def test_missing_dataset_is_one_line_from_every_rank(tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == f"peat sdc drill: error: {tmp_path / 'nope.h5'}: no such file\n"
 
 
+def test_a_data_file_of_another_dataset_is_one_line(tmp_path, monkeypatch, capsys):
+    # srun ... --model resnet18 --data results/data/pydoc.h5: every rank joined, then died building the model
+    # (KeyError: 'num_classes'), or trained on whatever images the file held.
+    from peat.sdc_drill import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    other = tmp_path / "other.h5"
+    prepare("other", {"source": "digits", "image_size": 8, "val_fraction": 0.2, "labels": "class", "seed": 0}, other)
+    code = main(["--config", str(_config_file(tmp_path)), "--model", "resnet18", "--data", str(other),
+                 "--out", str(tmp_path / "out")])
+    assert (code, capsys.readouterr().err) == (2, f"peat sdc drill: error: {other}: dataset 'other', but model "
+                                                  "'resnet18' trains on dataset 'digits' (models.resnet18.dataset)\n")
+
+
 def test_nccl_without_a_gpu_for_the_rank_is_one_line(monkeypatch):
     from peat.sdc_drill import init_distributed
 

@@ -385,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
 
         output_folder(args.out)  # else rank 0 failed alone making events/ in the first drill, its peers waiting
         data = load(args.data)  # a missing or wrong file: one line, not a traceback from every rank
+        prepared = data.attrs.get("name")  # the dataset's config key, where the file was prepared by peat
+        if prepared is not None and prepared != spec["dataset"]:  # else a KeyError from every rank building the model
+            raise PeatError(f"{args.data}: dataset {prepared!r}, but model {args.model!r} trains on dataset "
+                            f"{spec['dataset']!r} (models.{args.model}.dataset)")
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"], sdc_cfg["world_size"])
     except JoinFailed as err:
         print(f"{ERROR}{err}", file=sys.stderr)
