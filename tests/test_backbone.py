@@ -341,6 +341,12 @@ def test_cifar10_folder_is_checked_by_its_file_names_before_any_job(tmp_path):
         data.sizes("cifar", dict(spec, path=str(archive)))
     assert str(err.value) == (f"config key 'datasets.cifar.path': {archive} is a file; give the folder holding "
                               "cifar-10-batches-py/ (where cifar-10-python.tar.gz is unpacked)")
+    # Every file there but damaged: preparing it said there were no batches at all.
+    with pytest.raises(PeatError) as err:
+        data.prepare("cifar", dict(spec, image_size=32), tmp_path / "cifar.h5")
+    assert str(err.value) == (f"config key 'datasets.cifar.path': {batches / 'data_batch_1'} fails CIFAR-10's "
+                              "checksum (damaged, or not the python version of the batches)")
+    assert not (tmp_path / "cifar.h5").exists()
 
 
 def test_an_empty_text_corpus_is_named_by_its_path(tmp_path):

@@ -138,7 +138,8 @@ def _cifar10(name: str, spec: dict):
     try:  # files there but damaged: torchvision's checksums refuse them
         sets = [CIFAR10(root, train=t, download=False) for t in (True, False)]
     except RuntimeError:
-        raise PeatError(f"config key 'datasets.{name}.path': no CIFAR-10 python batches under {root}") from None
+        raise PeatError(f"config key 'datasets.{name}.path': {_cifar10_damaged(root)} fails CIFAR-10's checksum "
+                        "(damaged, or not the python version of the batches)") from None
     x = np.concatenate([s.data for s in sets]).transpose(0, 3, 1, 2).astype(np.float32) / 255.0
     y, classes = _labels(np.concatenate([np.asarray(s.targets) for s in sets]), spec)
     return _images(x, spec["image_size"]), y, {"num_classes": classes}
@@ -158,6 +159,17 @@ def _cifar10_root(name: str, spec: dict) -> Path:
         raise PeatError(f"config key 'datasets.{name}.path': no CIFAR-10 python batches under {root} "
                         f"(cifar-10-batches-py/{missing[0].name} is missing)")
     return root
+
+
+def _cifar10_damaged(root: Path) -> Path:
+    """The first batch file under ``root`` whose MD5 is not CIFAR-10's (else the folder): the files are
+    all there (``_cifar10_root``), and the line said there were none."""
+    from torchvision.datasets import CIFAR10
+    from torchvision.datasets.utils import check_integrity
+
+    sums = dict(CIFAR10.train_list + CIFAR10.test_list) | {CIFAR10.meta["filename"]: CIFAR10.meta["md5"]}
+    return next((f for f in _cifar10_files(root) if not check_integrity(str(f), sums[f.name])),
+                root / "cifar-10-batches-py")
 
 
 def _cifar10_files(root: Path) -> list[Path]:
