@@ -995,6 +995,9 @@ def test_workflow_alteration_study(workflow_run):
         out.unlink()
     absorbed = pd.read_csv(base / "absorbed.csv")
     assert len(absorbed) == len(ok.groupby(["cls", "region"]))
+    # Each cell's row says which stack ran it (the columns were computed from no provenance: none).
+    import torch
+    assert (table["prov_vendor"] == "cpu").all() and (table["prov_torch"] == torch.__version__).all()
     assert (base / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
 
 

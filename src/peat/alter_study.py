@@ -70,7 +70,8 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
                                     run_seed, threads, config_hash, log_dir / f"{region}_n{n}_seed{seed}.json")})
         print(rows[-1], flush=True)
     table = pd.DataFrame(rows, columns=list(COLUMNS))  # same columns when every cell is not_applicable
-    table = table.assign(**columns(stamp(config_hash, vendor)))
+    # The stack the cells ran on, as a report row's prov_ columns (stamp alone is no result with a provenance).
+    table = table.assign(**columns({"provenance": stamp(config_hash, vendor)}))
     _write_table(out_csv, table)
     return table
 
