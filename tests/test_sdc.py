@@ -474,6 +474,11 @@ def raw_config(**sdc_cfg) -> dict:
     ({"drills": ["melt"]}, "config key 'sdc.drills.0': 'melt' is not allowed; "
                            "allowed: clean, nan_grad, lane_fault, weight_flip, transient, dead, hang"),
     ({"policy": "panic"}, "config key 'sdc.policy': 'panic' is not allowed; allowed: log, raise, stop"),
+    # YAML's .inf and .nan pass the schema: every rank died converting the timeout (OverflowError, ValueError).
+    ({"timeout_s": float("inf")}, "config key 'sdc.timeout_s': inf: every collective needs a finite timeout in seconds"),
+    ({"timeout_s": float("nan")}, "config key 'sdc.timeout_s': nan: every collective needs a finite timeout in seconds"),
+    ({"audit_tolerance": float("nan")}, "config key 'sdc.audit_tolerance': nan: a relative tolerance needs a finite "
+                                        "number >= 0 (0 = bit-exact)"),
     # The Trainer refused it only after torchrun had started every rank.
     ({"batch_size": 2000}, "config key 'sdc.batch_size': 2000 is not between sdc.world_size (3) and the "
                            "1438 training examples of dataset 'digits' (model 'resnet18')"),
