@@ -49,7 +49,7 @@ def profiled(tmp_path, monkeypatch) -> dict:
     model.encoder = nn.Sequential(Block(), Block())
     model.head = nn.Linear(8, 3)
     x, y = torch.randn(120, 8), torch.randint(0, 3, (120,))
-    names = {"model": model, "loader": [(x[i:i + 4], y[i:i + 4]) for i in range(0, 120, 4)], "epoch": 1,
+    names = {"model": model, "loader": [(x[i:i + 4], y[i:i + 4]) for i in range(0, 120, 4)], "epochs": 2,
              "criterion": nn.CrossEntropyLoss(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     monkeypatch.chdir(tmp_path)
     exec(example("python", "Profiler("), names)
@@ -59,7 +59,8 @@ def profiled(tmp_path, monkeypatch) -> dict:
 def test_profiler_example_records_the_matching_layers(tmp_path, monkeypatch):
     names = profiled(tmp_path, monkeypatch)
     samples = names["samples"]
-    assert [int(s["step"]) for s in samples] == [0, 20]  # every=20 over 30 steps
+    # every=20 over 2 epochs of 30 steps, numbered across them (numbered per epoch, step 0 came twice)
+    assert [(int(s["step"]), int(s["epoch"])) for s in samples] == [(0, 1), (20, 1), (40, 2)]
     assert names["attrs"]["op"] == "linear"
     assert samples[0]["A"].shape == (4, 8) and samples[0]["dO"].shape == (4, 16)
     with h5py.File(tmp_path / "context.h5") as f:
