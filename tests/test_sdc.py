@@ -1750,6 +1750,19 @@ def test_ranks_launched_unlike_the_configured_world_size_are_one_line(monkeypatc
     assert not torch.distributed.is_initialized()
 
 
+def test_bench_times_as_many_ranks_as_launched(digits, tmp_path):
+    # .ci/gpu times one rank per GPU (torchrun --nproc-per-node 1) with the config's sdc.world_size of 3:
+    # only the drills, whose injected rank and batch bounds are for sdc.world_size ranks, need that many.
+    config = _config_file(tmp_path, bench_steps=4)
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "1",
+                           "-m", "peat.sdc_drill", "--bench", "--config", str(config), "--model", "resnet18",
+                           "--data", str(digits), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    bench = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert (bench["world_size"], bench["steps"]) == (1, 4)
+
+
 @pytest.mark.parametrize("gpus, backend", [(0, "gloo"), (1, "gloo"), (2, "gloo"), (3, "nccl"), (4, "nccl")])
 def test_auto_backend_takes_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, backend):
     # NCCL refuses two ranks on one GPU: 3 drill ranks on a one-GPU workstation must run on gloo.
