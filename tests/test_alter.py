@@ -1409,3 +1409,17 @@ def test_selecting_an_external_link_or_a_dangling_one_says_what_it_names(tmp_pat
     with pytest.raises(PeatError, match=r"'chain' names chain, a link to w .*: select w$"):
         run_alter(src, tmp_path / "o.h5", select=["chain"])
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_nonfinite_injected_counts_only_values_the_flips_made_nonfinite(tmp_path):
+    """A study cell's nonfinite_injected counted every altered value logged as NaN/Inf, a NaN whose
+    mantissa flip left it NaN too: a checkpoint holding NaN read as flips that injected them."""
+    src = tmp_path / "c.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.array([np.nan] * 4 + [1.0] * 4, dtype=np.float32)
+    mantissa = A.alter(src, tmp_path / "m.h5", A.Plan(count=8, region="mantissa", seed=0), keep_records=True).records
+    # Every value flipped once: each NaN stays NaN (the old count: 4), each 1.0 stays finite.
+    assert sum(r["new"] == "nan" for r in mantissa) == 4 and S.made_nonfinite(mantissa) == 0
+    msb = A.alter(src, tmp_path / "e.h5", A.Plan(count=8, bits=(1, 1), seed=0), keep_records=True).records
+    # The exponent MSB makes each 1.0 +inf and each NaN 1.5: four made non-finite.
+    assert sorted(map(str, (r["new"] for r in msb))) == ["1.5"] * 4 + ["inf"] * 4 and S.made_nonfinite(msb) == 4

@@ -84,6 +84,12 @@ def _write_table(path: str | Path, table: pd.DataFrame) -> None:
     write_csv(path, out)
 
 
+def made_nonfinite(records: list[dict]) -> int:
+    """How many altered values the flips made NaN/Inf (written as strings in the log): a value already
+    non-finite (a NaN flipped into another NaN) was none of their doing."""
+    return sum(1 for r in records if isinstance(r["new"], str) and not isinstance(r["old"], str))
+
+
 def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run_seed, threads, config_hash, log):
     import torch
 
@@ -112,9 +118,8 @@ def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run
                 raise
             outcome = {"reason": f"resumed training stopped: {type(err).__name__}: {str(err).strip().splitlines()[0]}",
                        **stopped(pd.DataFrame(rows, columns=["split", "epoch", "accuracy", "loss"]), golden, epoch)}
-    injected = sum(1 for r in result.records if isinstance(r["new"], str))
     return {"status": "ok", "altered_values": result.flips, "datasets_hit": result.datasets,
-            "nonfinite_injected": injected, "altered_accuracy": now["accuracy"], "altered_loss": now["loss"], **outcome}
+            "nonfinite_injected": made_nonfinite(result.records), "altered_accuracy": now["accuracy"], "altered_loss": now["loss"], **outcome}
 
 
 def _val_curve(metrics: pd.DataFrame) -> pd.DataFrame:
