@@ -1883,3 +1883,13 @@ def test_a_guard_kept_for_many_steps_keeps_a_bounded_record_of_its_costs(one_ran
     assert {check: len(times) for check, times in guard.timers.items()} == dict.fromkeys(sdc.CHECKS, sdc.TIMED_STEPS)
     assert guard.alarms == [] and all(cost > 0 for cost in guard.costs().values())
     assert guard.spent > sum(sum(times) for times in guard.timers.values())
+
+
+def test_launch_time_limit_grows_with_the_steps():
+    """The launcher's limit was 600 s + 4 timeouts per drill whatever sdc.steps said: a long healthy
+    drill of a large model was stopped as 'did not finish within the launcher's time limit'."""
+    from peat.sdc_drill import launch_timeout
+
+    cfg = {"steps": 12, "bench_steps": 20, "timeout_s": 120, "drills": ["nan_grad", "weight_flip"]}
+    assert launch_timeout(cfg) == 600 + (4 + 40) * 120 * 2
+    assert launch_timeout(cfg | {"steps": 100}) == 600 + (4 + 100) * 120 * 2

@@ -70,7 +70,7 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
     plan = out_dir / (".bench.json" if bench else ".plan.json")
     write_json(plan, config)
     args = ["--config", str(plan), "--model", model, "--data", str(data), "--out", str(out_dir)]
-    ranks = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or _launch_timeout(sdc_cfg)))
+    ranks = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or launch_timeout(sdc_cfg)))
     try:
         if bench:
             ends = ranks.run([*args, "--bench"])
@@ -300,10 +300,13 @@ def drill_config(config: dict, model: str) -> dict:
             "sdc": {**config["sdc"], "models": [model]}}
 
 
-def _launch_timeout(sdc_cfg: dict) -> float:
-    # Generous: every collective already times out after timeout_s; this only guards the launcher.
-    # Each dead/hang drill and each stop starts a launch of its own.
-    return 600 + 4 * sdc_cfg["timeout_s"] * len(sdc_cfg["drills"])
+def launch_timeout(sdc_cfg: dict) -> float:
+    """Seconds a launch may take before the launcher stops its ranks: generous, as every collective
+    already times out after timeout_s; this only guards the launcher. Each dead/hang drill and each
+    stop starts a launch of its own. It allows each step timeout_s: a limit fixed whatever
+    sdc.steps said stopped long healthy drills of a large model."""
+    steps = max(sdc_cfg["steps"], 2 * sdc_cfg.get("bench_steps", 0))  # --bench: a plain and a guarded step each
+    return 600 + (4 + steps) * sdc_cfg["timeout_s"] * len(sdc_cfg["drills"])
 
 
 # --- the worker ---------------------------------------------------------------------------------
