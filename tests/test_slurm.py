@@ -423,6 +423,32 @@ def test_hidden_partitions_are_partitions(tmp_path, monkeypatch):
     assert sorted(slurm.cluster_nodes()) == ["", "cpu", "lab"]
 
 
+def _fake_sinfo(tmp_path, monkeypatch, output: str) -> None:
+    (tmp_path / "sinfo").write_text(f"#!/bin/sh\ncat <<'EOF'\n{output}EOF\n")
+    (tmp_path / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_sinfo_of_several_clusters_is_read(tmp_path, monkeypatch):
+    """With SLURM_CLUSTERS set (sites of several clusters), sinfo heads each cluster's nodes with
+    'CLUSTER: name' (the string is in Debian's sinfo 22.05): the preflight died in a ValueError
+    traceback (not enough values to unpack) before any job."""
+    _fake_sinfo(tmp_path, monkeypatch, "CLUSTER: alpha\ncpu* 4 8000 infinite (null)\n\nCLUSTER: beta\n"
+                                       "gpu 64 512000 2-00:00:00 gpu:a100:2(S:0),gpu:a100:2(S:1)\n")
+    nodes = slurm.cluster_nodes()
+    assert sorted(nodes) == ["", "cpu", "gpu"]
+    assert nodes["gpu"] == slurm.Partition(64, 512000, 2880, (slurm.Node(64, 512000, {("gpu", "a100"): 4}),))
+    _fake_sinfo(tmp_path, monkeypatch, "cpu* 4 8000\n")
+    with pytest.raises(PeatError, match=r"^executor 'slurm': sinfo printed a line peat cannot read: 'cpu\* 4 8000' "
+                                        r"\(expected partition, CPUs, memory, time limit, gres\)$"):
+        slurm.cluster_nodes()
+
+
+def test_a_gpu_type_listed_per_socket_counts_once_per_listing():
+    """A node's GPUs of one type listed per socket are all the node's: gpu:a100:4 was refused on it."""
+    assert slurm.gres_counts("gpu:a100:2(S:0),gpu:a100:2(S:1),mps:100") == {("gpu", "a100"): 4, ("mps", ""): 100}
+
+
 def test_local_rules_are_not_checked_against_the_cluster():
     """golden_curves and collate_report run on the login node (localrules), yet their default
     mem_mb was checked against the default partition's nodes: a run whose jobs all go to named

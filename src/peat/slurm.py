@@ -100,7 +100,15 @@ def cluster_nodes() -> dict[str, Partition]:
         raise PeatError(f"executor 'slurm': sinfo failed: {reason}")
     largest: dict[str, Partition] = {}
     for line in proc.stdout.splitlines():
-        partition, cpus, mem, limit, gres = line.split()
+        # With SLURM_CLUSTERS set, sinfo heads each cluster's nodes with "CLUSTER: name" (a traceback
+        # here); sbatch, reading the same variable, submits to one of them: their nodes count as one.
+        if not line.strip() or line.startswith("CLUSTER:"):
+            continue
+        fields = line.split()
+        if len(fields) != 5:
+            raise PeatError(f"executor 'slurm': sinfo printed a line peat cannot read: {line.strip()!r} "
+                            "(expected partition, CPUs, memory, time limit, gres)")
+        partition, cpus, mem, limit, gres = fields
         for name in {partition.rstrip("*"), *([""] if partition.endswith("*") else [])}:
             have = largest.get(name, Partition(0, 0))
             node = Node(int(cpus.rstrip("+")), int(mem.rstrip("+")), gres_counts(gres))
@@ -117,7 +125,9 @@ def gres_counts(gres: str) -> dict[tuple[str, str], int]:
         name, *rest = item.split(":")
         count = int(rest.pop()) if rest and rest[-1].isdigit() else 1
         # Lowered: a false refusal here would block a request sbatch might take; sbatch judges the rest.
-        counts[(name.lower(), rest[0].lower() if rest else "")] = count
+        key = (name.lower(), rest[0].lower() if rest else "")
+        # One type listed once per socket ("gpu:a100:2(S:0),gpu:a100:2(S:1)"): the node has both.
+        counts[key] = counts.get(key, 0) + count
     return counts
 
 
