@@ -23,7 +23,7 @@ from torch import nn
 from conftest import DEVICES, REPO, needs_gpu
 from peat import analyze, detect, errors, kernels, playback
 from peat.io import PeatError
-from peat.profiler import Profiler
+from peat.profiler import Profiler, read_layer
 
 torch.set_num_threads(1)
 LAYERS = ["0", "1", "4", "5", "6"]  # conv2d, batch_norm, linear, layer_norm, linear
@@ -269,6 +269,44 @@ def test_a_training_batch_norm_forward_is_scored_on_the_running_statistics_it_up
         assert got["verdict"] == "fail" and failing == fails
     welford = replay(context, kernel=kernels.load("peat.alt_kernels.welford_norm", "batch_norm"), errors=[])[0]
     assert detect.verdict(welford)["error_model"] == "none"
+
+
+def zero_mean_norm_context(path):
+    """A batch norm (layer 3) fed by a batch norm through a bias-free 1 x 1 convolution, as in
+    EfficientNet and MobileNetV2: its input has zero mean per channel by construction."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 32, 1, bias=False),
+                          nn.BatchNorm2d(32), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 36, 5))
+    prof = Profiler(path, ["3"], every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
+    prof.attach(model)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        prof.begin_step(step, 1)
+        model.zero_grad()
+        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        prof.end_step()
+    prof.close()
+    return path
+
+
+@pytest.mark.parametrize("alt", ["onepass_norm", "welford_norm"])
+def test_a_correct_batch_norm_passes_strict_rules_on_a_running_mean_of_cancelling_values(tmp_path, alt):
+    """Golden's float32 sum of the zero-mean channels landed on the exact result (|golden - fp64|
+    1e-16), so the fp32 envelope was 1e-15 and the shipped one-pass and Welford norms, off by 1e-9 as
+    any other summation order is, read as reduced_precision there: a fail with
+    accept_reduced_precision false (EfficientNet-B0's features.2.0.block.0.1 at batch 8)."""
+    path = zero_mean_norm_context(tmp_path / "context.h5")
+    strict = detect.Rules(accept_reduced_precision=False)
+    kernel = kernels.load(f"peat.alt_kernels.{alt}", "batch_norm")
+    table, record = replay(path, kernel=kernel, errors=[], computations=("forward",), rules=strict)
+    got = detect.judge(table, record)
+    assert (got["verdict"], got["error_model"]) == ("pass", "none")
+    means = table[(table["tensor"] == "running_mean") & (table["case"] == "kernel")]
+    assert len(means) == 2 and (means["err_max"] > 0).all()
+    # The floor is float32's resolution of the summed values, far below a stale statistic's error.
+    x = torch.cat([s["A"] for s in read_layer(path, "3", [0, 1])[1]])
+    assert (means["tau32"] <= strict.k32 * 0.1 * 2.0 ** -23 * float(x.abs().max()) * (1 + 1e-9)).all()
 
 
 def test_batch_norms_that_update_no_running_statistics_get_no_rows_for_them(tmp_path):

@@ -55,7 +55,8 @@ class Envelopes(dict):
 
 @QUIET
 def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, torch.Tensor],
-              rules: Rules = Rules(), gold: Golden | None = None, footprints: bool = True) -> Envelopes:
+              rules: Rules = Rules(), gold: Golden | None = None, footprints: bool = True,
+              floor: float = 0.0) -> Envelopes:
     """The fp32 and reduced-precision envelopes of one tensor, measured on its own inputs.
 
     ``taurp`` is the worst over the tensor; ``local`` holds, for every aligned TILE x TILE tile
@@ -66,7 +67,8 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     reduced-precision result leaves the fp32 envelope. ``gold`` (``Golden.of(golden)``) may be
     passed in when known. Without ``footprints``, they are left to ``scored_references``:
     playback scores the rounded references as candidates and so finds their errors anyway,
-    one at a time.
+    one at a time. ``floor``: float32's rounding where |golden - reference| cannot show it (see
+    ``peat.playback.summed_floor``), a lower bound of the noise the fp32 envelope scales.
     """
     gold = Golden.of(golden) if gold is None else gold
     ref = as_matrix(reference)
@@ -76,7 +78,7 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     if not math.isfinite(noise32):  # abs_error's NaN as inf and inf as the largest float: counted from scratch
         noise32 = _finite_max(_distance(gold.matrix, ref))
     noise = summary(noise)
-    tau32 = rules.k32 * max(noise32, EPS32 * absmax, 1e-38)
+    tau32 = rules.k32 * max(noise32, EPS32 * absmax, floor, 1e-38)
     rp, tiles, prints = {}, [], {}
     for p, t in rounded.items():  # one matrix view (an NCHW tensor's is a copy) and float64 difference at a time
         m = as_matrix(t)
