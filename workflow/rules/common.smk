@@ -4,6 +4,10 @@ import os
 import re
 import sys
 
+# This checkout's peat, as its jobs import it (PYTHONPATH below): a peat installed from another
+# checkout (a shared venv, a second worktree) checked the config and tracked its own kernel sources.
+sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+
 import peat.alter
 import peat.alter_study
 import peat.config
