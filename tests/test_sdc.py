@@ -1464,12 +1464,15 @@ def _running(pid: str) -> bool:
 ])
 def test_killed_launcher_takes_its_ranks_with_it(digits, tmp_path, signum, exit_code, ranks_up):
     # kill <launcher> (or a job's time limit) left every rank running, the hung one for 11 days.
-    launcher = _launcher(tmp_path, digits, make_config(drills=["hang"], timeout_s=600),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "launcher.log"  # what it said, should it end before its ranks start
+    with open(log, "w") as out:
+        launcher = _launcher(tmp_path, digits, make_config(drills=["hang"], timeout_s=600), stdout=out, stderr=out)
     ranks = lambda: subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-    deadline = time.monotonic() + 120
-    while len(ranks()) < ranks_up and time.monotonic() < deadline:
+    # Generous: on a loaded machine (CI with other work) the launcher took over 120 s to start its ranks.
+    deadline = time.monotonic() + 600
+    while len(ranks()) < ranks_up and time.monotonic() < deadline and launcher.poll() is None:
         time.sleep(0.01)
+    assert len(ranks()) >= ranks_up, f"launcher ended ({launcher.poll()}) before its ranks: {log.read_text()[-2000:]}"
     started = ranks()
     launcher.send_signal(signum)
     code = launcher.wait(timeout=60)
