@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import yaml
 
 from conftest import REPO, TEST_CONFIG, snakemake
 from peat import data, models
 from peat.candidate import _declared_op, _parsed
+from peat.config import validate
 from peat.io import PeatError
 from peat.profiler import op_of
 
@@ -182,3 +185,18 @@ def test_a_kernel_file_python_imports_is_read_by_the_config_check(head, tmp_path
     path.write_bytes(head + (REPO / "kernels" / "my_gemm.py").read_bytes())
     tree = _parsed(str(path), "kernels.mine.impl")
     assert _declared_op(str(path), "linear", tree) == "linear"
+
+
+@pytest.mark.parametrize("path", [("datasets", "digits", "val_fraction"), ("datasets", "pydoc", "part", 0),
+                                  ("models", "resnet18", "optimizer", "lr"), ("detect", "k32")])
+def test_a_nan_anywhere_in_the_config_is_one_line_naming_the_key(path):
+    """YAML's .nan passed the schema's bounds: val_fraction or part ended the config check in a
+    ValueError traceback (cannot convert float NaN to integer), an lr or k32 reached the jobs."""
+    config = copy.deepcopy(TEST)
+    node = config
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = float("nan")
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+    assert str(err.value) == f"config key '{'.'.join(map(str, path))}': .nan is not a number; give a number"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 
@@ -87,6 +88,8 @@ def validate(config: dict, schema_path: str | Path) -> dict:
     Raises PeatError with one line naming the offending key and what is allowed.
     """
     schema = yaml.safe_load(Path(schema_path).read_text())
+    if isinstance(config, dict):  # sdc's two numbers: sdc_drill.check_config says what each needs
+        _refuse_nan({key: value for key, value in config.items() if key != "sdc"}, [])
     # Validation writes the default in: a message about it must say the config never wrote it.
     defaulted = isinstance(config, dict) and "reference_vendor" not in config
     validator_cls = _with_defaults(jsonschema.Draft202012Validator)
@@ -95,6 +98,17 @@ def validate(config: dict, schema_path: str | Path) -> dict:
         raise PeatError(_message(jsonschema.exceptions.best_match(errors)))
     _cross_check(config, defaulted, schema["properties"]["datasets"]["additionalProperties"]["properties"])
     return config
+
+
+def _refuse_nan(value, at: list) -> None:
+    """YAML's .nan passes every minimum and maximum of the schema (each comparison is false): a
+    val_fraction or a dataset part of .nan ended the config check in a ValueError traceback, an lr
+    or a Detector multiple would have run on it."""
+    if isinstance(value, float) and math.isnan(value):
+        raise PeatError(f"config key '{_key(at)}': .nan is not a number; give a number")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        _refuse_nan(item, [*at, key])
 
 
 def check_unique_keys(path: str | Path) -> None:
