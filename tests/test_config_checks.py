@@ -200,3 +200,20 @@ def test_a_nan_anywhere_in_the_config_is_one_line_naming_the_key(path):
     with pytest.raises(PeatError) as err:
         validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
     assert str(err.value) == f"config key '{'.'.join(map(str, path))}': .nan is not a number; give a number"
+
+
+@pytest.mark.parametrize("path,value", [(("playback", "timeout"), float("inf")),
+                                        (("kernels", "my_gemm", "timeout"), 1e10),
+                                        (("kernels", "im2col", "train_timeout"), float("inf"))])
+def test_a_time_limit_past_what_the_timer_takes_is_one_line_naming_the_key(path, value):
+    """playback.timeout: .inf (meant as no limit) passed the config, and every call of every kernel's
+    own computation then failed on setitimer's OverflowError (measured: the test config's my_gemm
+    and welford_ln each 24 crash rows of 24), so the verdicts blamed the kernels."""
+    config = copy.deepcopy(TEST)
+    node = config
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+    assert str(err.value) == f"config key '{'.'.join(path)}': {value!r} is greater than the maximum of 31536000"
