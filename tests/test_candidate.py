@@ -436,6 +436,13 @@ def test_config_cross_checks():
         candidate.check(bad)
     assert str(err.value) == (f"config key 'kernels.im2col.impl': kernel impl 'kernels/missing.py': "
                               f"no such file (relative to {REPO})")
+    # A frozen or built-in module has no file: a FileNotFoundError traceback of the config check.
+    for module, kind in (("os.path", "frozen"), ("sys", "built-in")):
+        bad["kernels"]["im2col"]["impl"] = module
+        with pytest.raises(PeatError) as err:
+            candidate.check(bad)
+        assert str(err.value) == (f"config key 'kernels.im2col.impl': kernel impl {module!r}: a {kind} module "
+                                  "without a source file; a kernel is a Python or C++ file, or a module or package of them")
     # Every call would raise (a norm has no reduction to split): each of its jobs a crash, after golden training.
     bad = copy.deepcopy(config)
     bad["kernels"]["welford_ln"]["error"] = "tile:4:splitk"

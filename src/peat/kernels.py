@@ -282,6 +282,9 @@ def source_of(impl: str) -> str | None:
     if spec is None or spec.origin is None:
         raise PeatError(f"kernel impl {impl!r}: no such file or importable module")
     origin = Path(spec.origin)
+    if not origin.is_file():  # "frozen" or "built-in" (os.path, sys): no file whose edit reruns its jobs
+        raise PeatError(f"kernel impl {impl!r}: a {spec.origin} module without a source file; "
+                        "a kernel is a Python or C++ file, or a module or package of them")
     return str(origin.relative_to(REPO)) if origin.is_relative_to(REPO) else str(origin)
 
 
