@@ -37,18 +37,24 @@ def context(tmp_path_factory):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
                           nn.Linear(8 * 6 * 6, 24), nn.LayerNorm(24), nn.Linear(24, 5))
-    path = tmp_path_factory.mktemp("ctx") / "context.h5"
-    prof = Profiler(path, LAYERS, every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
+    return recorded(model, tmp_path_factory.mktemp("ctx") / "context.h5", LAYERS, steps=3, batch=16,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def recorded(model: nn.Module, path, layers: list[str], *, steps: int, batch: int, optimizer=None):
+    """``path``: ``layers`` of ``model`` recorded over ``steps`` training steps on random 3 x 6 x 6
+    images of 5 classes (updated by ``optimizer``, if given)."""
+    prof = Profiler(path, layers, every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
     prof.attach(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
-    for step in range(3):
+    for step in range(steps):
         prof.begin_step(step, 1)
-        opt.zero_grad()
-        x, y = torch.randn(16, 3, 6, 6, generator=g), torch.randint(0, 5, (16,), generator=g)
+        model.zero_grad()
+        x, y = torch.randn(batch, 3, 6, 6, generator=g), torch.randint(0, 5, (batch,), generator=g)
         nn.functional.cross_entropy(model(x), y).backward()
         prof.end_step()
-        opt.step()
+        if optimizer is not None:
+            optimizer.step()
     prof.close()
     return path
 
@@ -277,17 +283,7 @@ def zero_mean_norm_context(path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 32, 1, bias=False),
                           nn.BatchNorm2d(32), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 36, 5))
-    prof = Profiler(path, ["3"], every=1, meta={"model": "tiny", "config_hash": "h1", "vendor": "cpu"})
-    prof.attach(model)
-    g = torch.Generator().manual_seed(0)
-    for step in range(2):
-        prof.begin_step(step, 1)
-        model.zero_grad()
-        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
-        nn.functional.cross_entropy(model(x), y).backward()
-        prof.end_step()
-    prof.close()
-    return path
+    return recorded(model, path, ["3"], steps=2, batch=8)
 
 
 @pytest.mark.parametrize("alt", ["onepass_norm", "welford_norm"])
