@@ -1467,7 +1467,10 @@ def test_killed_launcher_takes_its_ranks_with_it(digits, tmp_path, signum, exit_
     log = tmp_path / "launcher.log"  # what it said, should it end before its ranks start
     with open(log, "w") as out:
         launcher = _launcher(tmp_path, digits, make_config(drills=["hang"], timeout_s=600), stdout=out, stderr=out)
-    ranks = lambda: subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    # Its children running the rank module: on a CI machine the launcher had another child, gone a moment later,
+    # taken for its first rank (the test then signalled it before any rank and found none started).
+    ranks = lambda: subprocess.run(["pgrep", "-P", str(launcher.pid), "-f", "[-]m peat[.]sdc_drill"], capture_output=True,
+                                   text=True).stdout.split()
     # Generous: on a loaded machine (CI with other work) the launcher took over 120 s to start its ranks.
     deadline = time.monotonic() + 600
     while len(ranks()) < ranks_up and time.monotonic() < deadline and launcher.poll() is None:
