@@ -76,8 +76,12 @@ def read_json(path: str | os.PathLike):
     except json.JSONDecodeError as err:
         raise PeatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     except UnicodeDecodeError as err:  # a binary or re-encoded file: JSON is UTF-8
-        raise PeatError(f"{path}: not valid JSON (byte {err.object[err.start]:#04x} at offset {err.start} "
-                        "is not UTF-8 text)") from None
+        raise PeatError(f"{path}: not valid JSON ({not_utf8(err)})") from None
+
+
+def not_utf8(err: UnicodeDecodeError) -> str:
+    """Where a file read as text stopped being UTF-8, for a one-line error naming the file."""
+    return f"byte {err.object[err.start]:#04x} at offset {err.start} is not UTF-8 text"
 
 
 def read_csv(path: str | os.PathLike, required: tuple[str, ...] = (), **kwargs):

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, errors, sdc
-from .io import PeatError, write_json
+from .io import PeatError, not_utf8, write_json
 from .provenance import stamp
 
 DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
@@ -454,8 +454,7 @@ def load_config(path: str | Path) -> dict:
     except IsADirectoryError:
         raise PeatError(f"{path}: is a folder; name the config file") from None
     except UnicodeDecodeError as err:
-        raise PeatError(f"{path}: not a YAML or JSON config (byte {err.object[err.start]:#04x} at offset "
-                        f"{err.start} is not UTF-8 text)") from None
+        raise PeatError(f"{path}: not a YAML or JSON config ({not_utf8(err)})") from None
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
