@@ -505,6 +505,20 @@ def test_drill_params_hold_only_what_the_drills_read():
     validated(drill_config(edited, "resnet18"))  # what the ranks load
 
 
+
+def test_drill_params_leave_out_the_bench_and_the_faults_of_drills_not_run():
+    """The drills' params held the whole sdc section: a new sdc.bench_steps (read by --bench only),
+    or the fault of a drill not in sdc.drills, reran every drill (torchrun, one process per rank)."""
+    config = make_config(drills=["clean", "nan_grad"])
+    params = drill_config(config, "resnet18")
+    faults = config["sdc"]["faults"]
+    for edit in ({"bench_steps": 40}, {"faults": faults | {"transient": "rv:2"}}):
+        assert drill_config({**config, "sdc": config["sdc"] | edit}, "resnet18") == params, edit
+    for edit in ({"steps": 6}, {"faults": faults | {"nan_grad": "inf:1"}}, {"drills": ["clean"]}):
+        assert drill_config({**config, "sdc": config["sdc"] | edit}, "resnet18") != params, edit
+    assert params["sdc"]["faults"] == {"nan_grad": "nan:1"}
+    validated(params)  # what the ranks load
+
 # --- real multi-process runs --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -1897,5 +1911,9 @@ def test_launch_time_limit_grows_with_the_steps():
     from peat.sdc_drill import launch_timeout
 
     cfg = {"steps": 12, "bench_steps": 20, "timeout_s": 120, "drills": ["nan_grad", "weight_flip"]}
-    assert launch_timeout(cfg) == 600 + (4 + 40) * 120 * 2
+    assert launch_timeout(cfg) == 600 + (4 + 12) * 120 * 2
     assert launch_timeout(cfg | {"steps": 100}) == 600 + (4 + 100) * 120 * 2
+    # The drills' limit read sdc.bench_steps, which only --bench reads; --bench, which runs no drill,
+    # was allowed its time once per configured drill.
+    assert launch_timeout(cfg | {"bench_steps": 400}) == launch_timeout(cfg)
+    assert launch_timeout(cfg, bench=True) == 600 + (4 + 40) * 120

@@ -70,7 +70,7 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
     plan = out_dir / (".bench.json" if bench else ".plan.json")
     write_json(plan, config)
     args = ["--config", str(plan), "--model", model, "--data", str(data), "--out", str(out_dir)]
-    ranks = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or launch_timeout(sdc_cfg)))
+    ranks = Launch(config, f"sdc drill of model {model!r}", time.monotonic() + (timeout or launch_timeout(sdc_cfg, bench)))
     try:
         if bench:
             ends = ranks.run([*args, "--bench"])
@@ -290,23 +290,28 @@ def drill_config(config: dict, model: str) -> dict:
     The config's ``name`` only names its report: a fixed one, so a renamed copy of a config does not
     rerun the drills. Drills run ``sdc.steps`` steps on the whole training set and record nothing,
     so the keys that only shape golden training are left at fixed values the schema accepts.
+    Of the sdc section, ``bench_steps`` (read by --bench only) and the faults of drills not run are
+    left out: editing them reran every drill.
     """
     golden_only = ("init_from", "epochs", "checkpoint_epochs", "record", "max_train_samples", "max_val_samples")
     spec = {k: v for k, v in config["models"][model].items() if k not in golden_only}
     spec |= {"epochs": 1, "record": {"layers": ["*"]}}
     keep = ("seed", "threads", "vendors", "reference_vendor")
+    sdc_cfg = {k: v for k, v in config["sdc"].items() if k != "bench_steps"}
+    sdc_cfg |= {"models": [model], "faults": {d: f for d, f in sdc_cfg["faults"].items() if d in sdc_cfg["drills"]}}
     return {"name": "sdc", **{k: config[k] for k in keep if k in config}, "models": {model: spec},
-            "datasets": {spec["dataset"]: config["datasets"][spec["dataset"]]},
-            "sdc": {**config["sdc"], "models": [model]}}
+            "datasets": {spec["dataset"]: config["datasets"][spec["dataset"]]}, "sdc": sdc_cfg}
 
 
-def launch_timeout(sdc_cfg: dict) -> float:
+def launch_timeout(sdc_cfg: dict, bench: bool = False) -> float:
     """Seconds a launch may take before the launcher stops its ranks: generous, as every collective
     already times out after timeout_s; this only guards the launcher. Each dead/hang drill and each
     stop starts a launch of its own. It allows each step timeout_s: a limit fixed whatever
-    sdc.steps said stopped long healthy drills of a large model."""
-    steps = max(sdc_cfg["steps"], 2 * sdc_cfg.get("bench_steps", 0))  # --bench: a plain and a guarded step each
-    return 600 + (4 + steps) * sdc_cfg["timeout_s"] * len(sdc_cfg["drills"])
+    sdc.steps said stopped long healthy drills of a large model. --bench runs no drill: a plain and
+    a guarded step per bench step, once."""
+    if bench:
+        return 600 + (4 + 2 * sdc_cfg["bench_steps"]) * sdc_cfg["timeout_s"]
+    return 600 + (4 + sdc_cfg["steps"]) * sdc_cfg["timeout_s"] * len(sdc_cfg["drills"])
 
 
 # --- the worker ---------------------------------------------------------------------------------
