@@ -946,6 +946,21 @@ def test_guard_refuses_files_it_could_not_write_at_an_alarm(one_rank, tmp_path):
     assert not (tmp_path / "new" / "sdc.jsonl").exists()  # written at the first alarm only
 
 
+def test_guard_resolves_its_drain_marker_once_and_writes_the_one_it_checked(one_rank, tmp_path, monkeypatch):
+    # Each build resolved the node's marker twice (its check, then the path to check) besides naming the node
+    # for the peers, and a stop resolved it once more: three names of the node per build, one per stop.
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = []
+    monkeypatch.setattr(sdc, "node_name", lambda: names.append(f"node{len(names)}") or names[-1])
+    guard = sdc.Guard(DistributedDataParallel(torch.nn.Linear(4, 2)), policy="stop",
+                      drain_marker=str(tmp_path / "{node}" / "drain.json"))
+    assert names == ["node0"] and guard.hosts == ["node0"]
+    with pytest.raises(SystemExit) as stop:
+        guard._alarm("fingerprint", [0], True, {})  # as a localized alarm naming this rank
+    assert stop.value.code == sdc.EXIT_SDC and names == ["node0"]
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("drain.json")] == ["node0/drain.json"]
+
 def test_policy_stop_makes_the_checkpoints_folder_or_refuses_it_when_built(one_rank, tmp_path):
     # A checkpoint= in a folder not made yet: torch.save failed at the first stop, on the saving rank alone
     # (FileNotFoundError, exit 1), while its peers waited in the stop's barrier until the timeout: no exit 75.

@@ -264,7 +264,9 @@ class Guard:
         ranks: list = [None] * self.world
         # A file one node cannot write is refused on every rank: raised on that rank alone, its peers waited here.
         saved = checkpoint if policy == "stop" and save is not None else None  # saved by a healthy rank at a stop
-        dist.all_gather_object(ranks, (node_name(), alike, _unwritable(events, drain_marker, saved)), group=group)
+        node = node_name()
+        self._marker, problem = _files_to_write(events, drain_marker, saved, node)  # the marker _stop writes
+        dist.all_gather_object(ranks, (node, alike, problem), group=group)
         self.hosts = [host for host, _, _ in ranks]
         for r, (host, _, problem) in enumerate(ranks):
             if problem:
@@ -738,11 +740,10 @@ class Guard:
             self._stop(event, reporter)
 
     def _stop(self, event: Event, reporter: int) -> None:
-        if self.drain_marker is not None and event.localized and node_name() in event.hosts:
+        if self._marker is not None and event.localized and self.hosts[self.rank] in event.hosts:
             # Read by the SLURM epilog on this node: it drains the node it runs on.
-            marker = _node_marker(self.drain_marker)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps(asdict(event), sort_keys=True) + "\n")
+            self._marker.parent.mkdir(parents=True, exist_ok=True)
+            self._marker.write_text(json.dumps(asdict(event), sort_keys=True) + "\n")
         if self.save is not None and self.rank == reporter:
             self.save(self.checkpoint)
         self._collective("stop", dist.barrier, group=self.group)
@@ -804,30 +805,38 @@ def first_line(err: BaseException) -> str:
 NODE = "{node}"  # the drain marker's placeholder for this node's name
 
 
-def _node_marker(drain_marker) -> Path:
-    """This node's drain marker: ``drain_marker`` with NODE replaced by ``node_name()``."""
-    return Path(str(drain_marker).format(node=node_name()))
+def _node_marker(drain_marker, node: str) -> Path:
+    """The drain marker of node ``node``: ``drain_marker`` with NODE replaced by its name; PeatError
+    saying why where it names no file on any node (a placeholder other than NODE)."""
+    try:
+        return Path(str(drain_marker).format(node=node))
+    except (KeyError, IndexError, ValueError) as err:
+        raise PeatError(f"the only placeholder is {NODE} ({type(err).__name__}: {err})") from None
 
 
 def marker_problem(drain_marker) -> str | None:
     """Why ``drain_marker`` names no file on any node (a placeholder other than NODE), or None."""
     try:
-        _node_marker(drain_marker)
-    except (KeyError, IndexError, ValueError) as err:
-        return f"the only placeholder is {NODE} ({type(err).__name__}: {err})"
+        _node_marker(drain_marker, node_name())
+    except PeatError as err:
+        return str(err)
     return None
 
 
-def _unwritable(events, drain_marker, checkpoint=None) -> str | None:
-    """Why this rank could not write the events file, the drain marker or the stop checkpoint (their folders
-    made now), or None. The guard writes them at an alarm only: there, one rank failed alone while its peers
-    went on to the next collective (or waited in the stop's barrier) until the timeout."""
-    paths = {"events": events, "checkpoint": checkpoint}
-    if drain_marker is not None:
-        problem = marker_problem(drain_marker)
-        if problem:
-            return f"drain_marker={str(drain_marker)!r}: {problem}"
-        paths["drain_marker"] = _node_marker(drain_marker)
+def _files_to_write(events, drain_marker, checkpoint, node: str) -> tuple[Path | None, str | None]:
+    """This node's drain marker (None without one), resolved once for the guard, and why this rank could
+    not write the events file, the drain marker or the stop checkpoint (their folders made now), or None.
+    The guard writes them at an alarm only: there, one rank failed alone while its peers went on to the
+    next collective (or waited in the stop's barrier) until the timeout."""
+    try:
+        marker = None if drain_marker is None else _node_marker(drain_marker, node)
+    except PeatError as err:
+        return None, f"drain_marker={str(drain_marker)!r}: {err}"
+    return marker, _unwritable({"events": events, "checkpoint": checkpoint, "drain_marker": marker}, drain_marker)
+
+
+def _unwritable(paths: dict, drain_marker) -> str | None:
+    """Why this rank could not write one of ``paths`` (label -> path or None), or None."""
     for label, path in paths.items():
         if path is None:
             continue
