@@ -90,3 +90,15 @@ def test_layers_csv_lists_layers_in_the_networks_order(tmp_path):
         assert rows["layer"].tolist() == names
         assert rows["err_top10_mean"].tolist() == pytest.approx([1e-7, 2e-7, 3e-7, 4e-7])
     assert layers["iterations"].tolist() == [2] * 16
+
+
+def test_a_parquet_table_that_is_no_playback_table_is_one_line_naming_it(tmp_path):
+    """Another parquet file given as the playback table (its columns none of the Analyzer's) ended
+    the analyze job in a KeyError on 'layer', naming no file."""
+    table = tmp_path / "foreign.parquet"
+    pd.DataFrame({"a": [1, 2], "b": [3.0, 4.0]}).to_parquet(table)
+    with pytest.raises(PeatError) as err:
+        analyze.run_job(table, _context(tmp_path / "c.h5", ["fc"], [0]), tmp_path / "out")
+    assert str(err.value) == (f"{table}: missing columns {', '.join([*analyze.KEYS, 'step', *analyze.SCORES])} "
+                              "(not a playback table?)")
+    assert not (tmp_path / "out").exists()
