@@ -1127,6 +1127,63 @@ def test_a_step_numbered_again_is_refused_at_its_begin_naming_it(tmp_path):
     assert profiler.recorded_steps(tmp_path / "context.h5", "0") == [0, 1, 2]
 
 
+def test_profiler_calls_out_of_order_are_refused_in_one_line(tmp_path):
+    """begin_step before attach (the README's loop with attach forgotten), end_step without its
+    begin_step, or a step after close ended in an AttributeError about the Profiler's internals,
+    or in h5py's errors on a closed file."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    prof = Profiler(tmp_path / "context.h5", ["0"], every=1)
+    for call, run in (("begin_step", lambda: prof.begin_step(0, 1)), ("end_step", prof.end_step),
+                      ("snapshot", prof.snapshot), ("flush", prof.flush), ("close", prof.close)):
+        with pytest.raises(PeatError) as err:
+            run()
+        assert str(err.value) == f"Profiler: {call} before attach(model); attach the model first"
+    prof.abandon()  # nothing to abandon: as after an attach that was refused
+    prof.attach(model)
+    with pytest.raises(PeatError) as err:
+        prof.end_step()
+    assert str(err.value) == "Profiler: end_step without its begin_step; call begin_step(step, epoch) first"
+    with pytest.raises(PeatError) as err:
+        prof.attach(model)
+    assert str(err.value) == "Profiler: attach, but it is attached already; one Profiler records one model"
+    prof.begin_step(0, 1)
+    model(torch.randn(2, 4)).sum().backward()
+    prof.end_step()
+    with pytest.raises(PeatError) as err:
+        prof.end_step()
+    assert str(err.value) == "Profiler: end_step without its begin_step; call begin_step(step, epoch) first"
+    prof.close()
+    for call, run in (("begin_step", lambda: prof.begin_step(1, 1)), ("close", prof.close),
+                      ("attach", lambda: prof.attach(model))):
+        with pytest.raises(PeatError) as err:
+            run()
+        assert str(err.value) == f"Profiler: {call} after close; a closed Profiler records no more (make a new one)"
+    prof.abandon()  # closed already: nothing left to abandon
+    assert profiler.recorded_steps(tmp_path / "context.h5", "0") == [0] and not model[0]._forward_hooks
+
+
+@pytest.mark.parametrize("keys", [["a/b"], ["x", "x/y"]])
+def test_a_layer_named_with_a_slash_is_refused_at_attach(tmp_path, keys):
+    """A module name with '/' (a ModuleDict key) became a nested HDF5 group: 'x' and 'x/y' mixed
+    their steps, and reading or resuming them failed with errors naming no layer."""
+    model = torch.nn.Module()
+    model.d = torch.nn.ModuleDict({key: torch.nn.Linear(4, 4) for key in keys})
+    prof = Profiler(tmp_path / "context.h5", ["*"], every=1)
+    with pytest.raises(PeatError) as err:
+        prof.attach(model)
+    assert str(err.value) == (f"config key 'record.layers': layer 'd.{keys[-1]}' has '/' in its name, which the "
+                              "context (HDF5) reads as a path; rename the module or leave it out of the globs")
+    assert not list(tmp_path.iterdir()) and not model.d[keys[-1]]._forward_hooks
+    if "x" in keys:  # the layer named without one is recorded
+        prof = Profiler(tmp_path / "context.h5", ["d.x"], every=1)
+        prof.attach(model)
+        prof.begin_step(0, 1)
+        model.d.x(torch.randn(2, 4)).sum().backward()
+        prof.end_step()
+        prof.close()
+        assert profiler.recorded_steps(tmp_path / "context.h5", "d.x") == [0]
+
+
 def test_closed_profiler_leaves_no_empty_partial_folder(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 2))
     prof = Profiler(tmp_path / "context.h5", ["0"], every=1)

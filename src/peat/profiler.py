@@ -155,6 +155,15 @@ def summary_dtype(names) -> np.dtype:
                     + [(s, "f8") for s in SUMMARY_STATS])
 
 
+def _check_group_names(layers, key: str) -> None:
+    """Each recorded layer is an HDF5 group named after it: a '/' (a ModuleDict key) nested it in
+    another's group, and 'x' beside 'x/y' mixed their steps, failing reads and resumes naming no layer."""
+    for name in layers:
+        if "/" in name:
+            raise PeatError(f"config key '{key}': layer {name!r} has '/' in its name, which the context (HDF5) "
+                            "reads as a path; rename the module or leave it out of the globs")
+
+
 def _write_meta(attrs: h5py.AttributeManager, meta: dict) -> None:
     for key, value in meta.items():
         try:
@@ -242,13 +251,30 @@ class Profiler:
         self.partial = self.path.parent / ".partial" / self.path.name
         self.patterns, self.every, self.epochs = layers, every, epochs
         self.meta, self.key, self.derived = meta or {}, key, derived
+        # new -> attached <-> in_step -> closed (close or abandon)
+        self._phase = "new"
+
+    def _require(self, call: str, *phases: str) -> None:
+        """One line for a call out of order: it ended in an AttributeError about the Profiler's
+        internals (begin_step before attach), or in h5py's errors on a closed file."""
+        if self._phase in phases:
+            return
+        if self._phase == "new":
+            raise PeatError(f"Profiler: {call} before attach(model); attach the model first")
+        if self._phase == "closed":
+            raise PeatError(f"Profiler: {call} after close; a closed Profiler records no more (make a new one)")
+        if call == "attach":
+            raise PeatError("Profiler: attach, but it is attached already; one Profiler records one model")
+        raise PeatError(f"Profiler: {call} without its begin_step; call begin_step(step, epoch) first")
 
     # -- lifecycle ----------------------------------------------------------------------
     def attach(self, model: nn.Module, first_step: int = 0, resuming: bool = False) -> None:
         """Record ``model`` from ``first_step`` on; ``resuming`` a killed run of the same settings,
         whose snapshots (``snapshot``) hold the steps before it."""
+        self._require("attach", "new")
         self.model = model
         self.targets = match_layers(model, self.patterns, self.key)
+        _check_group_names(self.targets, self.key)
         for name, module in self.targets.items():
             weight = _weight(module)
             if weight is not None and weight.dtype != torch.float32:  # golden replays float32
@@ -283,6 +309,7 @@ class Profiler:
         self._input_hooks = []
         self._open(resuming)  # first: a refused file leaves no hook behind
         self._hooks = [m.register_forward_hook(self._forward_hook(n), with_kwargs=True) for n, m in self.all_layers.items()]
+        self._phase = "attached"
 
     def _open(self, resuming: bool) -> None:
         self.partial.parent.mkdir(parents=True, exist_ok=True)
@@ -338,7 +365,7 @@ class Profiler:
                     through(self.first_step)
                     self._append_summaries(rows[written:])
                     self.naive_bytes_per_step = int(f.attrs["naive_bytes_per_step"])
-                    self.flush()  # as the snapshot did
+                    self._flush()  # as the snapshot did
                     restored = int(f.attrs["last_step"]) + 1
         if restored < self.first_step:
             raise PeatError(f"{self._shards}: the Profiler's snapshots hold the steps before {restored}, not every "
@@ -349,10 +376,12 @@ class Profiler:
         return step % self.every == 0 and (not self.epochs or epoch in self.epochs)
 
     def begin_step(self, step: int, epoch: int) -> None:
+        self._require("begin_step", "attached", "in_step")  # a step that failed half-way is begun again
         if step <= self.last_step:  # a step counted per epoch: h5py's 'name already exists' an epoch later
             raise PeatError(f"Profiler: step {step} (epoch {epoch}) is not after the last step, {self.last_step}; "
                             "number the steps across epochs (one counter for the whole training)")
         self.step, self.epoch = step, epoch
+        self._phase = "in_step"
         self.recording = self.want(step, epoch)
         # A training-mode forward since the last step (say, a user's accuracy check) is no part of this one.
         self._pending.clear()
@@ -369,6 +398,7 @@ class Profiler:
                     self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name), with_kwargs=True))
 
     def end_step(self) -> None:
+        self._require("end_step", "in_step")  # else it wrote the last step again: h5py's 'name already exists'
         # Not copied: nothing changes them before these statistics run (queued first on a GPU).
         for name, module in self.all_layers.items():
             weight = _weight(module)
@@ -391,6 +421,7 @@ class Profiler:
         if self.naive_bytes_per_step == 0:
             self.naive_bytes_per_step = self._naive_bytes
         self.last_step = self.step
+        self._phase = "attached"
 
     def _summarise(self, name: str, out: torch.Tensor) -> None:
         """The summary of a layer's output; on a GPU from a copy summarised later with others
@@ -430,6 +461,10 @@ class Profiler:
         summaries[summaries.shape[0] - len(rows):] = rows
 
     def flush(self) -> None:
+        self._require("flush", "attached", "in_step")
+        self._flush()
+
+    def _flush(self) -> None:
         self._write_rows()
         self.file.attrs["naive_bytes_per_step"] = self.naive_bytes_per_step
         self.file.flush()
@@ -443,7 +478,8 @@ class Profiler:
         own named by its first step: each snapshot costs what its epochs recorded, not the whole
         context so far (copied whole, it took 0.65 s per GB every epoch). They outlive ``close``,
         in the training's ``.partial/``: a job killed after it may still have to resume."""
-        self.flush()
+        self._require("snapshot", "attached")
+        self._flush()
         first = self._snapped + 1
         with atomic_path(self._shards / f"{first:07d}.h5") as tmp, open_h5(tmp, "w") as shard:
             _copy_steps(self.file, shard, self.targets, self.last_step + 1, since=first)
@@ -455,19 +491,25 @@ class Profiler:
     def abandon(self) -> None:
         """Stop recording and close the file as it is: training was interrupted, and a rerun resumes
         from the snapshots (in this process too, as after Ctrl-C in a notebook: HDF5 refuses to
-        create a file that is still open)."""
+        create a file that is still open). Called on any interruption, it does nothing where there is
+        nothing open: before attach (one refused), or after close."""
+        if self._phase in ("new", "closed"):
+            return
+        self._phase = "closed"
         for handle in self._hooks + self._input_hooks:
             handle.remove()
         self.file.close()
 
     def close(self) -> None:
         """Finish the file, rename it into place and write the storage accounting beside it."""
+        self._require("close", "attached")
         for handle in self._hooks:
             handle.remove()
-        self.flush()
+        self._flush()
         steps = self.last_step + 1
         self.file.attrs["steps"] = steps
         self.file.close()
+        self._phase = "closed"
         os.replace(self.partial, self.path)
         self._drop_empty_partial_folder()
         context = self.path.stat().st_size
