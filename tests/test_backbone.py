@@ -1148,6 +1148,11 @@ def test_profiler_calls_out_of_order_are_refused_in_one_line(tmp_path):
     assert str(err.value) == "Profiler: attach, but it is attached already; one Profiler records one model"
     prof.begin_step(0, 1)
     model(torch.randn(2, 4)).sum().backward()
+    for call, run in (("close", prof.close), ("snapshot", prof.snapshot)):
+        with pytest.raises(PeatError) as err:
+            run()
+        assert str(err.value) == (f"Profiler: {call} while step 0 is begun; call end_step first "
+                                  "(or abandon, to stop as after an interruption)")
     prof.end_step()
     with pytest.raises(PeatError) as err:
         prof.end_step()

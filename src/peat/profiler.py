@@ -265,6 +265,9 @@ class Profiler:
             raise PeatError(f"Profiler: {call} after close; a closed Profiler records no more (make a new one)")
         if call == "attach":
             raise PeatError("Profiler: attach, but it is attached already; one Profiler records one model")
+        if self._phase == "in_step":
+            raise PeatError(f"Profiler: {call} while step {self.step} is begun; call end_step first "
+                            "(or abandon, to stop as after an interruption)")
         raise PeatError(f"Profiler: {call} without its begin_step; call begin_step(step, epoch) first")
 
     # -- lifecycle ----------------------------------------------------------------------
