@@ -382,7 +382,7 @@ def test_analyzer_figures_in_the_order_the_caption_reads_them(tmp_path):
     folder = tmp_path / "results/analyze/gpt2/cpu/k1"
     folder.mkdir(parents=True)
     for name in sorted(analyze.FIGURES):
-        (folder / f"{name}.png").write_bytes(b"\x89PNG")
+        (folder / f"{name}.png").write_bytes(report.PNG_START + report.PNG_END)  # the bytes the page checks
     page = build([folder], tmp_path / "out", name="t", models=["gpt2"], vendors=["cpu"]).read_text()
     assert re.findall(r'<img src="[^"]*" alt="gpt2 / cpu / k1 / ([^"]*)"', page) == [
         name.replace("_", " ") for name in analyze.FIGURES]
@@ -634,12 +634,15 @@ def test_layers_a_faulty_kernels_error_never_reached_are_named_in_its_rows(tmp_p
     ("results/golden/m/cpu/metrics.csv", "step,epoch,split,loss,accuracy,perplexity\n",
      "no rows (a golden training's metrics.csv has one per step)"),
     ("results/detect/m/cpu/gone.json", None, "no such file (an input of the report)"),
+    ("results/analyze/m/cpu/k/heatmap.png", "", "not a PNG image (empty or damaged)"),
+    ("results/golden/m/cpu/training_curves.png", "<html></html>", "not a PNG image (empty or damaged)"),
 ])
 def test_a_damaged_or_missing_stage_output_is_one_line_naming_it(tmp_path, where, content, message):
     """A verdict holding a list ended the report in an AttributeError, a number in a TypeError, a
     metrics.csv of other columns in a KeyError, one of a header alone in an IndexError, none naming
     the file; an outcome.json holding a list gave a row of its run's keys alone; a missing file was
-    left out without a word, its row missing from the page. No page is written."""
+    left out without a word, its row missing from the page; an empty or damaged figure was embedded
+    as it was, a broken image on the page. No page is written."""
     bad = tmp_path / where
     bad.parent.mkdir(parents=True)
     if content is not None:

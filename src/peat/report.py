@@ -223,7 +223,7 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
     if path.suffix == ".png":
         label = " / ".join(parts[2:-1] + [path.stem.replace("_", " ")])
         wildcards = dict(zip(("model", "vendor", "kernel"), parts[2:-1]))
-        section.figures.append(Figure(path.read_bytes(), label, _caption(path, stage, captions, wildcards),
+        section.figures.append(Figure(_png_file(path), label, _caption(path, stage, captions, wildcards),
                                       tuple(parts[2:-1])))
     elif key == "verdicts" and path.suffix == ".json" and len(parts) == 5:
         _append(section, "verdicts.csv", _verdict_row(path, *parts[2:4], injected.get(path.stem, "")))
@@ -243,6 +243,19 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
         _append(section, "sdc.csv", _flat_row(path, model=parts[2], drill=path.stem))
     elif key == "benchmarks" and path.name == "results.json":
         section.tables["benchmarks.csv"] = _benchmark_table(path)
+
+
+# A whole PNG file starts with its signature and ends with its IEND chunk (length 0, type, CRC).
+PNG_START, PNG_END = b"\x89PNG\r\n\x1a\n", b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
+def _png_file(path: Path) -> bytes:
+    """A figure's bytes; one line naming it where they are no whole PNG image (an empty, cut short or
+    foreign file was embedded as it was: a broken image on the page, and nothing said which)."""
+    png = path.read_bytes()
+    if not (png.startswith(PNG_START) and png.endswith(PNG_END)):
+        raise PeatError(f"{path}: not a PNG image (empty or damaged)")
+    return png
 
 
 def _append(section: Section, csv_name: str, row: dict) -> None:
