@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import yaml
@@ -187,19 +188,51 @@ def test_a_kernel_file_python_imports_is_read_by_the_config_check(head, tmp_path
     assert _declared_op(str(path), "linear", tree) == "linear"
 
 
-@pytest.mark.parametrize("path", [("datasets", "digits", "val_fraction"), ("datasets", "pydoc", "part", 0),
-                                  ("models", "resnet18", "optimizer", "lr"), ("detect", "k32")])
-def test_a_nan_anywhere_in_the_config_is_one_line_naming_the_key(path):
-    """YAML's .nan passed the schema's bounds: val_fraction or part ended the config check in a
-    ValueError traceback (cannot convert float NaN to integer), an lr or k32 reached the jobs."""
-    config = copy.deepcopy(TEST)
+def set_key(config: dict, path: tuple, value) -> dict:
     node = config
     for key in path[:-1]:
         node = node.setdefault(key, {})
-    node[path[-1]] = float("nan")
+    node[path[-1]] = value
+    return config
+
+
+@pytest.mark.parametrize("path,value,needs", [
+    (("datasets", "digits", "val_fraction"), math.nan, "give a finite number > 0 and < 1"),
+    (("datasets", "pydoc", "part", 0), math.nan, "give a finite number >= 0 and <= 1"),
+    (("models", "resnet18", "optimizer", "lr"), math.nan, "give a finite number > 0"),
+    (("detect", "k32"), math.nan, "give a finite number > 1"),
+    # .inf where no maximum stops it: an lr of inf trained until golden's loss turned NaN, a momentum,
+    # tolerance or Detector multiple of inf reached the jobs.
+    (("models", "resnet18", "optimizer", "lr"), math.inf, "give a finite number > 0"),
+    (("models", "resnet18", "optimizer", "momentum"), math.inf, "give a finite number >= 0"),
+    (("models", "resnet18", "optimizer", "weight_decay"), math.inf, "give a finite number >= 0"),
+    (("detect", "krp"), math.inf, "give a finite number > 0"),
+    (("detect", "band"), math.inf, "give a finite number >= 1"),
+    (("alter", "tolerance"), math.inf, "give a finite number > 0"),
+    (("alter", "absorbed_loss_pct"), math.inf, "give a finite number > 0"),
+    # The sdc section's own words (sdc_drill.check_config's, as tests/test_sdc.py has them), now the schema's.
+    (("sdc", "timeout_s"), math.inf, "every collective needs a finite timeout in seconds"),
+    (("sdc", "audit_tolerance"), math.inf, "a relative tolerance needs a finite number >= 0 (0 = bit-exact)"),
+])
+def test_a_nonfinite_number_anywhere_in_the_config_is_one_line_naming_the_key(path, value, needs):
+    """YAML's .nan passed the schema's bounds: val_fraction or part ended the config check in a
+    ValueError traceback (cannot convert float NaN to integer), an lr or k32 reached the jobs; .inf
+    passed every key without a maximum (lr: .inf was refused only when golden training diverged)."""
+    config = set_key(copy.deepcopy(TEST), path, value)
     with pytest.raises(PeatError) as err:
         validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
-    assert str(err.value) == f"config key '{'.'.join(map(str, path))}': .nan is not a number; give a number"
+    assert str(err.value) == f"config key '{'.'.join(map(str, path))}': {value!r}: {needs}"
+
+
+def test_a_nonfinite_number_past_a_bound_keeps_the_bounds_words():
+    # The schema's bound says it already, and says what is allowed.
+    for path, value, message in ((("models", "resnet18", "optimizer", "lr"), -math.inf,
+                                  "-inf is less than or equal to the minimum of 0"),
+                                 (("datasets", "digits", "val_fraction"), math.inf,
+                                  "inf is greater than or equal to the maximum of 1")):
+        with pytest.raises(PeatError) as err:
+            validate(set_key(copy.deepcopy(TEST), path, value), REPO / "workflow" / "schemas" / "config.schema.yaml")
+        assert str(err.value) == f"config key '{'.'.join(map(str, path))}': {message}"
 
 
 @pytest.mark.parametrize("path,value", [(("playback", "timeout"), float("inf")),

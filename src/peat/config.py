@@ -77,6 +77,8 @@ def _message(err: jsonschema.ValidationError) -> str:
     if err.validator in ("oneOf", "anyOf") and err.context and all(
             e.validator == "type" and not e.relative_path for e in err.context):  # said only "not valid under any"
         return f"config key '{key}': {_short(err.instance)} is not of type {', '.join(repr(e.validator_value) for e in err.context)}"
+    if err.validator == "finite":  # its message names the value and what the key needs
+        return f"config key '{key}': {err.message}"
     if err.validator == "pattern" and "pattern_means" in err.schema:  # the schema's own word for a long regex
         return f"config key '{key}': {err.instance!r} is not {err.schema['pattern_means']}"
     return f"config key '{key}': {err.message}"
@@ -88,8 +90,6 @@ def validate(config: dict, schema_path: str | Path) -> dict:
     Raises PeatError with one line naming the offending key and what is allowed.
     """
     schema = yaml.safe_load(Path(schema_path).read_text())
-    if isinstance(config, dict):  # sdc's two numbers: sdc_drill.check_config says what each needs
-        _refuse_nan({key: value for key, value in config.items() if key != "sdc"}, [])
     # Validation writes the default in: a message about it must say the config never wrote it.
     defaulted = isinstance(config, dict) and "reference_vendor" not in config
     validator_cls = _with_defaults(jsonschema.Draft202012Validator)
@@ -98,17 +98,6 @@ def validate(config: dict, schema_path: str | Path) -> dict:
         raise PeatError(_message(jsonschema.exceptions.best_match(errors)))
     _cross_check(config, defaulted, schema["properties"]["datasets"]["additionalProperties"]["properties"])
     return config
-
-
-def _refuse_nan(value, at: list) -> None:
-    """YAML's .nan passes every minimum and maximum of the schema (each comparison is false): a
-    val_fraction or a dataset part of .nan ended the config check in a ValueError traceback, an lr
-    or a Detector multiple would have run on it."""
-    if isinstance(value, float) and math.isnan(value):
-        raise PeatError(f"config key '{_key(at)}': .nan is not a number; give a number")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        _refuse_nan(item, [*at, key])
 
 
 def check_unique_keys(path: str | Path) -> None:
@@ -160,10 +149,38 @@ def _with_defaults(cls):
                     instance[name] = json.loads(json.dumps(sub["default"]))
         yield from validate_properties(validator, properties, instance, schema)
 
+    validate_type = cls.VALIDATORS["type"]
+
+    def finite_numbers(validator, types, instance, schema):
+        yield from validate_type(validator, types, instance, schema)
+        needs = _finite_needed(instance, types, schema)
+        if needs:
+            yield jsonschema.ValidationError(f"{instance!r}: {needs}", validator="finite")
+
     # JSON Schema counts 2.0 as an integer; YAML loads it as a float, which range() refuses in the job.
     integers = cls.TYPE_CHECKER.redefine(
         "integer", lambda checker, instance: isinstance(instance, int) and not isinstance(instance, bool))
-    return jsonschema.validators.extend(cls, {"properties": set_defaults}, type_checker=integers)
+    return jsonschema.validators.extend(cls, {"properties": set_defaults, "type": finite_numbers},
+                                        type_checker=integers)
+
+
+# A bound that refuses a value of this sign, in the words "give a finite number ..." use.
+_BOUNDS = {"exclusiveMinimum": (-1, ">"), "minimum": (-1, ">="), "exclusiveMaximum": (1, "<"), "maximum": (1, "<=")}
+
+
+def _finite_needed(value, types, schema: dict) -> str:
+    """What a key of type number needs where YAML's .nan or .inf gave it none: .nan passes every
+    bound of the schema (each comparison is false), .inf every key without a maximum (an lr of .inf
+    trained until golden's loss turned NaN). Empty where the value is finite, no number is meant,
+    or one of the key's bounds refuses it already (and says what is allowed). A key's own
+    ``finite_means`` words it (sdc's)."""
+    if not isinstance(value, float) or math.isfinite(value) or "number" not in (
+            types if isinstance(types, list) else [types]):
+        return ""
+    if any(sign * value > 0 for bound, (sign, _) in _BOUNDS.items() if bound in schema):
+        return ""
+    bounds = " and ".join(f"{word} {schema[bound]}" for bound, (_, word) in _BOUNDS.items() if bound in schema)
+    return schema.get("finite_means") or f"give a finite number{' ' + bounds if bounds else ''}"
 
 
 def _cross_check(config: dict, reference_defaulted: bool = False, dataset_keys: dict | None = None) -> None:
