@@ -345,6 +345,9 @@ def test_detector_result_in_another_encoding_is_one_line(tmp_path):
     # Without its metric: a KeyError ('accuracy') naming no file.
     ("step,epoch,split,loss,perplexity\n0,1,train,2.0,\n0,1,val,2.0,\n",
      "needs column accuracy, or perplexity with values (not a training metrics file?)"),
+    # A damaged cell: "could not convert string to float: 'x'" from pandas, naming no file.
+    ("step,epoch,split,loss,accuracy\n0,1,train,2.0,0.5\n1,1,train,x,0.5\n1,1,val,2.0,0.5\n",
+     "line 3: column loss holds 'x', not a number (damaged?)"),
 ])
 def test_bad_metrics_file_is_one_line(tmp_path, content, message):
     bad = tmp_path / "metrics.csv"
@@ -633,6 +636,13 @@ def test_layers_a_faulty_kernels_error_never_reached_are_named_in_its_rows(tmp_p
      "missing columns epoch, split, loss, accuracy, perplexity (damaged, or not the file expected?)"),
     ("results/golden/m/cpu/metrics.csv", "step,epoch,split,loss,accuracy,perplexity\n",
      "no rows (a golden training's metrics.csv has one per step)"),
+    # A line cut short, or a damaged cell: int() of NaN or of "x" ended the report in a ValueError.
+    ("results/golden/m/cpu/metrics.csv", "step,epoch,split,loss,accuracy,perplexity\n0,1,train,2.0,0.5,\n1,",
+     "line 3: column epoch is empty, not a number (damaged?)"),
+    ("results/golden/m/cpu/metrics.csv", "step,epoch,split,loss,accuracy,perplexity\n0,one,train,2.0,0.5,\n",
+     "line 2: column epoch holds 'one', not a number (damaged?)"),
+    ("results/candidate/m/cpu/k/compare.csv", "step,split,loss_golden,loss_candidate\n0,train,2.0,2.0\n1,train,1.5,x\n",
+     "line 3: column loss_candidate holds 'x', not a number (damaged?)"),
     ("results/detect/m/cpu/gone.json", None, "no such file (an input of the report)"),
     ("results/analyze/m/cpu/k/heatmap.png", "", "not a PNG image (empty or damaged)"),
     ("results/golden/m/cpu/training_curves.png", "<html></html>", "not a PNG image (empty or damaged)"),

@@ -323,7 +323,7 @@ def _not_injected(data: dict) -> str:
 
 def _golden_row(path: Path, model: str, vendor: str) -> dict:
     # Its columns and a row: other columns ended the report in a KeyError, a header alone in an IndexError.
-    metrics = read_csv(path, required=GOLDEN_COLUMNS)
+    metrics = _numbers(read_csv(path, required=GOLDEN_COLUMNS), path, ("epoch", "loss"), whole=("epoch",))
     if metrics.empty:
         raise PeatError(f"{path}: no rows (a golden training's metrics.csv has one per step)")
     val = metrics[metrics["split"] == "val"]
@@ -486,6 +486,7 @@ def training_curves(metrics_csv: str | Path, out_png: str | Path, *, title: str,
     metrics = read_csv(metrics_csv)
     if not {"step", "epoch", "split", "loss"} <= set(metrics.columns):
         raise PeatError(f"{metrics_csv}: needs columns step, epoch, split, loss (not a training metrics file?)")
+    _numbers(metrics, metrics_csv, ("step", "epoch", "loss", "accuracy", "perplexity"), whole=("step", "epoch"))
     train, val = metrics[metrics["split"] == "train"], metrics[metrics["split"] == "val"]
     text = "perplexity" in val and val["perplexity"].notna().any()
     metric = "perplexity" if text else "accuracy"
@@ -510,6 +511,7 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
     compare = read_csv(compare_csv)
     if not {"step", "split", "loss_golden", "loss_candidate"} <= set(compare.columns):
         raise PeatError(f"{compare_csv}: needs columns step, split, loss_golden, loss_candidate")
+    _numbers(compare, compare_csv, ("step", "loss_golden", "loss_candidate"), whole=("step",))
     train = compare[compare["split"] == "train"]
     with _axes(dpi) as (fig, (left, right)):
         left.plot(train["step"], train["loss_golden"], lw=1.5, label="golden")
@@ -533,6 +535,21 @@ def compare_figure(compare_csv: str | Path, *, title: str, dpi: int = 80) -> byt
             right.set_yticks([])
         fig.suptitle(title)
     return _png(fig)
+
+
+def _numbers(table: pd.DataFrame, path, columns: tuple[str, ...], whole: tuple[str, ...] = ()) -> pd.DataFrame:
+    """``table`` whose ``columns`` (those it has) hold numbers, and the ``whole`` ones a number in every
+    row; else one line naming the file and the first bad cell (a damaged cell, or a line cut short,
+    ended the report or the figure in pandas' ValueError naming no file). NaN is a number: a
+    diverged loss, a language model's accuracy."""
+    for column in (c for c in columns if c in table):
+        cells = table[column]
+        bad = pd.to_numeric(cells, errors="coerce").isna() & (cells.notna() | (column in whole))
+        if bad.any():
+            row = int(bad.to_numpy().argmax())
+            said = "is empty" if pd.isna(cells.iloc[row]) else f"holds {cells.iloc[row]!r}"
+            raise PeatError(f"{path}: line {row + 2}: column {column} {said}, not a number (damaged?)")
+    return table
 
 
 def _no_difference(diff: pd.Series, val_diff: pd.Series) -> str:
