@@ -660,6 +660,80 @@ def test_stop_policy_exits_with_the_sdc_code_and_names_the_node(digits, tmp_path
     assert (recorded["outcome"], recorded["exit_code"], recorded["suspect_ranks"]) == ("stopped", sdc.EXIT_SDC, [1])
 
 
+
+# Policy stop in a loop that goes on after an error (it logs it, cleans up): the healthy rank's save raises.
+SAVE_RAISES_IN_A_LOOP = """
+import json, sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from peat import sdc
+
+out = Path(sys.argv[1])
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+if rank == 1:  # a NaN in rank 1's local gradient: a localized alarm, rank 0 saves
+    model.bias.register_hook(lambda g: g * float("nan"))
+
+def save(path):
+    raise OSError(28, "No space left on device")
+
+guard = sdc.Guard(DistributedDataParallel(model), policy="stop", save=save, checkpoint=out / "stop.pt")
+guard.begin_step(0)
+guard.ddp(torch.ones(3, 4)).sum().backward()
+start = time.monotonic()
+try:
+    guard.check_gradients()
+except Exception as err:
+    (out / f"rank{rank}.json").write_text(json.dumps([type(err).__name__, str(err), time.monotonic() - start]))
+while rank == 0 and time.monotonic() - start < 40 and not all((out / f"rank{r}.json").exists() for r in (1, 2)):
+    time.sleep(0.2)  # the saving rank stays up (its process group too) while the loop goes on
+"""
+
+
+def test_a_save_that_raises_at_a_stop_reaches_every_rank_at_once(tmp_path):
+    # The saving rank raised the save's error alone; its peers waited for it in the stop's barrier until the
+    # process group's timeout (30 s here), then failed as if a rank had died or hung.
+    script = tmp_path / "stop.py"
+    script.write_text(SAVE_RAISES_IN_A_LOOP)
+    _torchrun(script, 3, str(tmp_path))
+    ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    saving = f"saving the checkpoint {tmp_path / 'stop.pt'} failed (OSError: [Errno 28] No space left on device)"
+    assert [end[:2] for end in ends] == [["StopFailed", f"rank 0: policy stop at step 0: {saving}"]] + [
+        ["StopFailed", f"rank {r}: policy stop at step 0: rank 0 on node {sdc.node_name()} failed "
+                       f"{saving.replace(' failed (', ' (')}"] for r in (1, 2)]
+    assert max(end[2] for end in ends) < 10  # seconds: at once, not at the timeout
+
+# The drill worker, the disk full when a stop saves its checkpoint.
+SAVE_FAILS = """
+import errno, os, sys
+from peat import checkpoint, sdc_drill
+
+def full(path, *args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+checkpoint.save = full
+sys.exit(sdc_drill.main())
+"""
+
+
+def test_a_save_that_fails_at_a_stop_fails_every_rank_at_once(digits, tmp_path):
+    # The saving rank ended in the save's traceback, and its peers failed as if it had died ("collective 'stop'
+    # failed: a peer rank died or hung"): the one line the launcher shows named no failed save.
+    config = _config_file(tmp_path, policy="stop", drills=["nan_grad"], steps=3, injection_step=1, timeout_s=40)
+    out = tmp_path / "out"
+    ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(out)],
+                       3, tmp_path, timeout=300, entry=("-c", SAVE_FAILS))
+    assert [r.returncode for r in ranks] == [1, EXIT_PEER, EXIT_PEER], ranks[0].stdout[-2000:]
+    saving = f"saving the checkpoint {out / 'nan_grad.stop.h5'}"
+    why = f"OSError: [Errno 28] No space left on device: '{out / 'nan_grad.stop.h5'}'"
+    assert ranks[0].stdout.splitlines()[-1] == f"peat sdc drill: error: rank 0: policy stop at step 1: {saving} failed ({why})"
+    for rank in (1, 2):
+        assert ranks[rank].stdout.splitlines()[-1] == (f"peat sdc drill: error: rank {rank}: policy stop at step 1: "
+                                                       f"rank 0 on node node0 failed {saving} ({why})")
+
 def test_sdc_rule_records_the_documented_ends_of_stop_dead_and_hang(tmp_path):
     # The rule failed on each: torchrun exited 1 when a rank exited 75 or 13, and it killed the
     # peers of a dead rank before they could report it. The ends are the documented ones: the rule
@@ -703,6 +777,13 @@ def test_unexpected_end_of_a_drill_is_one_line(tmp_path, drill, policy, ends, ex
     assert f"sdc drill {drill!r} of model 'resnet18': unexpected end: {expected}" in str(err.value)
     assert "\n" not in str(err.value)
 
+
+def test_unexpected_end_of_a_stop_drill_names_both_documented_ends(tmp_path):
+    # Under policy stop a drill ends with every rank 0 or with the guard's code: the line said "every rank 0".
+    with pytest.raises(PeatError) as err:
+        drill_end("nan_grad", "resnet18", make_config(policy="stop")["sdc"], _ends(1, 3, 3), tmp_path, seed=0)
+    assert str(err.value) == ("sdc drill 'nan_grad' of model 'resnet18': unexpected end: rank exit codes [1, 3, 3], "
+                              "expected every rank 0, or every rank 75 or 65 and nan_grad.stop.h5 (see the log above)")
 
 def test_a_drill_that_ends_its_launch_says_where_it_came_from(tmp_path):
     """A dead or hung rank's record, written by the launcher, lacked the provenance every drill JSON

@@ -62,6 +62,15 @@ class SDCError(RuntimeError):
         self.event = event
 
 
+class StopFailed(PeatError):
+    """Policy ``stop`` could not be carried out: a rank's ``save`` (or its drain marker) raised. Raised on
+    every rank, at once: ``own`` on the rank whose part failed (chained to its error), else its peer's."""
+
+    def __init__(self, message: str, own: bool):
+        super().__init__(message)
+        self.own = own
+
+
 @dataclass
 class Event:
     """One alarm: the same on every rank."""
@@ -740,19 +749,44 @@ class Guard:
             self._stop(event, reporter)
 
     def _stop(self, event: Event, reporter: int) -> None:
-        if self._marker is not None and event.localized and self.hosts[self.rank] in event.hosts:
-            # Read by the SLURM epilog on this node: it drains the node it runs on.
-            self._marker.parent.mkdir(parents=True, exist_ok=True)
-            self._marker.write_text(json.dumps(asdict(event), sort_keys=True) + "\n")
-        if self.save is not None and self.rank == reporter:
-            self.save(self.checkpoint)
-        self._collective("stop", dist.barrier, group=self.group)
+        doing, error = None, None
+        try:
+            if self._marker is not None and event.localized and self.hosts[self.rank] in event.hosts:
+                # Read by the SLURM epilog on this node: it drains the node it runs on.
+                doing = f"writing the drain marker {self._marker}"
+                self._marker.parent.mkdir(parents=True, exist_ok=True)
+                self._marker.write_text(json.dumps(asdict(event), sort_keys=True) + "\n")
+            if self.save is not None and self.rank == reporter:
+                doing = f"saving the checkpoint {self.checkpoint}"
+                self.save(self.checkpoint)
+        except Exception as err:  # the user's save may raise anything
+            error = err
+        # Instead of a barrier, each rank's failure, if any: a save that raised left the peers in the
+        # barrier until the process group's timeout, then failing as if a rank had died.
+        failures: list = [None] * self.world
+        mine = None if error is None else (doing, f"{type(error).__name__}: {first_line(error)}")
+        self._collective("stop", dist.all_gather_object, failures, mine, group=self.group)
+        self._stop_failed(event.step, failures, error)
         code = exit_code(event)
         advice = (f"drain node(s) {', '.join(event.hosts)} and requeue" if event.localized else
                   f"no faulty node localized among {', '.join(event.hosts)}: a human must read the events; "
                   "do not requeue")
         print(f"peat sdc: stopping; {advice} (exit code {code})", file=sys.stderr, flush=True)
         raise SystemExit(code)
+
+    def _stop_failed(self, step: int, failures: list, error: BaseException | None) -> None:
+        """StopFailed on every rank if any rank's part of the stop failed (``failures``: each rank's
+        (what it was doing, why it failed), or None)."""
+        failed = [r for r, failure in enumerate(failures) if failure]
+        if not failed:
+            return
+        where = f"rank {self.rank}: policy stop at step {step}"
+        if error is not None:
+            doing, why = failures[self.rank]
+            raise StopFailed(f"{where}: {doing} failed ({why})", own=True) from error
+        doing, why = failures[failed[0]]
+        raise StopFailed(f"{where}: rank {failed[0]} on node {self.hosts[failed[0]]} failed {doing} ({why})",
+                         own=False)
 
     # - collectives with clear failures -
 

@@ -45,7 +45,8 @@ DRILLS = ("clean", "nan_grad", "lane_fault", "weight_flip", "transient")
 RELIABILITY = ("dead", "hang")  # a rank exits / stalls mid-drill: the drill must fail clearly
 EXIT_USAGE = 2  # a bad config, data file or command line (as argparse): found before joining the process group,
 # or, for a batch too small for batch norm, at the first step
-EXIT_PEER = 3  # a collective failed: a peer died or hung
+EXIT_PEER = 3  # a collective failed: a peer died or hung, or failed its part of a policy stop (its save)
+EXIT_OWN = 1  # this rank's own failure other than those below, as an uncaught exception's (its stop's save raised)
 EXIT_OOM = 4  # this rank ran out of (GPU) memory; its peers then exit EXIT_PEER
 EXIT_DEAD = 13  # the dead drill's injected rank
 PEER_FAILED = "a peer rank died or hung past the timeout"  # in sdc.collective_failure's message
@@ -279,7 +280,8 @@ def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: P
         expected = (f"rank {injected} {'exits 13' if own else 'hangs'}, every other rank {EXIT_PEER} "
                     f"('{PEER_FAILED}')")
     else:
-        expected = "every rank 0"
+        expected = "every rank 0" + (f", or every rank {sdc.EXIT_SDC} or {sdc.EXIT_SDC_UNLOCALIZED} and "
+                                     f"{drill}.stop.h5" if cfg["policy"] == "stop" else "")
     raise PeatError(f"sdc drill {drill!r} of model {model!r}: unexpected end: rank exit codes {codes}, expected "
                     f"{expected} (see the log above)")
 
@@ -426,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                 return result["exit_code"]
     except (BatchTooSmall, Refused) as err:  # every rank with such a share finds it at the first step
         _fail(str(err), EXIT_USAGE)
+    except sdc.StopFailed as err:  # every rank learns of a failed save at once (a one-line error, not a traceback)
+        _fail(str(err), EXIT_OWN if err.own else EXIT_PEER)
     except PeatError as err:
         _fail(str(err), EXIT_PEER)
     except torch.cuda.OutOfMemoryError as err:  # a RuntimeError too: not to be read as a peer's failure
