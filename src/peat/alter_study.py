@@ -59,7 +59,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
     """
     source = Path(checkpoints) / f"epoch{epoch:03d}.h5"
     scan(source)  # a damaged checkpoint fails the job: only a cell's own plan can be not applicable
-    golden = _val_curve(read_csv(golden_metrics))
+    golden = golden_curve(golden_metrics, epoch, spec["epochs"])
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -124,6 +124,32 @@ def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run
 
 def _val_curve(metrics: pd.DataFrame) -> pd.DataFrame:
     return metrics[metrics["split"] == "val"].set_index("epoch")[["accuracy", "loss"]]
+
+
+def golden_curve(path: str | Path, epoch: int, last: int) -> pd.DataFrame:
+    """Golden's validation curve from its ``metrics.csv``, checked for what the cells compare with
+    it: one finite accuracy and loss for each epoch after the altered ``epoch`` up to ``last``. A
+    damaged file ended the job in a KeyError or TypeError once its first cell had trained."""
+    curve = _val_curve(read_csv(path, ("split", "epoch", "accuracy", "loss")))
+
+    def refuse(problem: str):
+        raise PeatError(f"{path}: {problem} (damaged, or not this model's golden run?)")
+
+    epochs = pd.to_numeric(curve.index, errors="coerce")
+    if epochs.isna().any() or (epochs != epochs.round()).any():
+        refuse(f"validation epoch {curve.index[epochs.isna() | (epochs != epochs.round())][0]!r} is not an epoch number")
+    curve.index = epochs.astype(int)
+    for at in range(epoch + 1, last + 1):
+        if at not in curve.index:
+            refuse(f"no validation row of epoch {at}; the study compares epochs {epoch + 1} to {last} with golden's")
+        rows = curve.loc[[at]]
+        if len(rows) > 1:
+            refuse(f"{len(rows)} validation rows of epoch {at}, one expected")
+        for name, value in rows.iloc[0].items():
+            number = pd.to_numeric(value, errors="coerce")
+            if not np.isfinite(number):
+                refuse(f"validation {name} of epoch {at} is {value!r}, not a finite number")
+    return curve.apply(pd.to_numeric, errors="coerce")  # text read where a row before the compared ones was damaged
 
 
 def compare(run: pd.DataFrame, golden: pd.DataFrame, epoch: int, tolerance: float) -> dict:
