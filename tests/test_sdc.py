@@ -1835,6 +1835,31 @@ def test_a_data_file_of_another_dataset_is_one_line(tmp_path, monkeypatch, capsy
                                                   "'resnet18' trains on dataset 'digits' (models.resnet18.dataset)\n")
 
 
+@pytest.mark.parametrize("setting, stale", [
+    ({"image_size": 16}, "image_size 8 (config: 16)"),
+    ({"labels": "parity"}, "labels 'class' (config: 'parity')"),
+    ({"image_size": 16, "labels": "parity"}, "image_size 8 (config: 16); labels 'class' (config: 'parity')"),
+    ({"val_fraction": 0.3}, "1438 training and 359 validation examples (config: 1258 and 539; val_fraction, path or "
+                            "part differ)"),
+])
+def test_a_data_file_prepared_with_other_settings_is_one_line(digits, tmp_path, monkeypatch, capsys, setting, stale):
+    # srun ... --data results/data/digits.h5 made by an older config: every rank drilled it without a word.
+    from peat.sdc_drill import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    config = make_config()
+    args = ["--config", str(tmp_path / "config.json"), "--model", "resnet18", "--data", str(digits),
+            "--out", str(tmp_path / "out")]
+    write_json(tmp_path / "config.json", config)
+    assert (main(args), capsys.readouterr().err) == (2, "peat sdc drill: error: not launched by torchrun or srun "
+                                                        "(RANK and SLURM_PROCID are unset)\n")  # past the data's check
+    config["datasets"]["digits"] |= setting
+    write_json(tmp_path / "config.json", config)
+    assert (main(args), capsys.readouterr().err) == (2, f"peat sdc drill: error: {digits}: not prepared with the settings of "
+                                                    f"dataset 'digits' (datasets.digits): {stale}; prepare it again "
+                                                    "from this config\n")
+
 def test_nccl_without_a_gpu_for_the_rank_is_one_line(monkeypatch):
     from peat.sdc_drill import init_distributed
 

@@ -400,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         if prepared is not None and prepared != spec["dataset"]:  # else a KeyError from every rank building the model
             raise PeatError(f"{args.data}: dataset {prepared!r}, but model {args.model!r} trains on dataset "
                             f"{spec['dataset']!r} (models.{args.model}.dataset)")
+        _check_prepared(args.data, data, spec["dataset"], config["datasets"][spec["dataset"]])
         # The drills' settings are for sdc.world_size ranks; --bench times any number (.ci/gpu: one rank per GPU).
         world_size = None if args.bench else sdc_cfg["world_size"]
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"], world_size)
@@ -440,6 +441,37 @@ def main(argv: list[str] | None = None) -> int:
 
 class Refused(PeatError):
     """A config error found once the ranks had joined (the guard's files): exit EXIT_USAGE, not as a peer's failure."""
+
+
+def _check_prepared(path, data, name: str, spec: dict) -> None:
+    """One line naming ``path`` and each setting of dataset ``name`` it was not prepared with. Under srun
+    the file is the user's (the workflow prepares it again when its settings change): one made with
+    another image size or split was drilled without a word. The file does not record its seed: a file
+    prepared with another seed passes."""
+    found = _prepared_settings(data)
+    stale = [f"{key} {value!r} (config: {spec.get(key)!r})" for key, value in found.items() if value != spec.get(key)]
+    counts, expected = (len(data.train.y), len(data.val.y)), None
+    if not stale:  # a split's count is comparable only when the examples are alike
+        from .data import sizes
+
+        expected = sizes(name, spec)
+    if expected is not None and counts != expected:
+        stale.append(f"{counts[0]} training and {counts[1]} validation examples (config: {expected[0]} and "
+                     f"{expected[1]}; val_fraction, path or part differ)")
+    if stale:
+        raise PeatError(f"{path}: not prepared with the settings of dataset {name!r} (datasets.{name}): "
+                        f"{'; '.join(stale)}; prepare it again from this config")
+
+
+def _prepared_settings(data) -> dict:
+    """The dataset settings a prepared file shows (peat.data.prepare), by what it holds."""
+    found = {"source": data.attrs["source"]} if "source" in data.attrs else {}
+    if found.get("source") in (None, "digits", "cifar10") and data.kind == "image":
+        found |= {"image_size": int(data.train.x.shape[-1]),
+                  "labels": "parity" if data.attrs.get("num_classes") == 2 else "class"}
+    elif "seq_len" in data.attrs:
+        found["seq_len"] = int(data.attrs["seq_len"])
+    return found
 
 
 def _fail(message: str, code: int) -> None:
