@@ -356,6 +356,9 @@ def _distributions(named: pd.DataFrame, left: list[str], computations: list[str]
                        order=cases, col_order=computations, kind="box", legend=not left and "auto", height=height,
                        aspect=DIST_WIDTH / height, sharex=True, fliersize=2)
     grid.set_axis_labels(REL_LABEL, "")
+    # The computation alone, as the other figures title it: seaborn's "computation = weight_grad" is wider
+    # than a panel narrowed by long case names and a GPT-2 layer's legend, and ran into its neighbour's.
+    grid.set_titles("{col_name}")
     _say_unscored(grid.axes_dict, named.groupby("computation")["log10_rel_top10"].count(), clear_y=False)
     _cut_beyond(grid, named, cases)
     _one_decade_at_least(grid.axes.flat[0])
