@@ -1167,6 +1167,63 @@ def test_profiler_calls_out_of_order_are_refused_in_one_line(tmp_path):
     assert profiler.recorded_steps(tmp_path / "context.h5", "0") == [0] and not model[0]._forward_hooks
 
 
+def test_profiler_arguments_it_cannot_use_are_one_line_before_training(tmp_path):
+    """From a user's own loop: layers=None or a list of numbers, meta given as a list, steps as
+    text ended in TypeError or AttributeError tracebacks; a step of 0.5 or epoch '1' passed (the
+    latter recorded nothing under epochs=[1]); a meta key the Profiler writes itself ('every') was
+    overwritten without a word; a directory as the path failed at close, after the training."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    path = tmp_path / "context.h5"
+    for layers in (None, [0], ["0", None]):
+        with pytest.raises(PeatError) as err:
+            Profiler(path, layers).attach(model)
+        assert str(err.value) == f"config key 'record.layers': expected a list of globs (strings), got {layers!r}"
+    with pytest.raises(PeatError) as err:
+        Profiler(path, ["0"], meta=["mine"])
+    assert str(err.value) == "Profiler: meta=['mine']: expected a dict of attribute names and values"
+    with pytest.raises(PeatError) as err:
+        Profiler(path, ["0"], meta={"model": "mine", "every": 99})
+    assert str(err.value) == ("Profiler: meta['every'] is an attribute the Profiler writes itself "
+                              "(dtype, every, record_epochs, derived, layers, steps, naive_bytes_per_step); "
+                              "name it otherwise")
+    path.mkdir()
+    with pytest.raises(PeatError) as err:
+        Profiler(path, ["0"]).attach(model)
+    assert str(err.value) == f"Profiler: {path} is a directory; give the path of the context file to write"
+    path.rmdir()
+    assert not list(tmp_path.iterdir()) and not model[0]._forward_hooks
+    prof = Profiler(path, ["0"], every=1, epochs=[1])
+    prof.attach(model)
+    for step, epoch, problem in ((0.5, 1, "step=0.5: steps are integers from 0, one counter for the whole training"),
+                                 ("0", 1, "step='0': steps are integers from 0, one counter for the whole training"),
+                                 (0, "1", "epoch='1': epochs are integers from 1, as training counts them"),
+                                 (0, 0, "epoch=0: epochs are integers from 1, as training counts them"),
+                                 (True, 1, "step=True: steps are integers from 0, one counter for the whole training")):
+        with pytest.raises(PeatError) as err:
+            prof.begin_step(step, epoch)
+        assert str(err.value) == f"Profiler: {problem}"
+    prof.begin_step(np.int64(0), torch.tensor(1))  # any integer type
+    model(torch.randn(2, 4)).sum().backward()
+    prof.end_step()
+    prof.close()
+    assert read_layer(path, "0")[1][0]["epoch"] == 1 and profiler.recorded_steps(path, "0") == [0]
+
+
+def test_a_step_begun_again_before_its_end_leaves_no_hook_behind(tmp_path):
+    # The first begin_step's input hooks (derived=True) stayed on the module for good: each later
+    # forward, the Profiler's or not, ran them.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    prof = Profiler(tmp_path / "context.h5", ["0"], every=1, derived=True)
+    prof.attach(model)
+    prof.begin_step(0, 1)  # a batch skipped after its begin
+    prof.begin_step(1, 1)
+    model(torch.randn(2, 4)).sum().backward()
+    prof.end_step()
+    assert not model[0]._forward_pre_hooks
+    prof.close()
+    assert profiler.recorded_steps(tmp_path / "context.h5", "0") == [1]
+
+
 @pytest.mark.parametrize("keys", [["a/b"], ["x", "x/y"]])
 def test_a_layer_named_with_a_slash_is_refused_at_attach(tmp_path, keys):
     """A module name with '/' (a ModuleDict key) became a nested HDF5 group: 'x' and 'x/y' mixed

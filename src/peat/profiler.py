@@ -26,6 +26,7 @@ import collections
 import collections.abc
 import contextlib
 import fnmatch
+import operator
 import os
 from pathlib import Path
 
@@ -128,6 +129,9 @@ def match_names(names: list[str], patterns: list[str], key: str, where: str = ""
     if isinstance(patterns, str):  # iterated, it would be one glob per character
         raise PeatError(f"{named}: expected a list of globs, got the string {patterns!r} "
                         f"(write [{patterns!r}])")
+    # A library caller's None or numbers ended in fnmatch's TypeError (the schema checks the config's).
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise PeatError(f"{named}: expected a list of globs (strings), got {patterns!r}")
     chosen = set()
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
@@ -162,6 +166,35 @@ def _check_group_names(layers, key: str) -> None:
         if "/" in name:
             raise PeatError(f"config key '{key}': layer {name!r} has '/' in its name, which the context (HDF5) "
                             "reads as a path; rename the module or leave it out of the globs")
+
+
+# The file attributes the Profiler writes itself: a meta key among them was overwritten without a word.
+# (torch_version too, with what a caller's meta means by it: the torch that ran.)
+OWN_ATTRS = ("dtype", "every", "record_epochs", "derived", "layers", "steps", "naive_bytes_per_step")
+
+
+def _meta(meta) -> dict:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise PeatError(f"Profiler: meta={meta!r}: expected a dict of attribute names and values")
+    for key in meta:
+        if key in OWN_ATTRS:
+            raise PeatError(f"Profiler: meta[{key!r}] is an attribute the Profiler writes itself "
+                            f"({', '.join(OWN_ATTRS)}); name it otherwise")
+    return meta
+
+
+def _count(label: str, value, least: int, means: str) -> int:
+    """``value`` as an int (any integer type: numpy's, a 0-d integer tensor), >= ``least``: a step of
+    0.5 or text failed at end_step in a format or comparison error, an epoch '1' matched no epoch."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < least:
+        raise PeatError(f"Profiler: {label}={value!r}: {means}")
+    return number
 
 
 def _write_meta(attrs: h5py.AttributeManager, meta: dict) -> None:
@@ -250,7 +283,7 @@ class Profiler:
         # Kept beside the training state so that a killed run resumes the same file.
         self.partial = self.path.parent / ".partial" / self.path.name
         self.patterns, self.every, self.epochs = layers, every, epochs
-        self.meta, self.key, self.derived = meta or {}, key, derived
+        self.meta, self.key, self.derived = _meta(meta), key, derived
         # new -> attached <-> in_step -> closed (close or abandon)
         self._phase = "new"
 
@@ -275,6 +308,8 @@ class Profiler:
         """Record ``model`` from ``first_step`` on; ``resuming`` a killed run of the same settings,
         whose snapshots (``snapshot``) hold the steps before it."""
         self._require("attach", "new")
+        if self.path.is_dir():  # else found by close's rename, after the whole training
+            raise PeatError(f"Profiler: {self.path} is a directory; give the path of the context file to write")
         self.model = model
         self.targets = match_layers(model, self.patterns, self.key)
         _check_group_names(self.targets, self.key)
@@ -380,6 +415,8 @@ class Profiler:
 
     def begin_step(self, step: int, epoch: int) -> None:
         self._require("begin_step", "attached", "in_step")  # a step that failed half-way is begun again
+        step = _count("step", step, 0, "steps are integers from 0, one counter for the whole training")
+        epoch = _count("epoch", epoch, 1, "epochs are integers from 1, as training counts them")
         if step <= self.last_step:  # a step counted per epoch: h5py's 'name already exists' an epoch later
             raise PeatError(f"Profiler: step {step} (epoch {epoch}) is not after the last step, {self.last_step}; "
                             "number the steps across epochs (one counter for the whole training)")
@@ -390,6 +427,8 @@ class Profiler:
         self._pending.clear()
         self._held.clear()
         self._held_elements = 0
+        for handle in self._input_hooks:  # a step begun again before its end: its hooks stayed for good
+            handle.remove()
         self._input_hooks = []
         self._repeated = set()  # targets called more than once this step: their first call is recorded
         self._graded = set()  # targets whose recorded call this step produced an output needing a gradient
