@@ -631,6 +631,10 @@ def test_layers_a_faulty_kernels_error_never_reached_are_named_in_its_rows(tmp_p
     ("results/detect/m/cpu/k.json", '["verdict"]', "not a JSON object (not a detector result?)"),
     ("results/candidate/m/cpu/k/outcome.json", "[1, 2]", "not a JSON object (not a run's or drill's result?)"),
     ("results/sdc/m/clean.json", "3", "not a JSON object (not a run's or drill's result?)"),
+    # Another JSON object (a verdict, {}): a row of the run's keys and blanks, the outcome unsaid.
+    ("results/candidate/m/cpu/k/outcome.json", '{"verdict": "pass"}', "missing key 'status' (not a run's result?)"),
+    ("results/rfi/m/cpu/k/f0.5/outcome.json", "{}", "missing key 'status' (not a run's result?)"),
+    ("results/sdc/m/clean.json", "{}", "missing key 'detected' (not a drill's result?)"),
     ("reports/benchmarks/results.json", "5", "not a list of benchmarks (not make bench's results.json?)"),
     ("results/golden/m/cpu/metrics.csv", "a,b\n1,2\n",
      "missing columns epoch, split, loss, accuracy, perplexity (damaged, or not the file expected?)"),

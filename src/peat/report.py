@@ -98,6 +98,8 @@ TABLES = {
     "benchmarks.csv": ["benchmark"],
 }
 MAX_ROWS = 40
+# What a candidate or RFI run's outcome.json, and a drill's result, is, with the key it always holds.
+RUN, DRILL = ("a run's result", "status"), ("a drill's result", "detected")
 # The columns of a golden run's metrics.csv that its row in golden.csv reads.
 GOLDEN_COLUMNS = ("epoch", "split", "loss", "accuracy", "perplexity")
 # A JSON result's columns that lead its row, where it has them: a candidate or RFI run's, a drill's.
@@ -232,15 +234,15 @@ def _classify(path: Path, sections: dict[str, Section], captions: Path | None, d
     elif key == "alter" and path.suffix == ".csv" and len(parts) == 5 and f"alter_{path.name}" in TABLES:
         _extend(section, f"alter_{path.name}", _study_table(path), model=parts[2], vendor=parts[3])
     elif stage == "candidate" and path.name == "outcome.json" and len(parts) == 6:
-        _append(section, "candidate.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel"), parts[2:5]))))
+        _append(section, "candidate.csv", _flat_row(path, RUN, **dict(zip(("model", "vendor", "kernel"), parts[2:5]))))
     elif stage == "rfi" and path.name == "outcome.json" and len(parts) == 7:
-        _append(section, "rfi.csv", _flat_row(path, **dict(zip(("model", "vendor", "kernel", "case"), parts[2:6]))))
+        _append(section, "rfi.csv", _flat_row(path, RUN, **dict(zip(("model", "vendor", "kernel", "case"), parts[2:6]))))
     elif path.name == "compare.csv" and len(parts) == {"candidate": 6, "rfi": 7}.get(stage):  # whether training recovers
         group, stopped = tuple(parts[2:-1]), _stopped(path.with_name("outcome.json"))
         section.figures.append(Figure(compare_figure(path, title=" / ".join(group) + stopped, dpi=dpi),
                                       " / ".join(group) + " / training vs golden" + stopped, "", group))
     elif key == "sdc" and path.suffix == ".json" and len(parts) == 4:
-        _append(section, "sdc.csv", _flat_row(path, model=parts[2], drill=path.stem))
+        _append(section, "sdc.csv", _flat_row(path, DRILL, model=parts[2], drill=path.stem))
     elif key == "benchmarks" and path.name == "results.json":
         section.tables["benchmarks.csv"] = _benchmark_table(path)
 
@@ -333,9 +335,13 @@ def _golden_row(path: Path, model: str, vendor: str) -> dict:
             "val_accuracy": last["accuracy"], "val_perplexity": last["perplexity"]}
 
 
-def _flat_row(path: Path, **keys) -> dict:
-    """Top-level scalars of a JSON result (nested detail stays in the JSON file)."""
+def _flat_row(path: Path, kind: tuple[str, str], **keys) -> dict:
+    """Top-level scalars of a JSON result (nested detail stays in the JSON file); ``kind``: what it is
+    and the key every such result holds."""
     data = _json_object(path, "a run's or drill's result")
+    what, key = kind
+    if key not in data:  # another object ({}, a verdict) gave a row of the run's keys and blanks, its outcome unsaid
+        raise PeatError(f"{path}: missing key {key!r} (not {what}?)")
     scalars = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
     if scalars and "layers_not_injected" in data:  # a list, like the layers it ran in: one cell naming them and the pass
         scalars["not_injected"] = _not_injected(data)
