@@ -766,6 +766,9 @@ def _ends(*codes, output="") -> list:
     ("hang", "log", _ends(EXIT_PEER, 13, EXIT_PEER, output=PEER_FAILED), "rank exit codes [3, 13, 3], expected rank 1 hangs"),
     ("dead", "log", _ends(EXIT_PEER, 13, EXIT_PEER, output="Traceback"), "rank exit codes [3, 13, 3], expected rank 1 exits 13"),
     ("clean", "log", _ends(EXIT_OOM, EXIT_PEER, EXIT_PEER), "rank exit codes [4, 3, 3], expected every rank 0"),
+    # A rank killed mid-step (the OOM killer, kill -9): "[3, -9, 3]" left the user to know Popen's convention.
+    ("clean", "log", _ends(EXIT_PEER, -9, EXIT_PEER), "rank exit codes [3, -9, 3] (rank 1 killed by SIGKILL), "
+                                                      "expected every rank 0"),
 ])
 def test_unexpected_end_of_a_drill_is_one_line(tmp_path, drill, policy, ends, expected):
     cfg = make_config(policy=policy)["sdc"]

@@ -78,7 +78,8 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
             _check_started(f"sdc benchmark of model {model!r}", ends)
             codes = [end.code for end in ends]
             if any(code != 0 for code in codes):  # None: a rank killed as hung
-                raise PeatError(f"sdc benchmark of model {model!r}: rank exit codes {codes} (see the log above)")
+                raise PeatError(f"sdc benchmark of model {model!r}: rank exit codes {codes}{_killed(codes)} "
+                                "(see the log above)")
             return
         remaining = list(sdc_cfg["drills"])
         while remaining:
@@ -91,8 +92,9 @@ def launch(config: dict, model: str, data: str | Path, out_dir: str | Path, *, b
             if current is None and all(end.code == 0 for end in ends):  # None: a rank killed as hung
                 return
             if current is None:
+                codes = [end.code for end in ends]
                 raise PeatError(f"sdc drill of model {model!r}: every drill completed but the rank exit codes are "
-                                f"{[end.code for end in ends]} (see the log above)")
+                                f"{codes}{_killed(codes)} (see the log above)")
             write_json(out_dir / f"{current}.json",
                        drill_end(current, model, sdc_cfg, ends, out_dir, seed=config["seed"]))
             remaining = remaining[remaining.index(current) + 1:]
@@ -122,6 +124,21 @@ def _check_started(what: str, ends: list[RankEnd]) -> None:
     if len(set(errors.values())) == 1:
         raise PeatError(f"{what}: {next(iter(errors.values()))}")
     raise PeatError(f"{what}: " + "; ".join(f"rank {rank}: {error}" for rank, error in errors.items()))
+
+
+def _killed(codes: list[int | None]) -> str:
+    """' (rank R killed by SIGKILL, ...)' for the ranks a signal ended (Popen's negative code), else ''.
+    A -9 alone left the user to know Popen's convention; SIGKILL is also what the kernel's OOM killer sends."""
+    killed = [f"rank {rank} killed by {_signal_name(-code)}" for rank, code in enumerate(codes)
+              if code is not None and code < 0]
+    return f" ({', '.join(killed)})" if killed else ""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _last_line(text: str) -> str:
@@ -282,7 +299,7 @@ def drill_end(drill: str, model: str, cfg: dict, ends: list[RankEnd], out_dir: P
     else:
         expected = "every rank 0" + (f", or every rank {sdc.EXIT_SDC} or {sdc.EXIT_SDC_UNLOCALIZED} and "
                                      f"{drill}.stop.h5" if cfg["policy"] == "stop" else "")
-    raise PeatError(f"sdc drill {drill!r} of model {model!r}: unexpected end: rank exit codes {codes}, expected "
+    raise PeatError(f"sdc drill {drill!r} of model {model!r}: unexpected end: rank exit codes {codes}{_killed(codes)}, expected "
                     f"{expected} (see the log above)")
 
 
