@@ -466,6 +466,14 @@ def test_a_kernel_with_nothing_to_replay_is_not_a_green_pass(tmp_path):
     assert pd.read_csv(tmp_path / "out/verdicts.csv")["verdict"].tolist() == ["not_applicable"]
 
 
+def test_verdicts_caption_says_reduced_precision_fails_where_the_config_says_so():
+    """With detect.accept_reduced_precision: false a reduced_precision row is a red fail, and the
+    caption above it said "none and reduced_precision pass"."""
+    caption = SECTIONS["verdicts"][1]
+    assert "none and reduced_precision pass" not in caption
+    assert "reduced_precision unless detect.accept_reduced_precision is false" in caption
+
+
 def test_a_model_named_results_under_a_results_folder_keeps_its_row(tmp_path):
     verdict = tmp_path / "results/work/results/detect/results/cpu/k.json"  # workdir .../results/work, model 'results'
     verdict.parent.mkdir(parents=True)

@@ -31,8 +31,8 @@ SECTIONS = {
     "verdicts": ("Kernel verdicts", (
         "One row per candidate kernel run on one model and vendor. <b>verdict</b> is the Detector's "
         "pass/fail; <b>error model</b> is the kind of error the kernel's errors look most like "
-        "(none and reduced_precision pass; random_value, random_zero, bit_flip, periodic_lane, "
-        "block_structured, non_finite fail; crash, oom and timeout mean the kernel did not finish, "
+        "(none passes, and reduced_precision unless detect.accept_reduced_precision is false; random_value, "
+        "random_zero, bit_flip, periodic_lane, block_structured, non_finite fail; crash, oom and timeout mean the kernel did not finish, "
         "shape_mismatch that it returned a result of the wrong shape, dtype or device; "
         "not_applicable: the model records no layer of the kernel's op, so nothing was replayed); "
         "<b>confidence</b> (0..1) is how consistently the tensors of the failing layers point to "
