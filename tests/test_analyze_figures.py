@@ -267,6 +267,18 @@ def test_analyzer_section_caption_claims_no_count_its_figures_lack():
     assert "how many elements differ" not in caption and "n32" in caption
 
 
+@pytest.mark.parametrize("figure, said", [
+    ("score_vs_iteration", '"(NaN/Inf)" after a case'), ("distributions", '"(NaN/Inf)" after a case'),
+    ("heatmap", 'a cell marked "NaN/Inf"')])
+def test_captions_explain_the_nan_inf_marks_their_figures_draw(figure, said):
+    """The figures name a case that made a NaN or Inf "<case> (NaN/Inf)" and mark such a heatmap cell;
+    their captions, on the report's page, never said what that means (a legend of "kernel (NaN/Inf)")."""
+    from conftest import REPO
+
+    caption = (REPO / "workflow/report" / f"playback_{figure}.rst").read_text()
+    assert said in " ".join(caption.split())
+
+
 def test_many_layers_stay_readable_in_bounded_figures(table, tmp_path, drawn):
     """20 layers made score_vs_iteration one row of 20 panels (4,709 px wide, ~1 s a panel to draw)
     and packed 20 boxes a case into the distributions' 3.2 in. A few layers still look as they did."""
