@@ -1819,6 +1819,27 @@ def test_a_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, 
         assert_bit_identical(golden_twice[0] / name, tmp_path / name)
 
 
+@pytest.mark.parametrize("edit", [{"optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9}}, {"batch_size": 16},
+                                  {"record": {"layers": ["fc"], "every": 2}}], ids=["lr", "batch_size", "record"])
+def test_a_library_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, tmp_path, edit):
+    """train_model called as a library (no config hash, or one the caller keeps): a run killed after
+    its first epoch was resumed after an edit of the lr, the batch size or the recorded layers,
+    mixing its first epoch (or its context's) into the new settings' run."""
+    from peat.train import train_model
+
+    def die(step, epoch):
+        if epoch == 2:
+            raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        train_model("resnet18", dict(SPEC, **edit), digits, tmp_path, seed=0, threads=1, config_hash="abc",
+                    progress=False, before_step=die)
+    assert (tmp_path / ".partial" / "resume.h5").exists()
+    train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False)
+    for name in ("final.h5", "context.h5", "checkpoints/epoch001.h5"):
+        assert_bit_identical(golden_twice[0] / name, tmp_path / name)
+
+
 def test_perplexity_is_exp_of_the_loss_up_to_inf():
     # It was capped at exp(50): an infinite loss showed a finite perplexity of 5.2e21.
     from peat.train import _row

@@ -10,11 +10,12 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -85,7 +86,7 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
     train_x, train_y = _subset(data.train, run.max_train_samples)
     val_x, val_y = _subset(data.val, run.max_val_samples)
     # Only a resumable run leaves a resume point to vouch for (candidate runs hash nothing).
-    inputs = _inputs_digest(model, (train_x, train_y, val_x, val_y), start) if resumable else ""
+    inputs = _inputs_digest(model, (train_x, train_y, val_x, val_y), start, _settings(run, profiler)) if resumable else ""
     model.to(run.device)
     optimizer = make_optimizer(model, run.optimizer)
     partial = out_dir / ".partial"
@@ -169,11 +170,21 @@ def fit(model: torch.nn.Module, data: Dataset, run: Run, out_dir: str | Path, *,
 INPUTS = "inputs.sha256"
 
 
-def _inputs_digest(model: torch.nn.Module, tensors, start) -> str:
-    """What a run starts from besides its settings: the data it trains and validates on, the model's
-    initial state (init_from's base weights) and ``start``'s bytes. The config hash names none of
-    them: a dataset prepared again from edited files, or a base model trained again, keeps it."""
-    digest = hashlib.sha256()
+def _settings(run: Run, profiler) -> str:
+    """The settings a run trains and records with (its meta aside, compared on its own): the workflow's
+    config hash covers them, but a library caller's meta need not (train_model's config_hash is ""
+    by default), and a run killed under another lr, batch size or recorded layers was resumed."""
+    settings = {f.name: getattr(run, f.name) for f in fields(run) if f.name != "meta"}
+    if profiler is not None:
+        settings["record"] = [profiler.patterns, profiler.every, profiler.epochs, profiler.derived]
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+def _inputs_digest(model: torch.nn.Module, tensors, start, settings: str = "") -> str:
+    """What a run starts from: the data it trains and validates on, the model's initial state
+    (init_from's base weights), ``start``'s bytes and its ``settings``. The config hash names none of
+    the first three: a dataset prepared again from edited files, or a base model trained again, keeps it."""
+    digest = hashlib.sha256(settings.encode())
     for t in (*tensors, *model.state_dict().values()):
         if isinstance(t, torch.Tensor):  # bytes of any dtype (numpy has no bfloat16)
             digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
