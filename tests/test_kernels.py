@@ -707,6 +707,17 @@ def test_load_a_file_that_a_plain_import_would_load(tmp_path):
     assert kernels.load(path, "linear").custom == ("forward",)
 
 
+def test_a_kernel_file_with_a_dot_in_its_name_pickles_its_own_functions(tmp_path):
+    """A worker pool sends the kernel's functions by name (pickle imports their module): the file
+    gemm.v2.py was registered as module 'peat_kernel_gemm.v2_<digest>', a submodule of a package
+    that does not exist, and every pool call failed with "Can't pickle <function _row ...>"."""
+    path = write(tmp_path, "gemm.v2.py", "import pickle\n\ndef _row(x, w):\n    return x @ w.t()\n\n"
+                                         "def forward(x, weight, bias):\n"
+                                         "    return pickle.loads(pickle.dumps(_row))(x, weight) + bias\n")
+    x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+    assert torch.equal(kernels.load(path, "linear").forward(x, w, b), x @ w.t() + b)
+
+
 def test_a_kernel_package_that_fails_to_import_is_one_line_for_its_sources(tmp_path, monkeypatch):
     """Finding ``mypkg.kern`` runs ``mypkg/__init__.py``: an error there (a missing toolkit) ended the
     config check and the workflow's parse with its traceback, where loading it says so in one line."""

@@ -318,7 +318,9 @@ def _import(impl: str):
     if impl.endswith(".py"):
         path = _resolve(impl)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-        spec = importlib.util.spec_from_file_location(f"peat_kernel_{path.stem}_{digest}", path)
+        # A plain name: pickle (a worker pool's calls) imports a dotted one's parent package, which
+        # does not exist for a file named gemm.v2.py.
+        spec = importlib.util.spec_from_file_location(f"peat_kernel_{_identifier(path.stem)}_{digest}", path)
         module = importlib.util.module_from_spec(spec)
         # Registered as an import would be: dataclasses, typing and pickle look the module up there.
         sys.modules[spec.name] = module
@@ -337,13 +339,18 @@ def _import(impl: str):
     return module, source_of(impl)
 
 
+def _identifier(stem: str) -> str:
+    """A file's stem as part of a module name: letters, digits and underscores only."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", stem)
+
+
 def compile_cpp(path: Path):
     """Build a C++ (or, with CUDA, .cu) kernel once; later calls reuse the build of the same source."""
     from torch.utils import cpp_extension
 
     source = path.read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:16]
-    name = f"peat_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{digest}"
+    name = f"peat_{_identifier(path.stem)}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     cache = Path(os.environ.get("PEAT_KERNEL_CACHE", Path.home() / ".cache" / "peat" / "kernels")) / name
