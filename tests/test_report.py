@@ -656,6 +656,9 @@ def test_layers_a_faulty_kernels_error_never_reached_are_named_in_its_rows(tmp_p
     ("results/candidate/m/cpu/k/compare.csv", "step,split,loss_golden,loss_candidate\n0,train,2.0,2.0\n1,train,1.5,x\n",
      "line 3: column loss_candidate holds 'x', not a number (damaged?)"),
     ("results/detect/m/cpu/gone.json", None, "no such file (an input of the report)"),
+    # Another CSV as a study's table: a row of its columns beside the run's keys, nothing said.
+    ("results/alter/m/cpu/sensitivity.csv", "a,b\n1,2\n", "missing columns cls, region (damaged, or not the file expected?)"),
+    ("results/alter/m/cpu/absorbed.csv", "cls\nnorm\n", "missing columns region (damaged, or not the file expected?)"),
     ("results/analyze/m/cpu/k/heatmap.png", "", "not a PNG image (empty or damaged)"),
     ("results/golden/m/cpu/training_curves.png", "<html></html>", "not a PNG image (empty or damaged)"),
 ])

@@ -100,6 +100,8 @@ TABLES = {
 MAX_ROWS = 40
 # What a candidate or RFI run's outcome.json, and a drill's result, is, with the key it always holds.
 RUN, DRILL = ("a run's result", "status"), ("a drill's result", "detected")
+# The columns both tables of an alteration study (sensitivity.csv, absorbed.csv) start their rows with.
+STUDY_COLUMNS = ("cls", "region")
 # The columns of a golden run's metrics.csv that its row in golden.csv reads.
 GOLDEN_COLUMNS = ("epoch", "split", "loss", "accuracy", "perplexity")
 # A JSON result's columns that lead its row, where it has them: a candidate or RFI run's, a drill's.
@@ -276,7 +278,7 @@ def _extend(section: Section, csv_name: str, frame: pd.DataFrame, **keys) -> Non
 def _study_table(path: Path) -> pd.DataFrame:
     """An alteration study's CSV with its measured NaNs (a diverged run's loss, written "nan") kept as
     "nan": read as NaN they showed blank, as a cell not measured does (see alter_study.MEASURED)."""
-    table = read_csv(path)
+    table = read_csv(path, required=STUDY_COLUMNS)  # another CSV gave a row of its columns, nothing said
     measured = read_csv(path, dtype=str, keep_default_na=False).eq("nan")
     for col in measured.columns[measured.any()]:
         table[col] = table[col].astype(object).where(~measured[col], "nan")
