@@ -250,3 +250,37 @@ def test_a_time_limit_past_what_the_timer_takes_is_one_line_naming_the_key(path,
     with pytest.raises(PeatError) as err:
         validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
     assert str(err.value) == f"config key '{'.'.join(path)}': {value!r} is greater than the maximum of 31536000"
+
+
+@pytest.mark.parametrize("section,default", [("kernels", {}), ("errors", []), ("detect", None), ("alter", None),
+                                             ("sdc", None), (("models", "gpt2", "optimizer"), None),
+                                             (("models", "gpt2", "checkpoint_epochs"), [])])
+def test_a_section_with_every_entry_commented_out_is_its_default(section, default):
+    """'kernels:' with every kernel under it commented out is YAML's null: it stopped the run in
+    "config key 'kernels': None is not of type 'object'", where leaving the key out meant none."""
+    path = section if isinstance(section, tuple) else (section,)
+    blank, omitted = copy.deepcopy(TEST), copy.deepcopy(TEST)
+    set_key(blank, path, None)
+    parent = omitted
+    for key in path[:-1]:
+        parent = parent[key]
+    parent.pop(path[-1], None)
+    schema = REPO / "workflow" / "schemas" / "config.schema.yaml"
+    assert validate(blank, schema) == validate(omitted, schema)
+    if default is not None:
+        parent = blank
+        for key in path[:-1]:
+            parent = parent[key]
+        assert parent[path[-1]] == default
+
+
+@pytest.mark.parametrize("path,expected", [(("models",), "'object'"), (("name",), "'string'"),
+                                           (("models", "gpt2", "record"), "'object'"), (("seed",), "'integer'"),
+                                           (("models", "gpt2", "record", "layers"), "'array'")])
+def test_a_key_left_without_a_value_says_so(path, expected):
+    # "None is not of type 'object'" named Python's None, which no config file holds.
+    config = set_key(copy.deepcopy(TEST), path, None)
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+    assert str(err.value) == (f"config key '{'.'.join(path)}' has no value (YAML's null: nothing after the key, "
+                              f"or every entry below it commented out); expected {expected}")

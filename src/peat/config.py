@@ -65,6 +65,9 @@ def _message(err: jsonschema.ValidationError) -> str:
     key = _key(err.absolute_path)
     if err.validator == "type":
         types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        if err.instance is None:  # "None is not of type" named Python's None, which no config file holds
+            return (f"config key '{key}' has no value (YAML's null: nothing after the key, or every entry below "
+                    f"it commented out); expected {', '.join(map(repr, types))}")
         return (f"config key '{key}': {_short(err.instance)} is not of type {', '.join(map(repr, types))}"
                 f"{_number_as_text(err.instance, types)}")
     if err.validator == "enum":
@@ -145,7 +148,7 @@ def _with_defaults(cls):
     def set_defaults(validator, properties, instance, schema):
         if isinstance(instance, dict):
             for name, sub in properties.items():
-                if "default" in sub and name not in instance:
+                if "default" in sub and (name not in instance or instance[name] is None and _section(sub)):
                     instance[name] = json.loads(json.dumps(sub["default"]))
         yield from validate_properties(validator, properties, instance, schema)
 
@@ -181,6 +184,15 @@ def _finite_needed(value, types, schema: dict) -> str:
         return ""
     bounds = " and ".join(f"{word} {schema[bound]}" for bound, (_, word) in _BOUNDS.items() if bound in schema)
     return schema.get("finite_means") or f"give a finite number{' ' + bounds if bounds else ''}"
+
+
+def _section(schema: dict) -> bool:
+    """A key holding entries (a mapping or a list) that null does not mean otherwise: written with
+    every entry commented out ('kernels:' and nothing below), YAML reads it as null, which stopped
+    the run where leaving the key out gave the default."""
+    types = schema.get("type", [])
+    types = types if isinstance(types, list) else [types]
+    return "null" not in types and bool({"object", "array"} & set(types))
 
 
 def _cross_check(config: dict, reference_defaulted: bool = False, dataset_keys: dict | None = None) -> None:
