@@ -208,7 +208,7 @@ def set_key(config: dict, path: tuple, value) -> dict:
     (("models", "resnet18", "optimizer", "weight_decay"), math.inf, "give a finite number >= 0"),
     (("detect", "krp"), math.inf, "give a finite number > 0"),
     (("detect", "band"), math.inf, "give a finite number >= 1"),
-    (("alter", "tolerance"), math.inf, "give a finite number > 0"),
+    (("alter", "tolerance"), math.nan, "give a finite number > 0 and <= 1"),
     (("alter", "absorbed_loss_pct"), math.inf, "give a finite number > 0"),
     # The sdc section's own words (sdc_drill.check_config's, as tests/test_sdc.py has them), now the schema's.
     (("sdc", "timeout_s"), math.inf, "every collective needs a finite timeout in seconds"),
@@ -284,3 +284,14 @@ def test_a_key_left_without_a_value_says_so(path, expected):
         validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
     assert str(err.value) == (f"config key '{'.'.join(path)}' has no value (YAML's null: nothing after the key, "
                               f"or every entry below it commented out); expected {expected}")
+
+
+@pytest.mark.parametrize("value", [2, 1.5])
+def test_an_alter_tolerance_past_any_accuracy_difference_is_refused(value):
+    """alter.tolerance is an accuracy difference (0.02 = 2 points); written as a percent (2, beside
+    absorbed_loss_pct, which is one), every cell read as recovered within its first epoch."""
+    config = set_key(copy.deepcopy(TEST), ("alter", "tolerance"), value)
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+    assert str(err.value) == f"config key 'alter.tolerance': {value} is greater than the maximum of 1"
+    validate(set_key(copy.deepcopy(TEST), ("alter", "tolerance"), 1), REPO / "workflow" / "schemas" / "config.schema.yaml")
