@@ -432,6 +432,18 @@ def test_a_drills_findings_lead_its_settings(tmp_path):
     assert set(re.findall(r"<b>(\w+)</b>", caption)) <= set(lead)
 
 
+def test_whole_numbers_beside_blanks_keep_every_digit(tmp_path):
+    """A CSV column with a blank (a cell not applicable alters no value) is read as floats, and a count
+    of 123456 flipped values showed as "1.235e+05", 100000 as "1e+05"."""
+    study = tmp_path / "results/alter/m/cpu/sensitivity.csv"
+    study.parent.mkdir(parents=True)
+    study.write_text("cls,region,flips,status,altered_values\nnorm,sign,100000,not_applicable,\n"
+                     "embedding,sign,123456,ok,123456\n")
+    page = build([study], tmp_path / "out", name="t", models=["m"], vendors=["cpu"]).read_text()
+    assert page.count("<td>123456</td>") == 2 and "e+05" not in page
+    assert report._cell(100000.0) == "100000" and report._cell(0.1234567) == "0.1235" and report._cell(2.5e-7) == "2.5e-07"
+
+
 def test_a_candidate_runs_outcome_leads_its_final_scores(tmp_path):
     """Behind the final validation scores (8 columns, alphabetical), a crash's message and how far the
     loss went from golden's lay beyond the page's width."""

@@ -435,6 +435,9 @@ def _provenance_note(prov: pd.DataFrame) -> str:
 def _cell(value) -> str:
     if value is None or (isinstance(value, float) and value != value):  # JSON null, NaN: blank
         return ""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        # A count in a column with blanks is read as floats: 123456 flipped values showed as "1.235e+05".
+        return str(int(value))
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
