@@ -1209,6 +1209,33 @@ def test_profiler_arguments_it_cannot_use_are_one_line_before_training(tmp_path)
     assert read_layer(path, "0")[1][0]["epoch"] == 1 and profiler.recorded_steps(path, "0") == [0]
 
 
+def test_steps_past_ten_million_are_read_and_resumed_in_order(tmp_path):
+    """Step groups and snapshots are named by 7-digit steps, sorted as text: past step 9,999,999
+    (a long run, or one counting micro-batches) read_layer returned step 10,000,000 first, and a
+    resumed run found its snapshots out of order and refused to resume."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    path = tmp_path / "context.h5"
+    first = 9_999_998
+    prof = Profiler(path, ["0"], every=1)
+    prof.attach(model, first_step=first)
+    for step in range(first, first + 4):
+        prof.begin_step(step, 1)
+        model(torch.randn(2, 4)).sum().backward()
+        prof.end_step()
+        if step % 2:
+            prof.snapshot()
+    prof.abandon()
+    prof = Profiler(path, ["0"], every=1)
+    prof.attach(model, first_step=first + 4, resuming=True)
+    prof.begin_step(first + 4, 2)
+    model(torch.randn(2, 4)).sum().backward()
+    prof.end_step()
+    prof.close()
+    steps = list(range(first, first + 5))
+    assert [sample["step"] for sample in read_layer(path, "0")[1]] == steps
+    assert profiler.recorded_steps(path, "0") == steps
+
+
 def test_a_step_begun_again_before_its_end_leaves_no_hook_behind(tmp_path):
     # The first begin_step's input hooks (derived=True) stayed on the module for good: each later
     # forward, the Profiler's or not, ran them.

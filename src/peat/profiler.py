@@ -375,7 +375,7 @@ class Profiler:
     def _restore(self) -> None:
         """Rebuild what was recorded before ``first_step`` from the snapshots: the file a killed
         run had open for writing may be corrupt, they were closed whole."""
-        shards = sorted(self._shards.glob("*.h5")) if self._shards.is_dir() else []
+        shards = sorted(self._shards.glob("*.h5"), key=_step_of) if self._shards.is_dir() else []
         if shards and int(shards[0].stem) < self.first_step:
             with open_h5(shards[0]) as f:
                 self.origin = int(f.attrs.get("origin", 0))
@@ -684,6 +684,12 @@ class Profiler:
             self._written[id(tensor)] = (tensor, group.create_dataset(key, data=data.numpy(), **_filters(data)))
 
 
+def _step_of(snapshot: Path) -> int:
+    """A snapshot's first step, its name: names are 7 digits up to step 9,999,999, 8 after, so that
+    sorted as text, 10000000.h5 came before 9999998.h5 and a resumed run found a gap."""
+    return int(snapshot.stem)
+
+
 # The order in which _write creates a step's tensors and attributes, which _copy_steps repeats.
 _ORDER = ("W", "B", "running_mean", "running_var", "A", "O", "dO", "dA", "dW", "dB")
 _ATTRS = ("step", "epoch", "training", "input_grad", "momentum")
@@ -701,7 +707,7 @@ def _copy_steps(src: h5py.File, dst: h5py.File, layers, before: int, since: int 
     ``on_step(step)`` is called before each step's tensors are written."""
     groups = {name: src.get(f"layers/{name}", {}) for name in layers}
     # names only: opening every group costs
-    keys = sorted({k for steps in groups.values() for k in steps if since <= int(k) < before})
+    keys = sorted({k for steps in groups.values() for k in steps if since <= int(k) < before}, key=int)
     for key in keys:
         if on_step is not None:
             on_step(int(key))
@@ -728,11 +734,11 @@ def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True) ->
         group = _layer_group(f, path, layer)
         attrs = {k: _plain(v) for k, v in group.attrs.items()}
         samples = []
-        keys = sorted(group) if steps is None else sorted(f"{int(s):07d}" for s in steps)
+        keys = sorted(group, key=int) if steps is None else [f"{s:07d}" for s in sorted(int(s) for s in steps)]
         missing = [int(k) for k in keys if k not in group]
         if missing:
             raise PeatError(f"{path}: layer {layer!r} has no recorded step {missing[0]} "
-                            f"(recorded: {', '.join(str(int(k)) for k in sorted(group)) or 'none'})")
+                            f"(recorded: {', '.join(str(k) for k in sorted(map(int, group))) or 'none'})")
         for key in keys:
             sample = {k: torch.from_numpy(v[()]) for k, v in group[key].items()}
             sample.update({k: _plain(v) for k, v in group[key].attrs.items()})
