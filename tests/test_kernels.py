@@ -718,6 +718,21 @@ def test_a_kernel_file_with_a_dot_in_its_name_pickles_its_own_functions(tmp_path
     assert torch.equal(kernels.load(path, "linear").forward(x, w, b), x @ w.t() + b)
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_kernel_files_own_functions_run_in_a_pool_it_starts_by_spawn_or_forkserver(tmp_path, monkeypatch, method):
+    """Such a pool's workers import what they run by its module's name in a fresh interpreter: the
+    kernel file's functions stopped every worker with "No module named 'peat_kernel_...'" and the
+    pool's call never returned (a timeout after train_timeout). No torch in the file: a fast worker."""
+    monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path, "pooled.py", "import multiprocessing as mp\n\ndef _scale(k):\n    return 2 * k\n\n"
+                                        "def forward(x, weight, bias):\n"
+                                        f"    with mp.get_context({method!r}).Pool(1) as pool:\n"
+                                        "        scale = pool.apply_async(_scale, (3,)).get(timeout=30)\n"
+                                        "    return (x @ weight.t() + bias) * scale\n")
+    x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+    assert torch.equal(kernels.load(path, "linear").forward(x, w, b), (x @ w.t() + b) * 6)
+
+
 def test_a_kernel_package_that_fails_to_import_is_one_line_for_its_sources(tmp_path, monkeypatch):
     """Finding ``mypkg.kern`` runs ``mypkg/__init__.py``: an error there (a missing toolkit) ended the
     config check and the workflow's parse with its traceback, where loading it says so in one line."""

@@ -324,6 +324,7 @@ def _import(impl: str):
         module = importlib.util.module_from_spec(spec)
         # Registered as an import would be: dataclasses, typing and pickle look the module up there.
         sys.modules[spec.name] = module
+        _importable(spec.name, path)
         try:
             spec.loader.exec_module(module)
         except Exception as err:  # the user's file is at fault: say where
@@ -337,6 +338,39 @@ def _import(impl: str):
     except Exception as err:  # the module's own code is at fault, as for a .py file
         raise PeatError(_import_failed(impl, err)) from None
     return module, source_of(impl)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("PEAT_KERNEL_CACHE", Path.home() / ".cache" / "peat" / "kernels"))
+
+
+# Loads a kernel file under the module name peat gave it (see _importable).
+_SHIM = """# Written by peat.kernels: a worker started by spawn or forkserver imports {path!r} by this name.
+__file__ = {path!r}
+with open(__file__, "rb") as _source:
+    exec(compile(_source.read(), __file__, "exec"))
+"""
+
+
+def _importable(name: str, path: Path) -> None:
+    """Make the kernel file at ``path``, registered here as module ``name``, importable by that name
+    in a fresh interpreter: a pool the kernel starts by spawn or forkserver imports the functions it
+    runs by their module's name, and every worker stopped with "No module named 'peat_kernel_...'"
+    while the pool's call never returned. A module of that name in a folder on the import path,
+    which the workers inherit; the kernel's own folder stays off it. Where the folder cannot be
+    written, only spawn and forkserver pools go without (fork ones need no import)."""
+    folder = _cache_root() / "py"
+    shim = folder / f"{name}.py"
+    try:
+        if not shim.exists():  # by content (the name holds its digest): an existing one is this file's
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = shim.with_name(f"{shim.name}.{os.getpid()}")
+            partial.write_text(_SHIM.format(path=str(path.resolve())))
+            partial.replace(shim)  # whole, for a job loading the same kernel at the same time
+    except OSError:
+        return
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))  # last: it shadows nothing
 
 
 def _identifier(stem: str) -> str:
@@ -353,7 +387,7 @@ def compile_cpp(path: Path):
     name = f"peat_{_identifier(path.stem)}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
-    cache = Path(os.environ.get("PEAT_KERNEL_CACHE", Path.home() / ".cache" / "peat" / "kernels")) / name
+    cache = _cache_root() / name
     cache.mkdir(parents=True, exist_ok=True)
     built = _spaceless(path, source, cache)
     try:
