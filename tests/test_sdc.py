@@ -722,7 +722,7 @@ sys.exit(sdc_drill.main())
 def test_a_save_that_fails_at_a_stop_fails_every_rank_at_once(digits, tmp_path):
     # The saving rank ended in the save's traceback, and its peers failed as if it had died ("collective 'stop'
     # failed: a peer rank died or hung"): the one line the launcher shows named no failed save.
-    config = _config_file(tmp_path, policy="stop", drills=["nan_grad"], steps=3, injection_step=1, timeout_s=40)
+    config = _config_file(tmp_path, policy="stop", drills=["nan_grad"], steps=2, injection_step=1, timeout_s=40)
     out = tmp_path / "out"
     ranks = _srun_like(["--config", str(config), "--model", "resnet18", "--data", str(digits), "--out", str(out)],
                        3, tmp_path, timeout=300, entry=("-c", SAVE_FAILS))
