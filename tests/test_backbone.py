@@ -1236,6 +1236,20 @@ def test_steps_past_ten_million_are_read_and_resumed_in_order(tmp_path):
     assert profiler.recorded_steps(path, "0") == steps
 
 
+def test_a_lazy_layer_not_yet_run_is_refused_at_attach_naming_it(tmp_path):
+    # nn.LazyLinear before its first forward: attach ended in torch's ValueError about an
+    # uninitialized parameter, naming no layer.
+    model = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Linear(3, 2))
+    with pytest.raises(PeatError) as err:
+        Profiler(tmp_path / "context.h5", ["*"]).attach(model)
+    assert str(err.value) == ("config key 'record.layers': layer '0' has an uninitialized (lazy) weight; "
+                              "run the model on a batch first, which shapes it")
+    assert not list(tmp_path.iterdir())
+    model(torch.randn(2, 5))  # initialized: recorded
+    record_one_step(tmp_path / "context.h5", model, ["*"], torch.randn(2, 5))
+    assert read_layer(tmp_path / "context.h5", "0")[1][0]["W"].shape == (3, 5)
+
+
 def test_a_step_begun_again_before_its_end_leaves_no_hook_behind(tmp_path):
     # The first begin_step's input hooks (derived=True) stayed on the module for good: each later
     # forward, the Profiler's or not, ran them.

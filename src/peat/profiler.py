@@ -115,6 +115,9 @@ def match_layers(model: nn.Module, patterns: list[str], key: str = "record.layer
         raise PeatError(f"{err} (not recordable: {', '.join(odd[:6])}: Conv2d padded unevenly or not with zeros)") from None
     for name, module in chosen.items():
         weight = _weight(module)
+        if isinstance(weight, nn.parameter.UninitializedParameter):  # torch's ValueError named no layer
+            raise PeatError(f"config key '{key}': layer {name!r} has an uninitialized (lazy) weight; "
+                            "run the model on a batch first, which shapes it")
         if weight is not None and not weight.numel():
             raise PeatError(f"config key '{key}': layer {name!r} has a weight of shape {tuple(weight.shape)}, "
                             "no element to replay")
