@@ -102,3 +102,17 @@ def test_a_parquet_table_that_is_no_playback_table_is_one_line_naming_it(tmp_pat
     assert str(err.value) == (f"{table}: missing columns {', '.join([*analyze.KEYS, 'step', *analyze.SCORES])} "
                               "(not a playback table?)")
     assert not (tmp_path / "out").exists()
+
+
+def test_propagation_keeps_an_observing_point_reached_without_a_finite_error(tmp_path):
+    """An exponent flip at the test config's layer1.0.conv2 made fc's input and the loss NaN: their NaN
+    scores were dropped, and summary.json gave the case the output alone, as for a case never followed
+    downstream (ref:fp64), where the error had reached the loss."""
+    rows = [_row(case, "forward", "conv", 0, err, fop=fop, rel_top10=err)
+            for case, fop, err in (("bit_flip:exponent", "output", 1.4), ("bit_flip:exponent", "next:fc", np.nan),
+                                   ("bit_flip:exponent", "loss", np.nan), ("ref:fp64", "output", 1.0))]
+    analyze.analyze(pd.DataFrame(rows), _context(tmp_path / "c.h5", ["conv"], [0]), tmp_path / "out")
+    got = {r["case"]: r for r in _strict(tmp_path / "out" / "summary.json")["propagation"]}
+    assert got["bit_flip:exponent"] == {"case": "bit_flip:exponent", "layer": "conv", "output": 1.4, "next:fc": None,
+                                        "loss": None}
+    assert got["ref:fp64"] == {"case": "ref:fp64", "layer": "conv", "output": 1.0}

@@ -200,9 +200,13 @@ def propagation(table: pd.DataFrame) -> list[dict]:
         marked = own.merge(runs, on=["case", "layer"], how="left").merge(
             followed.assign(followed=True), on=["case", "layer", "step"], how="left")
         own = own[(marked["downstream"].isna() | marked["followed"].notna()).to_numpy()]
-    med = own.groupby(["case", "layer", "fop"])["rel_top10"].median().unstack("fop")
-    return [{"case": case, "layer": layer, **{k: float(v) for k, v in row.items() if pd.notna(v)}}
-            for (case, layer), row in med.iterrows()]
+    # Each observing point the case reached, NaN (null in summary.json) where no result there had a finite
+    # error: unstacked, such a point was dropped with those never followed, and a flip that made the loss
+    # NaN read as a case observed at its output alone.
+    out = {}
+    for (case, layer, fop), value in own.groupby(["case", "layer", "fop"])["rel_top10"].median().items():
+        out.setdefault((case, layer), {"case": case, "layer": layer})[fop] = float(value)
+    return list(out.values())
 
 
 def failures(table: pd.DataFrame, outcomes: list[dict] = ()) -> list[str]:
