@@ -826,6 +826,35 @@ def test_out_of_memory_names_itself_not_a_dead_peer(digits, tmp_path):
     assert "a peer rank died or hung past the timeout" in ranks[0].stdout
 
 
+
+# The drill worker, rank 1 dying (kill -9, a node lost) as the ranks build DDP or the guard, before any step.
+DIES_BEFORE_THE_FIRST_STEP = """
+import os, sys
+import torch.distributed as dist
+from peat import sdc, sdc_drill
+
+module, name = (sdc_drill, "DistributedDataParallel") if sys.argv[1] == "ddp" else (sdc, "Guard")
+built = getattr(module, name)
+def dying(*args, **kwargs):
+    if dist.get_rank() == 1:
+        os._exit(13)
+    return built(*args, **kwargs)
+setattr(module, name, dying)
+sys.exit(sdc_drill.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("where, collective", [("ddp", "DDP's broadcast of the model"), ("guard", "guard settings")])
+def test_a_peer_dying_before_the_first_step_fails_its_peers_as_documented(digits, tmp_path, where, collective):
+    # The peers died in DDP's (or the guard's) first collective with torch's traceback, exit 1: not the
+    # documented 'a peer rank died', exit 3, which the launcher and a batch script read.
+    config = _config_file(tmp_path, world_size=2, steps=2, injection_step=1, drills=["clean"])
+    ranks = _srun_like([where, "--config", str(config), "--model", "resnet18", "--data", str(digits), "--out",
+                        str(tmp_path / "out")], 2, tmp_path, timeout=300, entry=("-c", DIES_BEFORE_THE_FIRST_STEP))
+    assert [r.returncode for r in ranks] == [EXIT_PEER, 13], ranks[0].stdout[-2000:]
+    assert ranks[0].stdout.splitlines()[-1].startswith(
+        f"peat sdc drill: error: rank 0: collective '{collective}' failed: {PEER_FAILED} (")
+
 def test_two_replicas_detect_but_cannot_localize(digits, tmp_path):
     out = tmp_path / "resnet18"
     config = make_config(world_size=2, steps=3, injection_step=1, drills=["weight_flip"])

@@ -62,6 +62,10 @@ class SDCError(RuntimeError):
         self.event = event
 
 
+class CollectiveFailed(PeatError):
+    """A collective of the guard's failed: a peer died or hung past the timeout (not this rank's fault)."""
+
+
 class StopFailed(PeatError):
     """Policy ``stop`` could not be carried out: a rank's ``save`` (or its drain marker) raised. Raised on
     every rank, at once: ``own`` on the rank whose part failed (chained to its error), else its peer's."""
@@ -275,7 +279,7 @@ class Guard:
         saved = checkpoint if policy == "stop" and save is not None else None  # saved by a healthy rank at a stop
         node = node_name()
         self._marker, problem = _files_to_write(events, drain_marker, saved, node)  # the marker _stop writes
-        dist.all_gather_object(ranks, (node, alike, problem), group=group)
+        self._collective("guard settings", dist.all_gather_object, ranks, (node, alike, problem), group=group)
         self.hosts = [host for host, _, _ in ranks]
         for r, (host, _, problem) in enumerate(ranks):
             if problem:
@@ -796,7 +800,7 @@ class Guard:
         except torch.cuda.OutOfMemoryError:
             raise  # this rank's own failure (a RuntimeError too), not a peer's
         except (RuntimeError, dist.DistError) as err:
-            raise PeatError(collective_failure(self.rank, what, err)) from None
+            raise CollectiveFailed(collective_failure(self.rank, what, err)) from None
 
     def _start_gather(self, tensor: torch.Tensor, what: str):
         out = [torch.empty_like(tensor) for _ in range(self.world)]

@@ -590,7 +590,12 @@ class Trainer:
             raise PeatError(f"config key 'sdc.batch_size': {global_batch} must be between the world size "
                             f"({self.world}) and the training set size ({len(self.x)})")
         self.model = build(spec, data.attrs, seed).to(device).train()
-        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        try:  # DDP checks and broadcasts the model: a peer dead by then was every other rank's traceback, exit 1
+            self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        except torch.cuda.OutOfMemoryError:
+            raise  # this rank's own failure (a RuntimeError too), not a peer's
+        except (RuntimeError, dist.DistError) as err:
+            raise PeatError(sdc.collective_failure(self.rank, "DDP's broadcast of the model", err)) from None
         self.optimizer = make_optimizer(self.model, spec["optimizer"])
         self._batches = lambda epoch: epoch_batches(len(self.x), global_batch, seed, epoch)
         self._per_epoch = len(self._batches(0))
@@ -624,6 +629,8 @@ def run_drill(drill: str, model_name: str, spec: dict, data, cfg: dict, seed: in
                           save=lambda path: checkpoint.save(path, trainer.model, trainer.optimizer, step=guard.step,
                                                             epoch=0, meta={"model": model_name, "sdc_drill": drill}),
                           checkpoint=out_dir / f"{drill}.stop.h5", drain_marker=cfg["drain_marker"])
+    except sdc.CollectiveFailed:
+        raise  # a peer's failure, as at any later collective
     except PeatError as err:  # every rank refuses alike (a drain_marker no rank can write): a config error
         raise Refused(str(err)) from None
     fault = None
