@@ -344,6 +344,31 @@ def test_a_routed_kernel_gets_a_contiguous_input_as_playback_does():
     assert {args[1 if c == "weight_grad" else 0] for _, c, args in seen} == {((5, 3), (3, 1)), ((5, 4), (4, 1))}
 
 
+def test_a_routed_kernel_may_send_its_inputs_to_a_worker_pool_as_in_playback():
+    """A pool's calls pickle their arguments with multiprocessing's pickler, which refuses a tensor
+    with autograd history: a kernel sending its inputs to a pool for a CPU reference passed
+    playback (fresh copies) and crashed its candidate training at the first call with
+    "Cowardly refusing to serialize non-leaf tensor which requires_grad"."""
+    from multiprocessing.reduction import ForkingPickler
+
+    def pooled(computation):
+        def run(*args, **kwargs):
+            for arg in args:
+                ForkingPickler.dumps(arg)  # what Pool.apply does with each argument
+            return kernels.GOLDEN["linear"][computation](*args, **kwargs)
+        return run
+
+    kernel = kernels.Kernel("pooled", "linear", **{c: pooled(c) for c in kernels.COMPUTATIONS},
+                            custom=kernels.COMPUTATIONS)
+    plain = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    routed = copy.deepcopy(plain)
+    kernels.route(routed, kernel, ["2"])
+    x = torch.randn(6, 8)
+    plain(x).sum().backward()
+    routed(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), routed.parameters()))
+
+
 @pytest.mark.parametrize("computation, shape", [("forward", "(6, 2)"), ("input_grad", "(6, 4)")])
 def test_a_routed_kernel_returning_its_result_on_another_device_fails_naming_it(computation, shape):
     """A CUDA layer's kernel returning a CPU tensor (meta here) trained on into torch's device error at

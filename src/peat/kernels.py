@@ -1046,16 +1046,23 @@ def _golden_forward(op: str, hp: dict, state: dict, x, weight, bias) -> tuple[to
 def _kernel_forward(plan: _Plan, state: dict, x, weight, bias) -> torch.Tensor:
     # x contiguous as playback's recorded one (a no-op in the shipped models); the weight is the
     # parameter itself: a transposed layer's is a non-contiguous view, and playback lays it out so too.
-    out = _checked_result(plan.kernel, "forward", _untouched(plan, "forward", {"A": x.contiguous(), "W": weight,
-                                                                                "B": bias, **state}),
+    sample = _plain({"A": x.contiguous(), "W": weight, "B": bias}) | state
+    out = _checked_result(plan.kernel, "forward", _untouched(plan, "forward", sample),
                           output_shape(plan.kernel.op, x, weight, plan.attrs), x.dtype, x.device)
     # The model's code after the layer may view it (GPT-2's Conv1D does), as PyTorch's own ops give
     # contiguous outputs: a correct result in another layout (a column-major GEMM's) is laid out so.
     return out.contiguous()
 
 
+def _plain(operands: dict) -> dict:
+    """``operands`` without autograd history, as playback's copies come: a kernel that sends them to a
+    worker pool (multiprocessing's pickler refuses a tensor with history) crashed only in training.
+    A detached tensor shares its memory and version counter: ``_untouched`` still sees a write."""
+    return {k: v.detach() if torch.is_tensor(v) else v for k, v in operands.items()}
+
+
 def _kernel_grad(plan: _Plan, state: dict, computation: str, grad_out, x, weight) -> torch.Tensor:
-    sample = {"A": x.contiguous(), "W": weight, "dO": grad_out.contiguous(), **state}
+    sample = _plain({"A": x.contiguous(), "W": weight, "dO": grad_out.contiguous()}) | state
     like = x if computation == "input_grad" else weight
     return _checked_result(plan.kernel, computation, _untouched(plan, computation, sample), like.shape, like.dtype,
                            like.device)
