@@ -667,12 +667,7 @@ def _drill_step(trainer: Trainer, guard: sdc.Guard, fault: "Fault | None", step:
     t0 = time.perf_counter()
     guard.begin_step(step)
     trainer.optimizer.zero_grad(set_to_none=True)
-    try:
-        trainer.loss(trainer.ddp, step, trainer.rank).backward()
-    except torch.cuda.OutOfMemoryError:
-        raise  # this rank's own failure (a RuntimeError too), not a peer's
-    except (RuntimeError, dist.DistError) as err:
-        raise PeatError(sdc.collective_failure(trainer.rank, f"DDP gradient all-reduce at step {step}", err)) from None
+    _backward(trainer, step)
     if guard.check_gradients(replay=lambda r: trainer.loss(guard.module, step, r)):
         trainer.optimizer.step()
     if fault is not None:
@@ -827,8 +822,19 @@ def _timed(fn, device) -> tuple[float, float]:
 
 def _plain_step(trainer: Trainer, step: int) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.loss(trainer.ddp, step, trainer.rank).backward()
+    _backward(trainer, step)
     trainer.optimizer.step()
+
+
+def _backward(trainer: Trainer, step: int) -> None:
+    """This rank's forward and backward of ``step`` through DDP; a peer's failure in its gradient all-reduce
+    is one line (--bench's plain steps left every other rank in torch's traceback, exit 1)."""
+    try:
+        trainer.loss(trainer.ddp, step, trainer.rank).backward()
+    except torch.cuda.OutOfMemoryError:
+        raise  # this rank's own failure (a RuntimeError too), not a peer's
+    except (RuntimeError, dist.DistError) as err:
+        raise PeatError(sdc.collective_failure(trainer.rank, f"DDP gradient all-reduce at step {step}", err)) from None
 
 
 if __name__ == "__main__":
