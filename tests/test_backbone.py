@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -678,7 +679,8 @@ def test_reading_a_layer_that_did_not_run_at_a_recorded_step(tmp_path):
     read_layer, deriving the golden outputs from a missing input, raised a TypeError."""
     torch.manual_seed(0)
     model = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-    record_one_step(tmp_path / "context.h5", model, ["self_attn.out_proj", "linear1"], torch.randn(3, 5, 8))
+    with pytest.warns(UserWarning, match=r"^Profiler: layer\(s\) self_attn\.out_proj never ran"):
+        record_one_step(tmp_path / "context.h5", model, ["self_attn.out_proj", "linear1"], torch.randn(3, 5, 8))
     _, [idle] = read_layer(tmp_path / "context.h5", "self_attn.out_proj")
     assert "A" not in idle and "O" not in idle and idle["W"].shape == (8, 8)
     _, [ran] = read_layer(tmp_path / "context.h5", "linear1")
@@ -1248,6 +1250,25 @@ def test_a_lazy_layer_not_yet_run_is_refused_at_attach_naming_it(tmp_path):
     model(torch.randn(2, 5))  # initialized: recorded
     record_one_step(tmp_path / "context.h5", model, ["*"], torch.randn(2, 5))
     assert read_layer(tmp_path / "context.h5", "0")[1][0]["W"].shape == (3, 5)
+
+
+def test_a_chosen_layer_that_never_ran_is_named_at_close(tmp_path):
+    """nn.MultiheadAttention computes with its out_proj's weights without calling out_proj: chosen
+    from a user's transformer, it was recorded with its weights only, playback replayed none of it,
+    and the kernel's verdict passed without a word about the layer."""
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    with pytest.warns(UserWarning) as caught:
+        record_one_step(tmp_path / "context.h5", model, ["self_attn.out_proj", "linear1"], torch.randn(2, 3, 8))
+    assert [str(w.message) for w in caught] == [
+        "Profiler: layer(s) self_attn.out_proj never ran at a recorded step (a module whose weights its parent "
+        "uses without calling it, as nn.MultiheadAttention's out_proj, or a branch not taken): the context holds "
+        "their weights only, and playback replays none of them"]
+    assert json.loads((tmp_path / "storage.json").read_text())["layers_not_run"] == ["self_attn.out_proj"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        record_one_step(tmp_path / "linear1" / "context.h5", model, ["linear1"], torch.randn(2, 3, 8))
+    assert json.loads((tmp_path / "linear1" / "storage.json").read_text())["layers_not_run"] == []
 
 
 def test_a_step_begun_again_before_its_end_leaves_no_hook_behind(tmp_path):

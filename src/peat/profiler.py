@@ -28,6 +28,7 @@ import contextlib
 import fnmatch
 import operator
 import os
+import warnings
 from pathlib import Path
 
 import h5py
@@ -346,6 +347,7 @@ class Profiler:
         # holding the tensors so that no id or address is reused before the step is written.
         self._inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._written: dict[int, tuple[torch.Tensor, h5py.Dataset]] = {}
+        self._ran: set[str] = set()  # targets whose input a recorded step holds: the others are named at close
         self.recording = False
         self._input_hooks = []
         self._open(resuming)  # first: a refused file leaves no hook behind
@@ -408,6 +410,8 @@ class Profiler:
                     self.naive_bytes_per_step = int(f.attrs["naive_bytes_per_step"])
                     self._flush()  # as the snapshot did
                     restored = int(f.attrs["last_step"]) + 1
+        self._ran = {name for name in self.targets
+                     if any("A" in step for step in self.file.get(f"layers/{name}", {}).values())}
         if restored < self.first_step:
             raise PeatError(f"{self._shards}: the Profiler's snapshots hold the steps before {restored}, not every "
                             f"step before the resume point {self.first_step}; delete {self.partial.parent} "
@@ -559,11 +563,19 @@ class Profiler:
         self._drop_empty_partial_folder()
         context = self.path.stat().st_size
         naive = self.naive_bytes_per_step * steps
+        not_run = [name for name in self.targets if name not in self._ran]
         write_json(self.path.with_name("storage.json"), {
             "context_bytes": context, "naive_bytes_per_step": self.naive_bytes_per_step, "steps": steps,
             "naive_bytes": naive, "ratio": context / naive if naive else None,
             "recorded_layers": list(self.targets), "every": self.every, "derived": self.derived,
+            "layers_not_run": not_run,
         })
+        # Else a kernel's verdict on the context passed without a word about them (a run of no step has none to name).
+        if not_run and self.last_step >= self.origin:
+            warnings.warn(f"Profiler: layer(s) {', '.join(not_run)} never ran at a recorded step (a module whose "
+                          "weights its parent uses without calling it, as nn.MultiheadAttention's out_proj, or a "
+                          "branch not taken): the context holds their weights only, and playback replays none of "
+                          "them", stacklevel=2)
 
     def _drop_empty_partial_folder(self) -> None:
         with contextlib.suppress(OSError):  # left empty unless training keeps its own state there
@@ -671,6 +683,8 @@ class Profiler:
         if self.derived and bias is not None and "dO" in cap:
             own = bias.grad is not None and name not in self._repeated | self._carried
             cap["dB"] = bias.grad if own else _bias_grad(attrs["op"], cap["dO"], attrs)
+        if cap.get("A") is not None:
+            self._ran.add(name)
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
         # A batch norm without running statistics normalises with the batch's even in eval mode.
         training = module.training or (attrs["op"] == "batch_norm" and module.running_mean is None)
