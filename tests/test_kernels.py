@@ -758,6 +758,26 @@ def test_a_kernel_files_own_functions_run_in_a_pool_it_starts_by_spawn_or_forkse
     assert torch.equal(kernels.load(path, "linear").forward(x, w, b), (x @ w.t() + b) * 6)
 
 
+def test_a_spawn_pool_of_a_kernel_in_its_child_never_reruns_the_jobs_script(tmp_path, monkeypatch):
+    """A spawn worker runs its parent's main script again (as __mp_main__) unless it is guarded, and a
+    Snakemake job's script is not: a candidate job's spawn pool reopened the job's log (emptied) and
+    trained again in every worker, until train_timeout. Here the script notes each run of its top level."""
+    monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path / "cache"))
+    kernel = write(tmp_path, "pooled.py", "import multiprocessing as mp\n\ndef _scale(k):\n    return 2 * k\n\n"
+                                          "def forward(x, weight, bias):\n"
+                                          "    with mp.get_context('spawn').Pool(1) as pool:\n"
+                                          "        return pool.apply_async(_scale, (3,)).get(timeout=60)\n")
+    runs = tmp_path / "runs.txt"
+    script = write(tmp_path, "job.py", f"with open({str(runs)!r}, 'a') as f:\n    f.write(__name__ + '\\n')\n"
+                                       "if __name__ == '__main__':  # the rest only once, to end either way\n"
+                                       "    from peat import kernels\n"
+                                       f"    k = kernels.load({kernel!r}, 'linear')\n"
+                                       "    print(kernels.run_isolated(k.forward, None, None, None, timeout=90).value)\n")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "6", done.stderr[-2000:]
+    assert runs.read_text().splitlines() == ["__main__"]
+
+
 def test_a_kernel_package_that_fails_to_import_is_one_line_for_its_sources(tmp_path, monkeypatch):
     """Finding ``mypkg.kern`` runs ``mypkg/__init__.py``: an error there (a missing toolkit) ended the
     config check and the workflow's parse with its traceback, where loading it says so in one line."""

@@ -35,6 +35,7 @@ import errno
 import fnmatch
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import io
@@ -565,6 +566,7 @@ def _child(conn, calls, memory_mb, parent):
 
     _die_with(parent)
     _own_group()
+    _keep_main()
     torch.set_num_threads(1)
     if memory_mb:
         # CUDA cannot start under the address-space limit below (its start maps far more), and the
@@ -596,6 +598,17 @@ def _child(conn, calls, memory_mb, parent):
         _flush_output()
         conn.send(payload)
     conn.close()
+
+
+def _keep_main() -> None:
+    """Let no process the kernel starts by spawn or forkserver run the job's main script again: such a
+    worker runs its parent's ``__main__`` file as ``__mp_main__``, and a Snakemake job's script has no
+    ``if __name__ == "__main__"`` guard, so each worker reopened the job's log (emptied it) and ran the
+    job again (a whole training) while the kernel's call waited. A main named by its module (``python
+    -m``, ``__spec__`` set) is not run again; the kernel's functions come from their own modules."""
+    main = sys.modules.get("__main__")
+    if main is not None and getattr(main, "__spec__", None) is None:
+        main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
 
 
 def _die_with(parent: int) -> None:
