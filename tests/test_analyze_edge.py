@@ -100,7 +100,7 @@ def test_a_parquet_table_that_is_no_playback_table_is_one_line_naming_it(tmp_pat
     with pytest.raises(PeatError) as err:
         analyze.run_job(table, _context(tmp_path / "c.h5", ["fc"], [0]), tmp_path / "out")
     assert str(err.value) == (f"{table}: missing columns {', '.join([*analyze.KEYS, 'step', *analyze.SCORES])} "
-                              "(not a playback table?)")
+                              "(damaged, or not the file expected?)")
     assert not (tmp_path / "out").exists()
 
 

@@ -592,6 +592,21 @@ def test_a_damaged_playback_table_is_one_line_naming_it(tmp_path, content):
         analyze.run_job(table, tmp_path / "context.h5", tmp_path / "analyze", record=tmp_path / "k.json")
 
 
+def test_a_parquet_table_that_is_no_playback_table_is_one_line_naming_it(tmp_path):
+    """Another parquet file given as the playback table ended the detect job in a KeyError on 'case'."""
+    import pandas as pd
+    from peat.io import PeatError
+
+    table = tmp_path / "foreign.parquet"
+    pd.DataFrame({"a": [1]}).to_parquet(table)
+    (tmp_path / "k.json").write_text('{"outcomes": []}')
+    with pytest.raises(PeatError) as err:
+        detect.run_job(table, tmp_path / "k.json", tmp_path / "v.json")
+    assert str(err.value) == (f"{table}: missing columns case, fop, layer, computation, tensor, step "
+                              "(damaged, or not the file expected?)")
+    assert not (tmp_path / "v.json").exists()
+
+
 def test_rule_of_thumb_on_an_all_nan_result_fails_it_without_a_warning():
     """An all-NaN output has NaN scores: np.nanmin's "All-NaN slice encountered" went to the log of
     every detect job of such a kernel; the layer fails with no variance floor, a norm's and a GEMM's alike."""

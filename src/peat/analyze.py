@@ -545,19 +545,9 @@ def run_job(table_path: str | Path, context: str | Path, out: str | Path, dpi: i
             record: str | Path | None = None) -> dict:
     """One workflow job: tables and figures of one kernel's playback table (and its record's outcomes)."""
     record = _record(record) if record is not None else None
-    return analyze(_playback_table(table_path), context, out, dpi,
+    return analyze(read_parquet_scalars(table_path, COLUMNS, REQUIRED), context, out, dpi,
                    (record.get("outcomes") or []) if record else [],
                    lambda column, index: iter_list_rows(table_path, column, index), record)
-
-
-def _playback_table(path: str | Path) -> pd.DataFrame:
-    """The playback table's scalar columns; one line naming it where a table with rows lacks some the
-    Analyzer reads (a table of nothing replayed has neither rows nor columns)."""
-    table = read_parquet_scalars(path, COLUMNS)
-    missing = [column for column in REQUIRED if column not in table]
-    if len(table) and missing:
-        raise PeatError(f"{path}: missing columns {', '.join(missing)} (not a playback table?)")
-    return table
 
 
 def _record(path: str | Path) -> dict:

@@ -329,11 +329,15 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules | None = None) -> dict
     return json_safe(result)
 
 
+# The columns that say which case a playback row is; the rules' own scores are the table's too.
+TABLE_KEYS = ("case", "fop", "layer", "computation", "tensor", "step")
+
+
 def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
     """One workflow job: the verdict JSON of one kernel from its playback table and record."""
     # No rule reads the list columns (bits, maps): 80 % of the table's memory in pandas.
     rules = None if section is None else rules_from(section)  # None: those playback scored the table with
-    result = judge(read_parquet_scalars(table_path), read_json(record_path), rules)
+    result = judge(read_parquet_scalars(table_path, required=TABLE_KEYS), read_json(record_path), rules)
     write_json(out, result)
     print(f"detect: {result['verdict']} ({result['error_model']}, confidence {result['confidence']:.3f})")
     return result

@@ -94,16 +94,22 @@ def read_csv(path: str | os.PathLike, required: tuple[str, ...] = (), **kwargs):
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PeatError(f"{path}: not a readable CSV file ({reason})") from None
-    missing = [col for col in required if col not in table.columns]
-    if missing:
-        raise PeatError(f"{path}: missing columns {', '.join(missing)} (damaged, or not the file expected?)")
+    _require(path, table.columns, required)
     return table
 
 
-def read_parquet_scalars(path: str | os.PathLike, columns=None):
+def _require(path, columns, required) -> None:
+    missing = [column for column in required if column not in columns]
+    if missing:
+        raise PeatError(f"{path}: missing columns {', '.join(missing)} (damaged, or not the file expected?)")
+
+
+def read_parquet_scalars(path: str | os.PathLike, columns=None, required=()):
     """A parquet table without its list columns (a playback table's ``bits``, ``row_mass``,
     ``col_mass``, ``map``: 80 % of its memory in pandas, one object array per row), or only those of
-    ``columns`` it has. Indexed by row position, for ``iter_list_rows``."""
+    ``columns`` it has. Indexed by row position, for ``iter_list_rows``. One line naming the file
+    where a table with rows lacks a ``required`` column (another parquet file given in its place
+    ended the job in a KeyError naming none; a table of nothing has neither rows nor columns)."""
     import pandas as pd
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -115,7 +121,10 @@ def read_parquet_scalars(path: str | os.PathLike, columns=None):
     names = [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)]
     if columns is not None:
         names = [c for c in columns if c in names]
-    return pd.read_parquet(path, columns=names).reset_index(drop=True)
+    table = pd.read_parquet(path, columns=names).reset_index(drop=True)
+    if len(table):
+        _require(path, table.columns, required)
+    return table
 
 
 def iter_list_rows(path: str | os.PathLike, column: str, positions, batch: int = 1024):
