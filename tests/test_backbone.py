@@ -127,7 +127,8 @@ BAD_CONFIGS = [
     # Names that are path parts: braces stopped Snakemake with a WildcardError, ".." wrote outside results/.
     # The message says what a name may hold, not the schema's regex.
     (lambda c: c["models"].update({"a{b}": c["models"].pop("resnet18_parity")}), "models",
-     "'a{b}' is not a name of letters, digits and _ + - . (no leading dot: names are folder names)"),
+     "'a{b}' is not a name of letters, digits and _ + - . (no leading dot or dash: names are folder names and "
+     "command-line arguments)"),
     (lambda c: c["models"].update({"..": c["models"].pop("resnet18_parity")}), "models", "'..' is not a name of"),
     (lambda c: c.update(name=".."), "name", "'..' is not a name of letters"),  # the report went to reports/../
     (lambda c: c["kernels"].update({"my-gemm": c["kernels"].pop("my_gemm")}), "kernels",

@@ -295,3 +295,15 @@ def test_an_alter_tolerance_past_any_accuracy_difference_is_refused(value):
         validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
     assert str(err.value) == f"config key 'alter.tolerance': {value} is greater than the maximum of 1"
     validate(set_key(copy.deepcopy(TEST), ("alter", "tolerance"), 1), REPO / "workflow" / "schemas" / "config.schema.yaml")
+
+
+@pytest.mark.parametrize("section", ["models", "datasets"])
+def test_a_name_with_a_leading_dash_is_refused(section):
+    """A model named '-gpt2' passed the config, then every rank of its SDC drill stopped in argparse's
+    'argument --model: expected one argument': a leading dash reads as an option on a command line."""
+    config = copy.deepcopy(TEST)
+    config[section]["-gpt2"] = config[section].pop("gpt2" if section == "models" else "pydoc")
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+    assert str(err.value) == (f"config key '{section}': '-gpt2' is not a name of letters, digits and _ + - . "
+                              "(no leading dot or dash: names are folder names and command-line arguments)")
