@@ -758,10 +758,14 @@ def test_a_kernel_files_own_functions_run_in_a_pool_it_starts_by_spawn_or_forkse
     assert torch.equal(kernels.load(path, "linear").forward(x, w, b), (x @ w.t() + b) * 6)
 
 
-def test_a_spawn_pool_of_a_kernel_in_its_child_never_reruns_the_jobs_script(tmp_path, monkeypatch):
+@pytest.mark.parametrize("call", ["kernels.run_isolated(k.forward, None, None, None, timeout=90).value",
+                                  "k.forward(None, None, None)"])
+def test_a_spawn_pool_of_a_kernel_never_reruns_the_jobs_script(tmp_path, monkeypatch, call):
     """A spawn worker runs its parent's main script again (as __mp_main__) unless it is guarded, and a
     Snakemake job's script is not: a candidate job's spawn pool reopened the job's log (emptied) and
-    trained again in every worker, until train_timeout. Here the script notes each run of its top level."""
+    trained again in every worker, until train_timeout; in playback's job process, where a kernel's
+    calls after the first run, each worker died on the script's first line, and the call was a
+    timeout. Here the script notes each run of its top level."""
     monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path / "cache"))
     kernel = write(tmp_path, "pooled.py", "import multiprocessing as mp\n\ndef _scale(k):\n    return 2 * k\n\n"
                                           "def forward(x, weight, bias):\n"
@@ -772,7 +776,7 @@ def test_a_spawn_pool_of_a_kernel_in_its_child_never_reruns_the_jobs_script(tmp_
                                        "if __name__ == '__main__':  # the rest only once, to end either way\n"
                                        "    from peat import kernels\n"
                                        f"    k = kernels.load({kernel!r}, 'linear')\n"
-                                       "    print(kernels.run_isolated(k.forward, None, None, None, timeout=90).value)\n")
+                                       f"    print({call})\n")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "6", done.stderr[-2000:]
     assert runs.read_text().splitlines() == ["__main__"]

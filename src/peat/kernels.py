@@ -207,6 +207,8 @@ def load(impl: str, op: str, name: str | None = None) -> Kernel:
     name = name or (Path(impl).stem if impl.endswith((".py", *CPP_SUFFIXES)) else impl).split(".")[-1]
     if impl == "golden":
         return dataclasses.replace(golden(op), name=name)
+    if not shipped(impl):  # its calls may run in this process (playback's after the first)
+        _keep_main()
     module, source = _import(impl)
     namespace = getattr(module, op, None)
     if namespace is None or inspect.isroutine(namespace):
@@ -601,7 +603,7 @@ def _child(conn, calls, memory_mb, parent):
 
 
 def _keep_main() -> None:
-    """Let no process the kernel starts by spawn or forkserver run the job's main script again: such a
+    """Let no process a kernel starts by spawn or forkserver run the job's main script again: such a
     worker runs its parent's ``__main__`` file as ``__mp_main__``, and a Snakemake job's script has no
     ``if __name__ == "__main__"`` guard, so each worker reopened the job's log (emptied it) and ran the
     job again (a whole training) while the kernel's call waited. A main named by its module (``python
