@@ -286,6 +286,16 @@ def test_a_key_left_without_a_value_says_so(path, expected):
                               f"or every entry below it commented out); expected {expected}")
 
 
+@pytest.mark.parametrize("path,allowed", [(("models", "gpt2", "arch"), "resnet18, resnet34"), (("vendors", 0), "cpu, nvidia, amd")])
+def test_a_choice_left_without_a_value_says_so(path, allowed):
+    # "None is not allowed" named Python's None: 'arch:' left blank, or a list item '-' with nothing after it.
+    config = set_key(copy.deepcopy(TEST), path, None)
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+    assert str(err.value).startswith(f"config key '{'.'.join(map(str, path))}' has no value (YAML's null: nothing "
+                                     f"after the key, or every entry below it commented out); allowed: {allowed}")
+
+
 @pytest.mark.parametrize("value", [2, 1.5])
 def test_an_alter_tolerance_past_any_accuracy_difference_is_refused(value):
     """alter.tolerance is an accuracy difference (0.02 = 2 points); written as a percent (2, beside

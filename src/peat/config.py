@@ -61,15 +61,22 @@ def _did_you_mean(instance, known) -> str:
     return "".join(f"; did you mean {match!r} for {key!r}?" for key, match in guesses.items())
 
 
+def _no_value(key: str) -> str:
+    """"None is not of type/allowed" named Python's None, which no config file holds."""
+    return (f"config key '{key}' has no value (YAML's null: nothing after the key, or every entry below it "
+            "commented out)")
+
+
 def _message(err: jsonschema.ValidationError) -> str:
     key = _key(err.absolute_path)
     if err.validator == "type":
         types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
-        if err.instance is None:  # "None is not of type" named Python's None, which no config file holds
-            return (f"config key '{key}' has no value (YAML's null: nothing after the key, or every entry below "
-                    f"it commented out); expected {', '.join(map(repr, types))}")
+        if err.instance is None:
+            return f"{_no_value(key)}; expected {', '.join(map(repr, types))}"
         return (f"config key '{key}': {_short(err.instance)} is not of type {', '.join(map(repr, types))}"
                 f"{_number_as_text(err.instance, types)}")
+    if err.validator == "enum" and err.instance is None:
+        return f"{_no_value(key)}; allowed: {', '.join(map(str, err.validator_value))}"
     if err.validator == "enum":
         return f"config key '{key}': {err.instance!r} is not allowed; allowed: {', '.join(map(str, err.validator_value))}"
     if err.validator == "required":
