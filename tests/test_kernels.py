@@ -772,14 +772,27 @@ def test_a_spawn_pool_of_a_kernel_never_reruns_the_jobs_script(tmp_path, monkeyp
                                           "    with mp.get_context('spawn').Pool(1) as pool:\n"
                                           "        return pool.apply_async(_scale, (3,)).get(timeout=60)\n")
     runs = tmp_path / "runs.txt"
-    script = write(tmp_path, "job.py", f"with open({str(runs)!r}, 'a') as f:\n    f.write(__name__ + '\\n')\n"
-                                       "if __name__ == '__main__':  # the rest only once, to end either way\n"
-                                       "    from peat import kernels\n"
-                                       f"    k = kernels.load({kernel!r}, 'linear')\n"
-                                       f"    print({call})\n")
+    (tmp_path / ".snakemake" / "scripts").mkdir(parents=True)  # where Snakemake writes a job's script
+    script = write(tmp_path, ".snakemake/scripts/tmp1a2b.job.py",
+                   f"with open({str(runs)!r}, 'a') as f:\n    f.write(__name__ + '\\n')\n"
+                   "if __name__ == '__main__':  # the rest only once, to end either way\n"
+                   "    from peat import kernels\n"
+                   f"    k = kernels.load({kernel!r}, 'linear')\n"
+                   f"    print({call})\n")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "6", done.stderr[-2000:]
     assert runs.read_text().splitlines() == ["__main__"]
+
+
+def test_a_guarded_script_of_ones_own_still_runs_its_functions_in_a_spawn_pool_after_loading_a_kernel(tmp_path):
+    script = write(tmp_path, "mine.py", "import multiprocessing as mp\n\ndef f(k):\n    return k + 1\n\n"
+                                        "if __name__ == '__main__':\n"
+                                        "    from peat import kernels\n"
+                                        f"    kernels.load({str(REPO / 'kernels' / 'my_gemm.py')!r}, 'linear')\n"
+                                        "    with mp.get_context('spawn').Pool(1) as pool:\n"
+                                        "        print(pool.apply_async(f, (1,)).get(timeout=60))\n")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "2", done.stderr[-2000:]
 
 
 def test_a_kernel_package_that_fails_to_import_is_one_line_for_its_sources(tmp_path, monkeypatch):

@@ -603,13 +603,15 @@ def _child(conn, calls, memory_mb, parent):
 
 
 def _keep_main() -> None:
-    """Let no process a kernel starts by spawn or forkserver run the job's main script again: such a
-    worker runs its parent's ``__main__`` file as ``__mp_main__``, and a Snakemake job's script has no
-    ``if __name__ == "__main__"`` guard, so each worker reopened the job's log (emptied it) and ran the
-    job again (a whole training) while the kernel's call waited. A main named by its module (``python
-    -m``, ``__spec__`` set) is not run again; the kernel's functions come from their own modules."""
+    """Let no process a kernel starts by spawn or forkserver run a Snakemake job's script again: such a
+    worker runs its parent's ``__main__`` file as ``__mp_main__``, and a job's script (Snakemake writes
+    it to ``.snakemake/scripts/``) has no ``if __name__ == "__main__"`` guard, so each worker reopened
+    the job's log (emptied it) and ran the job again (a whole training), or died on its first line,
+    while the kernel's call waited. A main named by its module is not run again. Any other script is
+    left as it is: a guarded one of the user's may run its own functions in such a pool."""
     main = sys.modules.get("__main__")
-    if main is not None and getattr(main, "__spec__", None) is None:
+    path = Path(getattr(main, "__file__", None) or ".")
+    if getattr(main, "__spec__", None) is None and path.parent.parts[-2:] == (".snakemake", "scripts"):
         main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
 
 
