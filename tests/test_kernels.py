@@ -772,13 +772,18 @@ def test_a_spawn_pool_of_a_kernel_never_reruns_the_jobs_script(tmp_path, monkeyp
                                           "    with mp.get_context('spawn').Pool(1) as pool:\n"
                                           "        return pool.apply_async(_scale, (3,)).get(timeout=60)\n")
     runs = tmp_path / "runs.txt"
-    (tmp_path / ".snakemake" / "scripts").mkdir(parents=True)  # where Snakemake writes a job's script
+    body = (f"with open({str(runs)!r}, 'a') as f:\n    f.write(__name__ + '\\n')\n"
+            "if __name__ == '__main__':  # the rest only once, to end either way\n"
+            "    from peat import kernels\n"
+            f"    k = kernels.load({kernel!r}, 'linear')\n"
+            f"    print({call})\n")
+    # As Snakemake runs a job's script: a copy under .snakemake/scripts/ with a preamble naming the
+    # workflow's own script as __file__, which is what a worker runs.
+    (tmp_path / "scripts").mkdir()
+    own = write(tmp_path, "scripts/job.py", body)
+    (tmp_path / ".snakemake" / "scripts").mkdir(parents=True)
     script = write(tmp_path, ".snakemake/scripts/tmp1a2b.job.py",
-                   f"with open({str(runs)!r}, 'a') as f:\n    f.write(__name__ + '\\n')\n"
-                   "if __name__ == '__main__':  # the rest only once, to end either way\n"
-                   "    from peat import kernels\n"
-                   f"    k = kernels.load({kernel!r}, 'linear')\n"
-                   f"    print({call})\n")
+                   f"__real_file__ = __file__; __file__ = {own!r}\n{body}")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "6", done.stderr[-2000:]
     assert runs.read_text().splitlines() == ["__main__"]

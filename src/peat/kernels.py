@@ -610,8 +610,10 @@ def _keep_main() -> None:
     while the kernel's call waited. A main named by its module is not run again. Any other script is
     left as it is: a guarded one of the user's may run its own functions in such a pool."""
     main = sys.modules.get("__main__")
-    path = Path(getattr(main, "__file__", None) or ".")
-    if getattr(main, "__spec__", None) is None and path.parent.parts[-2:] == (".snakemake", "scripts"):
+    # The file Python ran: Snakemake's preamble sets __file__ to the workflow's own script (the one
+    # a worker would run), keeping its copy's path as __real_file__.
+    ran = Path(getattr(main, "__real_file__", None) or sys.argv[0] or ".")
+    if main is not None and getattr(main, "__spec__", None) is None and ran.parent.parts[-2:] == (".snakemake", "scripts"):
         main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
 
 
