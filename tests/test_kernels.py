@@ -762,10 +762,9 @@ def test_a_kernel_files_own_functions_run_in_a_pool_it_starts_by_spawn_or_forkse
                                   "k.forward(None, None, None)"])
 def test_a_spawn_pool_of_a_kernel_never_reruns_the_jobs_script(tmp_path, monkeypatch, call):
     """A spawn worker runs its parent's main script again (as __mp_main__) unless it is guarded, and a
-    Snakemake job's script is not: a candidate job's spawn pool reopened the job's log (emptied) and
-    trained again in every worker, until train_timeout; in playback's job process, where a kernel's
-    calls after the first run, each worker died on the script's first line, and the call was a
-    timeout. Here the script notes each run of its top level."""
+    Snakemake job's script is not: each worker of a candidate or playback job's spawn pool died on
+    the script's first line ("name 'snakemake' is not defined") and was replaced, and the call was a
+    timeout (after train_timeout in training). Here the script notes each run of its top level."""
     monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path / "cache"))
     kernel = write(tmp_path, "pooled.py", "import multiprocessing as mp\n\ndef _scale(k):\n    return 2 * k\n\n"
                                           "def forward(x, weight, bias):\n"

@@ -605,10 +605,11 @@ def _child(conn, calls, memory_mb, parent):
 def _keep_main() -> None:
     """Let no process a kernel starts by spawn or forkserver run a Snakemake job's script again: such a
     worker runs its parent's ``__main__`` file as ``__mp_main__``, and a job's script (Snakemake writes
-    it to ``.snakemake/scripts/``) has no ``if __name__ == "__main__"`` guard, so each worker reopened
-    the job's log (emptied it) and ran the job again (a whole training), or died on its first line,
-    while the kernel's call waited. A main named by its module is not run again. Any other script is
-    left as it is: a guarded one of the user's may run its own functions in such a pool."""
+    it to ``.snakemake/scripts/``) has no ``if __name__ == "__main__"`` guard: each worker ran the
+    workflow's script, died on its first line (``NameError: name 'snakemake' is not defined``) and was
+    replaced, while the kernel's call waited for its timeout. A main named by its module is not run
+    again. Any other script is left as it is: a guarded one of the user's may run its own functions
+    in such a pool."""
     main = sys.modules.get("__main__")
     # The file Python ran: Snakemake's preamble sets __file__ to the workflow's own script (the one
     # a worker would run), keeping its copy's path as __real_file__.
