@@ -317,3 +317,16 @@ def test_a_name_with_a_leading_dash_is_refused(section):
         validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
     assert str(err.value) == (f"config key '{section}': '-gpt2' is not a name of letters, digits and _ + - . "
                               "(no leading dot or dash: names are folder names and command-line arguments)")
+
+
+@pytest.mark.parametrize("section,name,read", [("models", True, "True"), ("models", 2017, "2017"),
+                                               ("datasets", None, "None"), ("kernels", 1.5, "1.5")])
+def test_a_name_yaml_reads_as_no_text_says_to_quote_it(section, name, read):
+    # A model 'yes:' or '2017:' is a YAML boolean or number: "True is not of type 'string'" left the
+    # user looking at a name that is text in the file.
+    config = copy.deepcopy(TEST)
+    config[section][name] = next(iter(config[section].values()))
+    with pytest.raises(PeatError) as err:
+        validate(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+    assert str(err.value) == (f"config key '{section}': the name {read} is no text to YAML (a number, boolean or "
+                              "null); write it in quotes")

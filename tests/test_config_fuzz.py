@@ -174,5 +174,6 @@ def test_a_name_yaml_reads_as_a_number_is_named_not_a_crash(section):
     cfg = copy.deepcopy(VALID)
     name = next(iter(cfg[section]))
     cfg[section][123] = cfg[section].pop(name)
-    with pytest.raises(PeatError, match=rf"^config key '{section}': 123 is not of type 'string'$"):
+    with pytest.raises(PeatError, match=rf"^config key '{section}': the name 123 is no text to YAML \(a number, "
+                                        r"boolean or null\); write it in quotes$"):
         validate(cfg, SCHEMA)

@@ -71,6 +71,9 @@ def _message(err: jsonschema.ValidationError) -> str:
     key = _key(err.absolute_path)
     if err.validator == "type":
         types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        if "propertyNames" in err.schema_path:  # a key, whose text YAML took for a number ('2017:') or boolean ('yes:')
+            return (f"config key '{key}': the name {err.instance!r} is no text to YAML (a number, boolean or null); "
+                    "write it in quotes")
         if err.instance is None:
             return f"{_no_value(key)}; expected {', '.join(map(repr, types))}"
         return (f"config key '{key}': {_short(err.instance)} is not of type {', '.join(map(repr, types))}"
