@@ -4,7 +4,8 @@ never downloaded.
 
 Every prepared dataset is one HDF5 file with ``/train/x``, ``/train/y``, ``/val/x``,
 ``/val/y`` and root attributes ``kind`` ("image" or "text"), ``source``, ``name``, plus
-``num_classes`` (images) or ``vocab_size`` and ``seq_len`` (text). Text is byte-level
+``num_classes`` (images) or ``vocab_size`` and ``seq_len`` (text), and ``settings``: the dataset's config
+spec it was prepared from, as JSON (``load`` gives it as a dict; files prepared before have none). Text is byte-level
 tokenized: token = byte value, stored and loaded as uint8 (x and y: 2 bytes per byte of text);
 ``models.loss_and_metrics`` widens each batch to int64 (int64 tokens, 16 bytes per byte of text,
 ran a 1-2 GB corpus out of memory). Files prepared before hold int64 tokens: they load as stored
@@ -13,6 +14,7 @@ and train to the same results.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,10 @@ IMAGE_MEAN, IMAGE_STD = 0.5, 0.5
 # torchvision reads only when all are there): ``sizes`` counts them without loading the images.
 IMAGE_COUNTS = {"digits": 1797, "cifar10": 60000}
 CIFAR10_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
+# What prepare takes for a setting a spec leaves out (a library call's: the workflow's has the schema's
+# defaults filled in): recorded with the spec, so that a file tells every setting its bytes came from.
+DEFAULTS = {"labels": "class", "seed": 0, "part": [0.0, 1.0]}
+SETTINGS_ATTR = "settings"
 
 
 @dataclass
@@ -52,14 +58,21 @@ def prepare(name: str, spec: dict, out: str | Path) -> None:
         tokens = _pydoc_bytes(name, spec) if source == "pydoc" else _text_bytes(name, spec)
         x, y, attrs = _sequences(name, tokens, spec["seq_len"])
         kind = "text"
-    order = np.random.default_rng(spec.get("seed", 0)).permutation(len(x))
+    order = np.random.default_rng(settings(spec)["seed"]).permutation(len(x))
     n_val = _val_count(name, len(x), spec["val_fraction"])
     val, train = order[:n_val], order[n_val:]
     with atomic_path(out) as tmp, open_h5(tmp, "w") as f:
         f.attrs.update(kind=kind, source=source, name=name, **attrs)
+        # Keys sorted: the same config gives a byte-identical file. A path (pathlib, a library call's) as text.
+        f.attrs[SETTINGS_ATTR] = json.dumps(settings(spec), sort_keys=True, default=str)
         for split, idx in (("train", np.sort(train)), ("val", np.sort(val))):
             f.create_dataset(f"{split}/x", data=x[idx], compression="gzip", shuffle=True)
             f.create_dataset(f"{split}/y", data=y[idx], compression="gzip", shuffle=True)
+
+
+def settings(spec: dict) -> dict:
+    """``spec`` with ``DEFAULTS`` filled in: the settings a dataset is prepared with."""
+    return DEFAULTS | spec
 
 
 def sizes(name: str, spec: dict) -> tuple[int, int]:
@@ -104,7 +117,19 @@ def load(path: str | Path) -> Dataset:
         splits = {s: Split(*(torch.from_numpy(require(f, f"{s}/{k}", path)[()]) for k in ("x", "y")))
                   for s in ("train", "val")}
         attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+    if SETTINGS_ATTR in attrs:
+        attrs[SETTINGS_ATTR] = _recorded_settings(path, attrs[SETTINGS_ATTR])
     return Dataset(attrs["kind"], splits["train"], splits["val"], attrs)
+
+
+def _recorded_settings(path, text) -> dict:
+    try:
+        found = json.loads(text)
+    except (TypeError, ValueError):
+        found = None
+    if not isinstance(found, dict):  # damaged or written by another tool: a traceback from every drill rank
+        raise PeatError(f"{path}: attribute {SETTINGS_ATTR!r} is not a JSON object of dataset settings")
+    return found
 
 
 def _images(x: np.ndarray, size: int) -> np.ndarray:
@@ -117,7 +142,7 @@ def _images(x: np.ndarray, size: int) -> np.ndarray:
 
 
 def _labels(y: np.ndarray, spec: dict) -> tuple[np.ndarray, int]:
-    if spec.get("labels", "class") == "parity":
+    if settings(spec)["labels"] == "parity":
         return (y % 2).astype(np.int64), 2
     return y.astype(np.int64), int(y.max()) + 1
 
@@ -180,7 +205,7 @@ def _pydoc_bytes(name: str, spec: dict) -> np.ndarray:
     from pydoc_data.topics import topics
 
     keys = sorted(topics)
-    lo, hi = spec.get("part", [0.0, 1.0])
+    lo, hi = settings(spec)["part"]
     chosen = keys[int(lo * len(keys)):int(hi * len(keys))]
     if not chosen:  # a part narrower than one topic: the empty text failed naming seq_len
         raise PeatError(f"config key 'datasets.{name}.part': [{lo:g}, {hi:g}] selects none of the {len(keys)} "
