@@ -1874,8 +1874,8 @@ def test_a_data_file_of_another_dataset_is_one_line(tmp_path, monkeypatch, capsy
     ({"image_size": 16}, "image_size 8 (config: 16)"),
     ({"labels": "parity"}, "labels 'class' (config: 'parity')"),
     ({"image_size": 16, "labels": "parity"}, "image_size 8 (config: 16); labels 'class' (config: 'parity')"),
-    ({"val_fraction": 0.3}, "1438 training and 359 validation examples (config: 1258 and 539; val_fraction, path or "
-                            "part differ)"),
+    ({"val_fraction": 0.3}, "val_fraction 0.2 (config: 0.3)"),
+    ({"seed": 1}, "seed 0 (config: 1)"),  # the file records its settings: another seed passed, shapes alike
 ])
 def test_a_data_file_prepared_with_other_settings_is_one_line(digits, tmp_path, monkeypatch, capsys, setting, stale):
     # srun ... --data results/data/digits.h5 made by an older config: every rank drilled it without a word.
@@ -1894,6 +1894,52 @@ def test_a_data_file_prepared_with_other_settings_is_one_line(digits, tmp_path, 
     assert (main(args), capsys.readouterr().err) == (2, f"peat sdc drill: error: {digits}: not prepared with the settings of "
                                                     f"dataset 'digits' (datasets.digits): {stale}; prepare it again "
                                                     "from this config\n")
+
+@pytest.mark.parametrize("setting, stale", [
+    ({}, None),
+    ({"seed": 1}, None),  # not shown by what the file holds: passes, as before
+    ({"image_size": 16}, "image_size 8 (config: 16)"),
+    ({"val_fraction": 0.3}, "1438 training and 359 validation examples (config: 1258 and 539; val_fraction, path or "
+                            "part differ)"),
+])
+def test_a_data_file_without_recorded_settings_is_checked_by_what_it_holds(digits, tmp_path, setting, stale):
+    # A file prepared by an earlier peat has no 'settings' attribute: it still loads and is compared as before.
+    from peat.data import load
+    from peat.sdc_drill import _check_prepared
+
+    old = tmp_path / "digits.h5"
+    old.write_bytes(digits.read_bytes())
+    with h5py.File(old, "r+") as f:
+        del f.attrs["settings"]
+    data = load(old)
+    assert "settings" not in data.attrs
+    spec = make_config()["datasets"]["digits"] | setting
+    if stale is None:
+        _check_prepared(old, data, "digits", spec)
+        return
+    with pytest.raises(PeatError) as err:
+        _check_prepared(old, data, "digits", spec)
+    assert str(err.value) == (f"{old}: not prepared with the settings of dataset 'digits' (datasets.digits): {stale}; "
+                              "prepare it again from this config")
+
+
+def test_a_data_file_whose_text_changed_under_the_same_settings_is_one_line(tmp_path):
+    # The path is the same, its file is not: only the split's sizes can tell, and the line says so.
+    from peat.data import load
+    from peat.sdc_drill import _check_prepared
+
+    text, out = tmp_path / "corpus.txt", tmp_path / "corpus.h5"
+    text.write_bytes(bytes(range(32, 127)) * 2)
+    spec = {"source": "text", "path": str(text), "seq_len": 8, "val_fraction": 0.25, "seed": 0}
+    prepare("corpus", spec, out)
+    _check_prepared(out, load(out), "corpus", spec)
+    text.write_bytes(text.read_bytes() * 2)
+    with pytest.raises(PeatError) as err:
+        _check_prepared(out, load(out), "corpus", spec)
+    assert str(err.value) == (f"{out}: not prepared with the settings of dataset 'corpus' (datasets.corpus): 17 "
+                              "training and 6 validation examples (config: 35 and 12; the text it was prepared from "
+                              "differs); prepare it again from this config")
+
 
 def test_nccl_without_a_gpu_for_the_rank_is_one_line(monkeypatch):
     from peat.sdc_drill import init_distributed

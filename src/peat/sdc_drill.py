@@ -463,25 +463,29 @@ class Refused(PeatError):
 def _check_prepared(path, data, name: str, spec: dict) -> None:
     """One line naming ``path`` and each setting of dataset ``name`` it was not prepared with. Under srun
     the file is the user's (the workflow prepares it again when its settings change): one made with
-    another image size or split was drilled without a word. The file does not record its seed: a file
-    prepared with another seed passes."""
-    found = _prepared_settings(data)
-    stale = [f"{key} {value!r} (config: {spec.get(key)!r})" for key, value in found.items() if value != spec.get(key)]
+    another image size, split or seed was drilled without a word. A file records its settings (peat.data);
+    one prepared by an earlier peat is compared by what it holds, which does not show its seed."""
+    from .data import SETTINGS_ATTR, settings, sizes
+
+    recorded = data.attrs.get(SETTINGS_ATTR)
+    found, config = (recorded, settings(spec)) if recorded is not None else (_prepared_settings(data), spec)
+    stale = [f"{key} {value!r} (config: {config.get(key)!r})" for key, value in found.items()
+             if value != config.get(key)]
     counts, expected = (len(data.train.y), len(data.val.y)), None
     if not stale:  # a split's count is comparable only when the examples are alike
-        from .data import sizes
-
         expected = sizes(name, spec)
     if expected is not None and counts != expected:
+        # With the settings alike, only the text read can differ (a path's files, this Python's pydoc).
+        why = "the text it was prepared from differs" if recorded is not None else "val_fraction, path or part differ"
         stale.append(f"{counts[0]} training and {counts[1]} validation examples (config: {expected[0]} and "
-                     f"{expected[1]}; val_fraction, path or part differ)")
+                     f"{expected[1]}; {why})")
     if stale:
         raise PeatError(f"{path}: not prepared with the settings of dataset {name!r} (datasets.{name}): "
                         f"{'; '.join(stale)}; prepare it again from this config")
 
 
 def _prepared_settings(data) -> dict:
-    """The dataset settings a prepared file shows (peat.data.prepare), by what it holds."""
+    """The dataset settings a file prepared by an earlier peat (no recorded settings) shows, by what it holds."""
     found = {"source": data.attrs["source"]} if "source" in data.attrs else {}
     if found.get("source") in (None, "digits", "cifar10") and data.kind == "image":
         found |= {"image_size": int(data.train.x.shape[-1]),
