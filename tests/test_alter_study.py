@@ -86,3 +86,16 @@ def test_a_cell_compares_with_the_checked_golden_curve(tmp_path):
     row = table.iloc[0]
     assert row["status"] == "ok" and row["resumed_epochs"] == spec["epochs"] - 1
     assert (row["golden_accuracy"], row["golden_loss"]) == (last["accuracy"], last["loss"])
+
+
+def test_without_the_models_epochs_the_files_last_epoch_bounds_the_check(tmp_path):
+    # run_cells called with a spec lacking epochs (a library caller): every epoch up to the file's last.
+    folder = golden(tmp_path, split=["train", "train", "train", "train", "train", "val"])
+    with pytest.raises(PeatError) as err:
+        S.run_cells("tiny", {}, "cpu", 1, "weight", ["sign"], [1], [0], checkpoints=folder / "checkpoints",
+                    data=folder / "no-data.h5", golden_metrics=folder / "metrics.csv", tolerance=0.02, run_seed=0,
+                    threads=1, config_hash="", out_csv=folder / "cells.csv", log_dir=folder / "logs")
+    assert str(err.value) == (f"{folder / 'metrics.csv'}: no validation row of epoch 2; the study compares epochs 2 "
+                              "to 3 with golden's (damaged, or not this model's golden run?)")
+    (tmp_path / "sound").mkdir()
+    assert list(S.golden_curve(golden(tmp_path / "sound") / "metrics.csv", 1).index) == [1, 2, 3]

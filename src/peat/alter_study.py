@@ -59,7 +59,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
     """
     source = Path(checkpoints) / f"epoch{epoch:03d}.h5"
     scan(source)  # a damaged checkpoint fails the job: only a cell's own plan can be not applicable
-    golden = golden_curve(golden_metrics, epoch, spec["epochs"])
+    golden = golden_curve(golden_metrics, epoch, spec.get("epochs"))
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -126,10 +126,11 @@ def _val_curve(metrics: pd.DataFrame) -> pd.DataFrame:
     return metrics[metrics["split"] == "val"].set_index("epoch")[["accuracy", "loss"]]
 
 
-def golden_curve(path: str | Path, epoch: int, last: int) -> pd.DataFrame:
+def golden_curve(path: str | Path, epoch: int, last: int | None = None) -> pd.DataFrame:
     """Golden's validation curve from its ``metrics.csv``, checked for what the cells compare with
-    it: one finite accuracy and loss for each epoch after the altered ``epoch`` up to ``last``. A
-    damaged file ended the job in a KeyError or TypeError once its first cell had trained."""
+    it: one finite accuracy and loss for each epoch after the altered ``epoch`` up to ``last`` (the
+    model's epochs; None: the file's last, at least the one after ``epoch``). A damaged file ended the
+    job in a KeyError or TypeError once its first cell had trained."""
     curve = _val_curve(read_csv(path, ("split", "epoch", "accuracy", "loss")))
 
     def refuse(problem: str):
@@ -139,6 +140,7 @@ def golden_curve(path: str | Path, epoch: int, last: int) -> pd.DataFrame:
     if epochs.isna().any() or (epochs != epochs.round()).any():
         refuse(f"validation epoch {curve.index[epochs.isna() | (epochs != epochs.round())][0]!r} is not an epoch number")
     curve.index = epochs.astype(int)
+    last = last if last is not None else max(epoch + 1, *curve.index)
     for at in range(epoch + 1, last + 1):
         if at not in curve.index:
             refuse(f"no validation row of epoch {at}; the study compares epochs {epoch + 1} to {last} with golden's")
