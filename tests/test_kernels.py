@@ -758,6 +758,26 @@ def test_a_kernel_files_own_functions_run_in_a_pool_it_starts_by_spawn_or_forkse
     assert torch.equal(kernels.load(path, "linear").forward(x, w, b), (x @ w.t() + b) * 6)
 
 
+def test_a_spawn_pool_finds_the_kernel_file_where_it_is_now_after_a_copy_elsewhere_was_deleted(tmp_path, monkeypatch):
+    """The module the workers import is named by the file's digest: one written for the same file in
+    a checkout (or a test's folder) since deleted sent every worker to a missing file."""
+    import shutil
+
+    monkeypatch.setenv("PEAT_KERNEL_CACHE", str(tmp_path / "cache"))
+    text = ("import multiprocessing as mp\n\ndef _scale(k):\n    return 2 * k\n\n"
+            "def forward(x, weight, bias):\n"
+            "    with mp.get_context('spawn').Pool(1) as pool:\n"
+            "        scale = pool.apply_async(_scale, (3,)).get(timeout=30)\n"
+            "    return (x @ weight.t() + bias) * scale\n")
+    (tmp_path / "old").mkdir()
+    kernels.load(write(tmp_path / "old", "pooled.py", text), "linear")
+    shutil.rmtree(tmp_path / "old")
+    (tmp_path / "new").mkdir()
+    x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+    kernel = kernels.load(write(tmp_path / "new", "pooled.py", text), "linear")
+    assert torch.equal(kernel.forward(x, w, b), (x @ w.t() + b) * 6)
+
+
 @pytest.mark.parametrize("call", ["kernels.run_isolated(k.forward, None, None, None, timeout=90).value",
                                   "k.forward(None, None, None)"])
 def test_a_spawn_pool_of_a_kernel_never_reruns_the_jobs_script(tmp_path, monkeypatch, call):

@@ -364,11 +364,14 @@ def _importable(name: str, path: Path) -> None:
     written, only spawn and forkserver pools go without (fork ones need no import)."""
     folder = _cache_root() / "py"
     shim = folder / f"{name}.py"
+    text = _SHIM.format(path=str(path.resolve()))
     try:
-        if not shim.exists():  # by content (the name holds its digest): an existing one is this file's
+        # The name holds the file's digest, not its place: one left by the same content elsewhere
+        # (a checkout or a test's folder since deleted) would send the workers to a missing file.
+        if not shim.is_file() or shim.read_text() != text:
             folder.mkdir(parents=True, exist_ok=True)
             partial = shim.with_name(f"{shim.name}.{os.getpid()}")
-            partial.write_text(_SHIM.format(path=str(path.resolve())))
+            partial.write_text(text)
             partial.replace(shim)  # whole, for a job loading the same kernel at the same time
     except OSError:
         return
