@@ -640,3 +640,17 @@ def test_editing_a_kernel_reruns_only_its_jobs(workflow_run, tmp_path):
     wildcards = re.findall(r"wildcards: (.*)", dry)
     assert all("kernel=my_gemm" in w for w in wildcards if "kernel=" in w)
     assert not any("kernel=im2col" in w or "kernel=lane_fc" in w for w in wildcards)
+
+
+def test_predictions_from_non_finite_logits_count_as_wrong():
+    """argmax reads NaN as the largest value: a candidate whose loss went NaN reported 0.109, the share
+    of class 0 in the validation set, as its final accuracy."""
+    from peat import models
+
+    class Logits(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    x = torch.tensor([[float("nan"), 0.0], [1.0, 0.0], [0.0, float("inf")], [2.0, 1.0]])
+    loss, metrics = models.loss_and_metrics(Logits(), "image", x, torch.tensor([0, 0, 1, 0]))
+    assert metrics == {"correct": 2, "count": 4} and loss.isnan()

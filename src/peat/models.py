@@ -148,5 +148,7 @@ def loss_and_metrics(model: nn.Module, kind: str, x: torch.Tensor, y: torch.Tens
         logits = model(input_ids=x).logits
         logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
     loss = nn.functional.cross_entropy(logits, y)
-    correct = (logits.argmax(-1) == y).sum().item()
+    # A prediction from non-finite logits is none: argmax reads NaN as the largest, and a candidate
+    # whose loss went NaN reported the share of class 0 as its accuracy.
+    correct = ((logits.argmax(-1) == y) & logits.isfinite().all(-1)).sum().item()
     return loss, {"correct": correct, "count": y.numel()}
