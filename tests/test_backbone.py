@@ -1883,19 +1883,23 @@ def test_a_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, 
 
 
 @pytest.mark.parametrize("edit", [{"optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9}}, {"batch_size": 16},
-                                  {"record": {"layers": ["fc"], "every": 2}}], ids=["lr", "batch_size", "record"])
+                                  {"record": {"layers": ["fc"], "every": 2}}, {"threads": 2}],
+                         ids=["lr", "batch_size", "record", "threads"])
 def test_a_library_run_killed_under_other_settings_is_not_resumed(digits, golden_twice, tmp_path, edit):
     """train_model called as a library (no config hash, or one the caller keeps): a run killed after
-    its first epoch was resumed after an edit of the lr, the batch size or the recorded layers,
-    mixing its first epoch (or its context's) into the new settings' run."""
+    its first epoch was resumed after an edit of the lr, the batch size, the recorded layers or the
+    torch threads (a CPU sum split otherwise rounds otherwise), mixing its first epoch (or its
+    context's) into the new settings' run."""
     from peat.train import train_model
 
     def die(step, epoch):
         if epoch == 2:
             raise KeyboardInterrupt("killed")
 
+    edit = dict(edit)
+    threads = edit.pop("threads", 1)
     with pytest.raises(KeyboardInterrupt):
-        train_model("resnet18", dict(SPEC, **edit), digits, tmp_path, seed=0, threads=1, config_hash="abc",
+        train_model("resnet18", dict(SPEC, **edit), digits, tmp_path, seed=0, threads=threads, config_hash="abc",
                     progress=False, before_step=die)
     assert (tmp_path / ".partial" / "resume.h5").exists()
     train_model("resnet18", SPEC, digits, tmp_path, seed=0, threads=1, config_hash="abc", progress=False)

@@ -173,8 +173,9 @@ INPUTS = "inputs.sha256"
 def _settings(run: Run, profiler) -> str:
     """The settings a run trains and records with (its meta aside, compared on its own): the workflow's
     config hash covers them, but a library caller's meta need not (train_model's config_hash is ""
-    by default), and a run killed under another lr, batch size or recorded layers was resumed."""
+    by default), and a run killed under another lr, batch size, recorded layers or thread count was resumed."""
     settings = {f.name: getattr(run, f.name) for f in fields(run) if f.name != "meta"}
+    settings["threads"] = torch.get_num_threads()  # a CPU sum split over more threads rounds otherwise
     if profiler is not None:
         settings["record"] = [profiler.patterns, profiler.every, profiler.epochs, profiler.derived]
     return json.dumps(settings, sort_keys=True, default=str)
