@@ -19,7 +19,6 @@ import argparse
 import copy
 import ctypes
 import json
-import math
 import os
 import re
 import signal
@@ -540,12 +539,6 @@ def check_config(config: dict) -> None:
         if name not in config["models"]:
             raise PeatError(f"config key 'sdc.models': unknown model {name!r}; defined: {', '.join(config['models'])}")
         _check_batch(config, name)
-    # The schema lets YAML's .inf and .nan through: every rank then died converting the timeout (OverflowError,
-    # ValueError), or every guard refused the tolerance once the ranks had started.
-    for key, needs in (("timeout_s", "every collective needs a finite timeout in seconds"),
-                       ("audit_tolerance", "a relative tolerance needs a finite number >= 0 (0 = bit-exact)")):
-        if not math.isfinite(cfg[key]):
-            raise PeatError(f"config key 'sdc.{key}': {cfg[key]!r}: {needs}")
     problem = cfg["drain_marker"] is not None and sdc.marker_problem(cfg["drain_marker"])
     if problem:  # else found by the guard once every rank had started
         raise PeatError(f"config key 'sdc.drain_marker': {cfg['drain_marker']!r}: {problem}")
