@@ -577,6 +577,28 @@ def test_verdict_layers_hold_what_the_readme_says():
     assert (entry["error_model"], entry["score"]) == ("non_finite", None)
 
 
+def test_worst_cases_lead_with_the_cases_that_fail_the_kernel():
+    """A kernel exact to fp32 noise but for NaN in some elements of one result: worst_cases, sorted by
+    err_over_tau32 alone (of finite elements: 0 for the NaN case), listed its three correct cases,
+    `none` at 0.1-0.2 x the envelope, and not the one that made the verdict `non_finite`."""
+    import pandas as pd
+
+    sample, attrs, golden, ref, env = case("linear")
+    nan = golden.clone()
+    nan[-1] = float("nan")  # a padding row written as NaN, the rest exact
+    rows = [{**evidence.evidence(candidate, golden, env), "case": "kernel", "fop": "output", "op": "linear",
+             "layer": "fc", "computation": "forward", "tensor": "O", "step": step, "rel_top10": 1.0,
+             "rel_var": 1.0, "allclose": False}
+            for step, candidate in ((0, ref.float()), (1, ref.float()), (2, nan), (3, ref.float()))]
+    got = detect.verdict(pd.DataFrame(rows))
+    assert (got["verdict"], got["error_model"]) == ("fail", "non_finite")
+    worst = got["evidence"]["worst_cases"]
+    assert [w["error_model"] for w in worst] == ["non_finite", "none", "none"]
+    # The NaN case's err_over_tau32 (0: its finite elements are exact) says nothing without its count.
+    assert (worst[0]["step"], worst[0]["nonfinite"], worst[0]["wrong_elements"]) == (2, 80, 80)
+    assert 0 < worst[1]["err_over_tau32"] < 1 and worst[1]["nonfinite"] == 0
+
+
 @pytest.mark.parametrize("content", [b"", b"PAR1 cut short"])
 def test_a_damaged_playback_table_is_one_line_naming_it(tmp_path, content):
     """The detect and analyze jobs ended in pyarrow's "Parquet file size is 0 bytes", naming no file."""

@@ -244,7 +244,6 @@ def _evidence(own: pd.DataFrame, table: pd.DataFrame, rules: Rules) -> dict:
     # kernel, and a fail naming no first bug left nothing to look at.
     bugs = own[~own["error_model"].map(lambda c: passes(c, rules))]
     first = bugs.iloc[0] if len(bugs) else None
-    worst_rows = own.sort_values("err_over_tau32", ascending=False).head(3)
     # bool, not the object column a table with failed rows has (NaN there): ~True is -2 in Python, and
     # failed_cases summed to -30 beside a pseudo-error's not_applicable rows.
     close = own["allclose"].astype(bool)
@@ -255,8 +254,7 @@ def _evidence(own: pd.DataFrame, table: pd.DataFrame, rules: Rules) -> dict:
         "max_err_over_fp32_envelope": float(own["err_over_tau32"].max()),
         "max_err_over_reduced_precision_envelope": float(own["err_over_taurp"].max()),
         "median_rel_top10": float(own["rel_top10"].median()),
-        "worst_cases": worst_rows[["layer", "computation", "tensor", "step", "err_over_tau32", "err_over_taurp",
-                                   "error_model"]].to_dict("records"),
+        "worst_cases": worst_cases(own),
         "baselines": {
             "allclose": {"verdict": "pass" if close.all() else "fail",
                          "failed_cases": int((~close).sum()), "rtol": 1e-5, "atol": 1e-8},
@@ -274,6 +272,21 @@ def _evidence(own: pd.DataFrame, table: pd.DataFrame, rules: Rules) -> dict:
                    for comp, rows in by_spec.groupby("computation", sort=False)}
             for spec, by_spec in faults.groupby("case", sort=True)}
     return ev
+
+
+WORST_CASES = 3
+
+
+def worst_cases(own: pd.DataFrame, n: int = WORST_CASES) -> list[dict]:
+    """The ``n`` cases of ``own`` (classified kernel rows) most wrong: by class in priority order, then
+    by error over the fp32 envelope. That error alone listed a kernel failing on NaN by its correct
+    cases: a NaN is left out of the scores, so a case exact but for NaN scores 0."""
+    rank = own["error_model"].map(CLASSES.index)
+    rows = own.assign(rank=rank).sort_values(["rank", "err_over_tau32"], ascending=[True, False], kind="stable").head(n)
+    out = rows[["layer", "computation", "tensor", "step", "err_over_tau32", "err_over_taurp", "error_model"]]
+    # Counts beside the scores, as the scores say nothing of NaN/Inf elements.
+    counts = {"wrong_elements": rows["s_n"], "nonfinite": rows["nonfinite"]}
+    return out.assign(**{k: v.astype(int) for k, v in counts.items()}).to_dict("records")
 
 
 def rules_from(section: dict | None) -> Rules:
