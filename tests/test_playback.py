@@ -1137,6 +1137,34 @@ def test_a_kernel_failing_downstream_is_a_row_not_a_failed_job(golden_run, tmp_p
     assert set(table.loc[table["error"].notna(), "status"]) == {"not_applicable"}
     assert set(table.loc[table["case"] == "kernel", "fop"]) == {"output", "loss"}
 
+def test_a_kernel_hanging_downstream_is_a_timeout_not_a_job_waiting_on_it(golden_run, tmp_path):
+    """The calls at the kernel's output were bounded by playback.timeout, its calls in the network
+    rebuilt for the later observing points were not: a kernel hanging on its downstream call (a pool
+    deadlocking on its n-th call) held the job until it returned, forever for a real hang."""
+    from peat.propagate import Propagator
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+    prop = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=None)
+    # Returns at the output of step 0 (its probe ran in a forked child), hangs on the call after it.
+    later = tmp_path / "later.py"
+    later.write_text("import time, torch\nCALLS = []\ndef forward(x, weight, bias):\n    CALLS.append(1)\n"
+                     "    if len(CALLS) > 1:\n        time.sleep(30)\n"
+                     "    return torch.nn.functional.linear(x, weight, bias)\n")
+    start = time.monotonic()
+    table, record = replay(context, kernel=kernels.load(str(later), "linear"), errors=[], computations=("forward",),
+                           timeout=1, propagate=prop)
+    assert time.monotonic() - start < 15
+    hung = table[table["error"].notna()]
+    # One call waited out, at the first observing point, and no later step's (each would wait it out again).
+    assert list(hung["status"]) == ["timeout", "timeout"] and set(hung["case"]) == {"kernel"}
+    assert list(hung["fop"]) == ["next:transformer.h.1.ln_1", "loss"] and set(table["step"]) == {0}
+    got = detect.judge(table, record)
+    assert (got["verdict"], got["error_model"]) == ("fail", "timeout")
+    assert got["evidence"]["outcome"]["message"] == ("transformer.h.0.mlp.c_fc step 0 kernel: "
+                                                     "CallTimeout: no result after 1 s")
+
+
 # -- speed machinery: exact by construction ------------------------------------------------------------
 def test_timer_categories_are_exclusive(monkeypatch):
     clock = iter([0.0, 1.0, 3.0, 7.0, 8.0, 20.0])  # start, outer in, inner in, inner out, outer out, record

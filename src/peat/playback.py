@@ -413,12 +413,26 @@ def _replay_layer(plan: Plan, timer: Timer, layer: str, computation: str, steps:
         rows += failed  # a failed case's row comes before the scored ones, as the table has always had it
         for of_tensor in scored.values():
             rows += of_tensor.rows
-        if any(row["status"] == "timeout" for row in failed):
+        if _timed_out(failed):
             break  # as in _cases: the layer's later samples would each wait out the timeout
         if follow:
             with timer("propagate"):
-                rows += plan.propagate.rows(layer, sample, twins, base, plan.rules, timer, replayed=steps)
+                down = plan.propagate.rows(layer, sample, twins, base, plan.rules, timer, replayed=steps,
+                                           timeout=_call_limit(plan, computation))
+            rows += down
+            if _timed_out(down):  # a hang downstream, as at the output
+                break
     return rows
+
+
+def _timed_out(rows: list[dict]) -> bool:
+    return any(row.get("status") == "timeout" for row in rows)
+
+
+def _call_limit(plan: Plan, computation: str) -> float | None:
+    """Seconds each call of the kernel's ``computation`` may take: its own computations are bounded
+    (``playback.timeout``), golden's, which a computation it leaves to golden runs, are not."""
+    return plan.timeout if computation in plan.kernel.custom else None
 
 
 def _scored_references(plan: Plan, timer: Timer, layer: str, computation: str, sample: dict,
@@ -460,8 +474,7 @@ def _cases(plan: Plan, timer: Timer, variants: dict, base: dict, sample: dict, a
                 if follow:  # it calls the kernel again (a faulty one draws anew): copied just before
                     twins[case] = errors.replica(kernel, computation)
                 # Bounded as its probe was: a kernel hanging at a later step only held the job forever.
-                out = _call(timer, kernel, computation, sample, attrs,
-                            timeout=plan.timeout if computation in plan.kernel.custom else None)
+                out = _call(timer, kernel, computation, sample, attrs, timeout=_call_limit(plan, computation))
         except Exception as err:  # a kernel failing later than its probe: a row saying so
             status = ("not_applicable" if isinstance(err, errors.NotApplicable) else
                       "shape_mismatch" if isinstance(err, kernels.ShapeMismatch) else

@@ -178,11 +178,13 @@ class Propagator:
         return seen
 
     def rows(self, layer: str, sample: dict, variants: dict, base: dict, rules, timer=None,
-             replayed: list[int] | None = None) -> list[dict]:
+             replayed: list[int] | None = None, timeout: float | None = None) -> list[dict]:
         """Playback rows at the later observing points for the forward of ``layer`` at this sample;
         ``timer`` (a ``peat.playback.Timer``) accounts the kernel calls and the scoring apart.
         The steps followed are chosen among ``replayed`` (the layer's steps playback replays;
-        every recorded one when None): chosen among all, some could be steps never replayed."""
+        every recorded one when None): chosen among all, some could be steps never replayed.
+        ``timeout``: seconds each call of the variants may take, as at the output (None: no limit);
+        past them a ``timeout`` row, and the variants after it are not run."""
         step = int(sample["step"])
         if not self.wanted(layer, step, self._steps(layer) if replayed is None else replayed):
             return []
@@ -219,7 +221,7 @@ class Propagator:
             def call(kernel, live, a):
                 # Under a forked generator: a kernel drawing from the global one (stochastic rounding)
                 # shifted the dropout masks after L, an error at the loss that was none of its results'.
-                with timed("kernel"), torch.random.fork_rng(devices=[a.device] if a.is_cuda else []):
+                with timed("kernel"), kernels.deadline(timeout), torch.random.fork_rng(devices=[a.device] if a.is_cuda else []):
                     if kept and kernel is not own and torch.equal(kept["A"], a) and errors.reuses(kernel, "forward", own):
                         # As at the kernel's output (playback._injected): the variant's error on the kernel's result.
                         return errors.inject(kernel, "forward", kept["O"], *kernels.operands(attrs["op"], "forward",
@@ -243,14 +245,16 @@ class Propagator:
                 try:
                     runs[case] = through(kernel)
                 except Exception as err:  # a kernel failing here, later than its probe: rows saying so
-                    failed[case] = f"{type(err).__name__}: {err}"
+                    failed[case] = (_status(err), f"{type(err).__name__}: {err}")
+                    if isinstance(err, kernels.CallTimeout):  # each further call would wait it out again
+                        break
         out = []
         for point in (["next", "loss"] if nxt is not None else ["loss"]):
             with timed("score"):
                 out += self._score(point, nxt, gold, ref64, rounded, runs, rules, base | {"recon_error": recon})
             fop, tensor = _observing_point(point, nxt)
-            out += [{**base, "fop": fop, "tensor": tensor, "case": case, "status": "crash", "error": message}
-                    for case, message in failed.items()]
+            out += [{**base, "fop": fop, "tensor": tensor, "case": case, "status": status, "error": message}
+                    for case, (status, message) in failed.items()]
         return out
 
     @staticmethod
@@ -270,6 +274,11 @@ class Propagator:
         # The rounded references first: their rows and their footprints come from one error each.
         return ([row(f"ref:{p}", refs[p], diff) for p, diff in scored_references(env, refs, gold_point, rules)]
                 + [row(case, seen[point].cpu().float()) for case, seen in runs.items()])
+
+
+def _status(err: BaseException) -> str:
+    """The status of a row of a call that failed downstream: a hang cut short is a ``timeout``."""
+    return "timeout" if isinstance(err, kernels.CallTimeout) else "crash"
 
 
 def _float64(model: torch.nn.Module, fast: set[str]) -> torch.nn.Module:
