@@ -7,6 +7,7 @@ import json
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import h5py
@@ -502,6 +503,44 @@ def test_read_only_input_is_never_touched(mixed, tmp_path):
         os.chmod(mixed, stat.S_IRUSR | stat.S_IWUSR)
     assert sha(mixed) == before
 
+
+
+def _compact(path: Path, libver: str = "earliest") -> Path:
+    """A float32 dataset stored in its object header (compact layout), with HDF5's own defaults: the
+    header records modification times, which h5py's create_dataset turns off and the C library does not."""
+    with h5py.File(path, "w", libver=libver) as f:
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.COMPACT)
+        h5py.h5d.create(f.id, b"w", h5py.h5t.IEEE_F32LE, h5py.h5s.create_simple((20, 20)), dcpl)
+        f["w"][...] = np.random.default_rng(0).standard_normal((20, 20))
+    return path
+
+
+def _stamps(path, name: str) -> tuple:
+    with h5py.File(path, "r") as f:
+        info = h5py.h5o.get_info(f[name].id)
+        return info.atime, info.mtime, info.ctime, info.btime
+
+
+def test_a_compact_dataset_keeps_its_header_so_reruns_and_replays_are_byte_identical(tmp_path):
+    # Rewritten through HDF5, a compact dataset's header took the time of the run: the same seed, or the
+    # replay of the log a second later, gave another file.
+    src, log = _compact(tmp_path / "in.h5"), tmp_path / "log.json"
+    stamps = _stamps(src, "w")
+    time.sleep(1.05 - time.time() % 1)  # the run in a later second than the file's creation
+    A.alter(src, tmp_path / "out.h5", A.Plan(count=5, seed=1), log=log)
+    assert _stamps(tmp_path / "out.h5", "w") == stamps
+    A.alter(src, tmp_path / "replayed.h5", A.Plan(), replay=log)
+    assert sha(tmp_path / "replayed.h5") == sha(tmp_path / "out.h5")
+    assert canon(A.diff(src, tmp_path / "out.h5", positions=True)["positions"]) == canon(json.loads(log.read_text())["injections"])
+    flipped = np.frombuffer(src.read_bytes(), np.uint8) != np.frombuffer((tmp_path / "out.h5").read_bytes(), np.uint8)
+    assert 1 <= flipped.sum() <= 5  # the five values' bytes, nothing else
+
+
+def test_a_compact_dataset_under_a_checksummed_header_is_still_altered_exactly(tmp_path):
+    src = _compact(tmp_path / "in.h5", libver="latest")  # version-2 headers: HDF5 itself rewrites them
+    res = run_alter(src, tmp_path / "out.h5", count=5, seed=1)
+    assert canon(A.diff(src, tmp_path / "out.h5", positions=True)["positions"]) == canon(res.records)
 
 
 def test_data_stored_outside_the_file_is_never_altered(tmp_path):

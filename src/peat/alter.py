@@ -216,7 +216,7 @@ class Entry:
     dtype: np.dtype
     layout: Layout
     cls: str
-    offset: int | None  # file offset of a contiguous, unfiltered, allocated dataset (memory-mappable)
+    offset: int | None  # file offset of the values of a contiguous (allocated) or compact dataset without filters (memory-mappable)
     fixed: bool = False  # never altered: edits would reach other files, not survive the write or name no enum member (see _why_fixed)
 
     @property
@@ -313,9 +313,36 @@ def _why_unalterable(ds: h5py.Dataset) -> str | None:
 
 def _offset(ds: h5py.Dataset) -> int | None:
     plist = ds.id.get_create_plist()
-    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
+    if plist.get_nfilters():
+        return None
+    if plist.get_layout() == h5py.h5d.COMPACT:
+        return _compact_offset(ds)
+    if plist.get_layout() != h5py.h5d.CONTIGUOUS:
         return None
     return ds.id.get_offset()  # None for unallocated data
+
+
+def _compact_offset(ds: h5py.Dataset) -> int | None:
+    """File offset of a compact dataset's values, inside its object header (None: write it through h5py).
+
+    HDF5 stamps the time of every write into the header of a compact dataset (where the file records
+    times, as the C library does by default), so a copy rewritten through h5py differed from a rerun or a
+    replay of the same flips. Edited in place they keep the header as it was. Only version-1 headers:
+    a version-2 header holds a checksum of its bytes, which HDF5 has to recompute.
+    """
+    info = h5py.h5o.get_info(ds.id)
+    if info.hdr.version != 1:
+        return None
+    # The layout message (version 3, class 0 = compact), its 2-byte size, then the values as stored.
+    needle = bytes([3, 0]) + ds.id.get_storage_size().to_bytes(2, "little") + np.ascontiguousarray(ds[()]).tobytes()
+    start = ds.file.userblock_size + info.addr  # HDF5 addresses count from the superblock
+    with open(ds.file.filename, "rb") as f:
+        f.seek(start)
+        header = f.read(16 + info.hdr.space.total)  # the prefix and the first chunk (continuations lie elsewhere)
+    at = header.find(needle)
+    if at < 0 or header.find(needle, at + 1) >= 0:  # not in the first chunk, or not unambiguously
+        return None
+    return start + at + 4
 
 
 def _why_fixed(ds: h5py.Dataset) -> str | None:
