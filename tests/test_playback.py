@@ -1161,8 +1161,9 @@ def test_a_kernel_hanging_downstream_is_a_timeout_not_a_job_waiting_on_it(golden
     assert list(hung["fop"]) == ["next:transformer.h.1.ln_1", "loss"] and set(table["step"]) == {0}
     got = detect.judge(table, record)
     assert (got["verdict"], got["error_model"]) == ("fail", "timeout")
-    assert got["evidence"]["outcome"]["message"] == ("transformer.h.0.mlp.c_fc step 0 kernel: "
-                                                     "CallTimeout: no result after 1 s")
+    # Named as downstream: there the layer's input is the live one, not the recorded one.
+    assert got["evidence"]["outcome"]["message"] == ("transformer.h.0.mlp.c_fc step 0 kernel at "
+                                                     "next:transformer.h.1.ln_1: CallTimeout: no result after 1 s")
 
 
 # -- speed machinery: exact by construction ------------------------------------------------------------

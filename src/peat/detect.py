@@ -202,8 +202,15 @@ def after_probe(table: pd.DataFrame, outcome: dict) -> tuple[dict, pd.DataFrame]
     if len(own) and outcome.get("status", "ok") == "ok":  # a failed probe's outcome stays the kernel's
         bad = own.iloc[0]
         outcome = {"status": bad.get("status") or "crash",
-                   "message": f"{bad['layer']} step {bad['step']} {bad['case']}: {bad['error']}"}
+                   "message": f"{bad['layer']} step {bad['step']} {bad['case']}{_downstream(bad)}: {bad['error']}"}
     return outcome, table[table["error"].isna()]
+
+
+def _downstream(row: pd.Series) -> str:
+    """The observing point of a call that failed in the network rebuilt for it (" at loss"), whose
+    input at the layer is the live one, not the recorded one of the calls at the output ("" there)."""
+    fop = row.get("fop")
+    return f" at {fop}" if isinstance(fop, str) and fop != "output" else ""
 
 
 def verdict(table: pd.DataFrame, rules: Rules = Rules(), outcome: dict | None = None) -> dict:
