@@ -100,13 +100,16 @@ def test_one_row_per_tensor_per_case_and_context_untouched(context):
     ({"computations": ()}, "playback.Plan: computations is empty: nothing would be replayed"),
     ({"timeout": 0}, "playback.Plan: timeout=0: seconds per kernel call need a number > 0"),
     ({"timeout": None}, "playback.Plan: timeout=None: "),
+    ({"timeout": math.inf}, "playback.Plan: timeout=inf: seconds per kernel call need a number > 0 and <= 31536000"),
+    ({"timeout": 1e12}, "playback.Plan: timeout=1000000000000.0: seconds per kernel call need a number > 0 and <= "),
     ({"memory_mb": 0}, "playback.Plan: memory_mb=0: extra MiB the isolated first call may map need an integer >= 16"),
 ])
 def test_a_plan_refuses_bad_settings_in_one_line(context, given, said):
     """Unchecked outside the workflow's config schema: a misspelt computation ended the replay in a
     KeyError, max_samples=0, layers=[] or computations=() replayed nothing and its verdict passed as
     not applicable, a string was read letter by letter (layers="fc": no recorded layer matches 'f'), and
-    timeout=0 failed a correct kernel as a timeout (timeout=None: a TypeError after the probes)."""
+    timeout=0 failed a correct kernel as a timeout (timeout=None: a TypeError after the probes; math.inf,
+    "no limit", or 1e12 overflowed the interval timer of each call after the probe: a `crash` verdict)."""
     with pytest.raises(PeatError, match=re.escape(said)):
         playback.Plan(context=context, kernel=kernels.golden("linear"), **given)
 
