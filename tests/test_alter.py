@@ -543,6 +543,23 @@ def test_a_compact_dataset_under_a_checksummed_header_is_still_altered_exactly(t
     assert canon(A.diff(src, tmp_path / "out.h5", positions=True)["positions"]) == canon(res.records)
 
 
+def test_a_flip_in_a_sparse_chunked_dataset_writes_back_only_its_chunk(tmp_path):
+    # The whole dataset was written back: every chunk never written (a preallocated, resizable log)
+    # was allocated and filled, 400 KB of file becoming 80 MB for one flip.
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        d = f.create_dataset("buf", (4_000_000,), "f4", chunks=(100_000,), maxshape=(None,))
+        d[:1000] = np.arange(1000)
+    with h5py.File(src, "r") as f:
+        allocated = f["buf"].id.get_num_chunks()
+    res = run_alter(src, tmp_path / "out.h5", count=3, seed=1)
+    with h5py.File(tmp_path / "out.h5", "r") as f:
+        touched = {i[0] // 100_000 for i in (r["index"] for r in res.records)} | {0}
+        assert f["buf"].id.get_num_chunks() == len(touched) > allocated
+    assert canon(A.diff(src, tmp_path / "out.h5", positions=True)["positions"]) == canon(res.records)
+    assert (tmp_path / "out.h5").stat().st_size < src.stat().st_size + 4 * 400_000
+
+
 def test_data_stored_outside_the_file_is_never_altered(tmp_path):
     # External raw storage and virtual datasets live in other files, shared by the input and its copy.
     np.arange(100, dtype=np.float32).tofile(tmp_path / "ext.bin")

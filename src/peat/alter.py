@@ -370,6 +370,7 @@ class Storage:
         self.name = name or self.path  # in errors: the user's file, not a temporary copy of it
         self._maps: dict[str, np.memmap] = {}
         self._arrays: dict[str, np.ndarray] = {}  # h5py-read datasets (edited in memory, written on close)
+        self._edited: dict[str, list[np.ndarray]] = {}  # their altered flat positions
 
     def raw(self, entry: Entry) -> np.ndarray:
         """Flat raw-bits view of a dataset (editable when the storage is opened with mode 'r+')."""
@@ -391,19 +392,46 @@ class Storage:
         # No msync: edits live in the shared page cache, visible to every later reader of the file;
         # the copy is not fsynced either, so flushing would only cost time.
         self._maps.clear()
-        if self.mode == "r+" and self._arrays:
-            # Rewritten chunks may not fit where the old ones were. Checked first: HDF5 crashes the
-            # process (segmentation fault) closing a file whose write ran out of space.
-            need = sum(raw.nbytes for raw in self._arrays.values()) * 1.01 + 2**20
-            free = shutil.disk_usage(self.path.parent).free
-            if free < need:  # an OSError as the copy's own: the study records a PeatError as not applicable
-                raise OSError(errno.ENOSPC, f"No space left on device to rewrite the chunked datasets of {self.name} "
-                              f"({free / 2**20:.1f} MiB free, up to {need / 2**20:.1f} MiB needed)", str(self.path.parent))
+        if self.mode == "r+" and self._edited:
             with open_h5(self.path, "r+") as f:
-                for name, raw in self._arrays.items():
-                    ds = f[name]
-                    ds[...] = raw.view(ds.dtype).reshape(ds.shape)
+                writes = [(name, f[name], region) for name, done in self._edited.items()
+                          for region in _regions(f[name], np.concatenate(done))]
+                # Rewritten chunks may not fit where the old ones were. Checked first: HDF5 crashes the
+                # process (segmentation fault) closing a file whose write ran out of space.
+                need = sum(_nbytes(ds, region) for _, ds, region in writes) * 1.01 + 2**20
+                free = shutil.disk_usage(self.path.parent).free
+                if free < need:  # an OSError as the copy's own: the study records a PeatError as not applicable
+                    raise OSError(errno.ENOSPC, f"No space left on device to rewrite the chunked datasets of {self.name} "
+                                  f"({free / 2**20:.1f} MiB free, up to {need / 2**20:.1f} MiB needed)", str(self.path.parent))
+                for name, ds, region in writes:
+                    ds[region] = self._arrays[name].view(ds.dtype).reshape(ds.shape)[region]
         self._arrays.clear()
+        self._edited.clear()
+
+    def write(self, entry: Entry, positions: np.ndarray, new: np.ndarray) -> None:
+        """Store altered raw values at flat positions (kept in memory for h5py-read datasets until close)."""
+        self.raw(entry)[positions] = new
+        if entry.path in self._arrays:
+            self._edited.setdefault(entry.path, []).append(positions)
+
+
+def _regions(ds: h5py.Dataset, positions: np.ndarray) -> list[tuple]:
+    """The selections to write back for altered flat positions: each chunk holding one, or the whole dataset.
+
+    Only those chunks where some were never written: writing the whole dataset allocates and fills them
+    all (a preallocated, resizable array grew the file from 0.4 to 80 MB for one flip). Where all are
+    stored, one write of the whole is faster than one per chunk.
+    """
+    grid = [-(-n // k) for n, k in zip(ds.shape, ds.chunks or ())]
+    if ds.chunks is None or not ds.shape or ds.id.get_num_chunks() == math.prod(grid):
+        return [()]
+    index = np.stack(np.unravel_index(positions, ds.shape), 1) // np.array(ds.chunks)
+    return [tuple(slice(c * k, min((c + 1) * k, n)) for c, k, n in zip(chunk, ds.chunks, ds.shape))
+            for chunk in np.unique(index, axis=0).tolist()]
+
+
+def _nbytes(ds: h5py.Dataset, region: tuple) -> int:
+    return int(np.prod([s.stop - s.start for s in region], dtype=np.int64)) * ds.dtype.itemsize if region else ds.nbytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -690,7 +718,7 @@ def apply(edits: list[Edit], storage: Storage) -> list[dict]:
             new = _scaled(old, edit.entry, edit.scale)
         else:
             new = (old ^ edit.xor.astype(raw.dtype)).astype(raw.dtype)  # keep the file's byte order
-        raw[edit.positions] = new
+        storage.write(edit.entry, edit.positions, new)
         done.append({"entry": edit.entry, "positions": edit.positions, "old": old, "new": new, "scale": edit.scale})
     return done
 
