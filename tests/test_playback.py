@@ -1113,6 +1113,19 @@ def test_downstream_twins_of_variants_on_a_faulty_kernels_operands_repeat_their_
             assert torch.equal(output, downstream), (case, step)
 
 
+@pytest.mark.parametrize("samples", [0, -1, 1.5, True])
+def test_a_propagator_refuses_a_bad_number_of_steps_in_one_line(samples, tmp_path):
+    """Unchecked outside the config schema (playback.propagate_samples): samples=0 followed no step, a
+    replay with propagation silently without its later observing points, and -1 or 1.5 ended the replay
+    in numpy's ValueError or TypeError at the first forward sample, naming no setting."""
+    from peat.propagate import Propagator
+
+    with pytest.raises(PeatError, match=re.escape(f"peat.propagate.Propagator: samples={samples!r}: steps followed "
+                                                  "per layer need an integer >= 1 (None: every replayed step)")):
+        Propagator(context=tmp_path / "context.h5", spec={}, data=tmp_path / "data.h5", checkpoints=tmp_path,
+                   samples=samples)
+
+
 def test_a_kernel_failing_downstream_is_a_row_not_a_failed_job(golden_run, tmp_path):
     from peat.propagate import Propagator
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from . import checkpoint, errors, kernels, scores
 from .evidence import PRECISIONS, envelopes, scored_references
-from .io import open_h5
+from .io import check_int, open_h5
 from .models import build, loss_and_metrics
 from .playback import score_row, subsample
 from .profiler import match_layers, read_layer, recorded_steps
@@ -61,6 +61,10 @@ class Propagator:
     def __post_init__(self):
         from .data import load
 
+        # The config schema checks playback.propagate_samples; a library call's was not: 0 followed no step.
+        if self.samples is not None:
+            check_int("peat.propagate.Propagator: samples", self.samples, 1,
+                      "steps followed per layer need an integer >= 1 (None: every replayed step)")
         self.dataset = load(self.data)
         with open_h5(self.context) as f:
             self.order = [str(n) for n in f.attrs["layers"]]
