@@ -676,6 +676,16 @@ def test_a_replayed_log_is_not_overwritten_by_the_log_of_its_replay(mixed, tmp_p
     assert log.read_bytes() == before and not (tmp_path / "r.h5").exists()
 
 
+def test_a_replayed_log_is_not_overwritten_by_the_output_file(mixed, tmp_path, capsys):
+    # The altered copy was renamed over the log it replayed: the only record of the flips became an HDF5 file.
+    log = tmp_path / "log.json"
+    run_alter(mixed, tmp_path / "o.h5", log=log, count=3, seed=4)
+    before = log.read_bytes()
+    assert main(["alter", str(mixed), str(log), "--replay", str(log)]) == 2
+    assert capsys.readouterr().err == f"peat alter: error: {log}: output is the replayed log; name another output file\n"
+    assert log.read_bytes() == before
+
+
 def test_a_scale_log_replayed_on_integers_fails_with_one_line(tmp_path):
     # --scale alters floats only; a replay rounded 3 x 1.5 to 4 in an int64 dataset of the same name.
     src, log = tmp_path / "in.h5", tmp_path / "log.json"

@@ -804,6 +804,8 @@ def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLik
     src = Path(src)
     plan.check()
     out = _prepare_output(src, Path(dst) if dst is not None else None, in_place)
+    if replay is not None and out.resolve() == Path(replay).resolve():  # else the copy is renamed over the log
+        raise PeatError(f"{out}: output is the replayed log; name another output file")
     if log is not None:
         _check_json_output("--log", log, [src, out], "the checkpoint itself", "log")
         if replay is not None:  # the new log would replace the replayed one's plan (seed, options) with itself
