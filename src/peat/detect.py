@@ -357,7 +357,8 @@ def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, se
     """One workflow job: the verdict JSON of one kernel from its playback table and record."""
     # No rule reads the list columns (bits, maps): 80 % of the table's memory in pandas.
     rules = None if section is None else rules_from(section)  # None: those playback scored the table with
-    result = judge(read_parquet_scalars(table_path, required=TABLE_KEYS), read_json(record_path), rules)
+    record = read_json(record_path)  # the small file first: a damaged one is named before the table is read
+    result = judge(read_parquet_scalars(table_path, required=TABLE_KEYS), record, rules)
     write_json(out, result)
     print(f"detect: {result['verdict']} ({result['error_model']}, confidence {result['confidence']:.3f})")
     return result
