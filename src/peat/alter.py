@@ -217,7 +217,6 @@ class Entry:
     layout: Layout
     cls: str
     offset: int | None  # file offset of the values of a contiguous (allocated) or compact dataset without filters (memory-mappable)
-    checksummed: tuple[int, int] | None = None  # (start, length) of the header chunk holding compact values, checksum after it
     fixed: bool = False  # never altered: edits would reach other files, not survive the write or name no enum member (see _why_fixed)
 
     @property
@@ -236,7 +235,7 @@ def scan(path: str | os.PathLike) -> list[Entry]:
                 layout = layout_of(obj)
                 if layout is not None and obj.shape is not None and obj.size > 0:
                     entries.append(Entry("/" + name, tuple(obj.shape), obj.dtype, layout,
-                                         location_class(name, obj.attrs), *_offset(obj), _why_fixed(obj) is not None))
+                                         location_class(name, obj.attrs), _offset(obj), _why_fixed(obj) is not None))
         try:
             f.visititems(visit)
         except UnicodeDecodeError as err:  # a damaged name, or one another tool wrote in another encoding
@@ -312,81 +311,38 @@ def _why_unalterable(ds: h5py.Dataset) -> str | None:
     return _why_fixed(ds)
 
 
-def _offset(ds: h5py.Dataset) -> tuple[int | None, tuple[int, int] | None]:
-    """Where a dataset's values lie in the file (None: read and written through h5py), and the header
-    chunk whose checksum covers them (compact datasets under version-2 headers)."""
+def _offset(ds: h5py.Dataset) -> int | None:
     plist = ds.id.get_create_plist()
     if plist.get_nfilters():
-        return None, None
+        return None
     if plist.get_layout() == h5py.h5d.COMPACT:
         return _compact_offset(ds)
     if plist.get_layout() != h5py.h5d.CONTIGUOUS:
-        return None, None
-    return ds.id.get_offset(), None  # None for unallocated data
+        return None
+    return ds.id.get_offset()  # None for unallocated data
 
 
-def _compact_offset(ds: h5py.Dataset) -> tuple[int | None, tuple[int, int] | None]:
-    """File offset of a compact dataset's values, inside its object header's first chunk.
+def _compact_offset(ds: h5py.Dataset) -> int | None:
+    """File offset of a compact dataset's values, inside its object header (None: write it through h5py).
 
     HDF5 stamps the time of every write into the header of a compact dataset (where the file records
     times, as the C library does by default), so a copy rewritten through h5py differed from a rerun or a
-    replay of the same flips. Edited in place they keep the header as it was (a version-2 header's
-    checksum recomputed).
+    replay of the same flips. Edited in place they keep the header as it was. Only version-1 headers:
+    a version-2 header holds a checksum of its bytes, which HDF5 has to recompute.
     """
     info = h5py.h5o.get_info(ds.id)
+    if info.hdr.version != 1:
+        return None
+    # The layout message (version 3, class 0 = compact), its 2-byte size, then the values as stored.
+    needle = bytes([3, 0]) + ds.id.get_storage_size().to_bytes(2, "little") + np.ascontiguousarray(ds[()]).tobytes()
     start = ds.file.userblock_size + info.addr  # HDF5 addresses count from the superblock
     with open(ds.file.filename, "rb") as f:
         f.seek(start)
         header = f.read(16 + info.hdr.space.total)  # the prefix and the first chunk (continuations lie elsewhere)
-    first, end = _first_chunk(header, info.hdr.version)
-    # The layout message (version 3, class 0 = compact), its 2-byte size, then the values as stored.
-    needle = bytes([3, 0]) + ds.id.get_storage_size().to_bytes(2, "little") + np.ascontiguousarray(ds[()]).tobytes()
-    at = header.find(needle, first, end)
-    if at < 0 or header.find(needle, at + 1, end) >= 0:  # not in the first chunk, or not unambiguously
-        return None, None
-    return start + at + 4, ((start, end) if info.hdr.version == 2 else None)
-
-
-def _first_chunk(header: bytes, version: int) -> tuple[int, int]:
-    """Where the messages of an object header's first chunk begin and end (a version-2 chunk's checksum
-    follows it); (0, 0) for a header peat does not know."""
-    if version == 1:
-        return 16, len(header)
-    if version != 2 or header[:4] != b"OHDR" or len(header) < 6:
-        return 0, 0
-    flags = header[5]
-    size_at = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)  # times; attribute phase change
-    width = 1 << (flags & 3)
-    end = size_at + width + int.from_bytes(header[size_at:size_at + width], "little")
-    return (size_at + width, end) if end + 4 <= len(header) else (0, 0)
-
-
-def _lookup3(data: bytes) -> int:
-    """Bob Jenkins' lookup3 hash (hashlittle, initial value 0): HDF5's metadata checksum."""
-    m = 0xFFFFFFFF
-
-    def rot(x, k):
-        return ((x << k) | (x >> (32 - k))) & m
-
-    a = b = c = (0xDEADBEEF + len(data)) & m
-    words = [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]  # the last one zero-padded
-    blocks = max(0, -(-len(data) // 12) - 1)  # all but the last 1-12 bytes are mixed
-    for i in range(blocks):
-        a, b, c = (a + words[3 * i]) & m, (b + words[3 * i + 1]) & m, (c + words[3 * i + 2]) & m
-        for x, y, z, k in ((0, 2, 1, 4), (1, 0, 2, 6), (2, 1, 0, 8), (0, 2, 1, 16), (1, 0, 2, 19), (2, 1, 0, 4)):
-            v = [a, b, c]  # x -= y; x ^= rot(y, k); y += z
-            v[x] = ((v[x] - v[y]) & m) ^ rot(v[y], k)
-            v[y] = (v[y] + v[z]) & m
-            a, b, c = v
-    if not data:
-        return c
-    tail = (words[3 * blocks:] + [0, 0])[:3]
-    a, b, c = (a + tail[0]) & m, (b + tail[1]) & m, (c + tail[2]) & m
-    for x, y, k in ((2, 1, 14), (0, 2, 11), (1, 0, 25), (2, 1, 16), (0, 2, 4), (1, 0, 14), (2, 1, 24)):
-        v = [a, b, c]  # x ^= y; x -= rot(y, k)
-        v[x] = ((v[x] ^ v[y]) - rot(v[y], k)) & m
-        a, b, c = v
-    return c
+    at = header.find(needle)
+    if at < 0 or header.find(needle, at + 1) >= 0:  # not in the first chunk, or not unambiguously
+        return None
+    return start + at + 4
 
 
 def _why_fixed(ds: h5py.Dataset) -> str | None:
@@ -415,7 +371,6 @@ class Storage:
         self._maps: dict[str, np.memmap] = {}
         self._arrays: dict[str, np.ndarray] = {}  # h5py-read datasets (edited in memory, written on close)
         self._edited: dict[str, list[np.ndarray]] = {}  # their altered flat positions
-        self._checksummed: set[tuple[int, int]] = set()  # header chunks holding altered values (Entry.checksummed)
 
     def raw(self, entry: Entry) -> np.ndarray:
         """Flat raw-bits view of a dataset (editable when the storage is opened with mode 'r+')."""
@@ -437,12 +392,6 @@ class Storage:
         # No msync: edits live in the shared page cache, visible to every later reader of the file;
         # the copy is not fsynced either, so flushing would only cost time.
         self._maps.clear()
-        if self._checksummed:
-            with open(self.path, "r+b") as f:
-                for start, length in sorted(self._checksummed):
-                    f.seek(start)
-                    f.write(_lookup3(f.read(length)).to_bytes(4, "little"))  # the checksum follows its chunk
-            self._checksummed.clear()
         if self.mode == "r+" and self._edited:
             with open_h5(self.path, "r+") as f:
                 writes = [(name, f[name], region) for name, done in self._edited.items()
@@ -462,8 +411,6 @@ class Storage:
     def write(self, entry: Entry, positions: np.ndarray, new: np.ndarray) -> None:
         """Store altered raw values at flat positions (kept in memory for h5py-read datasets until close)."""
         self.raw(entry)[positions] = new
-        if entry.checksummed is not None:
-            self._checksummed.add(entry.checksummed)
         if entry.path in self._arrays:
             self._edited.setdefault(entry.path, []).append(positions)
 
