@@ -48,7 +48,38 @@ def read(path: Path) -> dict:
     results = read_json(path)
     if not isinstance(results, dict) or not {"machine", "benchmarks"} <= set(results):
         raise PeatError(f"{path}: no 'machine' and 'benchmarks' (not a benchmarks/run.py results.json?)")
+    if not isinstance(results["machine"], dict):
+        raise PeatError(f"{path}: 'machine' is not an object")
+    if not isinstance(results["benchmarks"], list):
+        raise PeatError(f"{path}: 'benchmarks' is not a list of entries")
+    for i, entry in enumerate(results["benchmarks"]):
+        problem = _entry_problem(entry)
+        if problem:
+            raise PeatError(f"{path}: benchmarks[{i}]{problem}")
     return results
+
+
+# What write() (sorting, figures) and markdown() read of an entry that has a median.
+MEASURED_KEYS = ("min", "max", "repeats", "goal", "goal_value", "met", "samples", "unit")
+
+
+def _entry_problem(entry) -> str | None:
+    """Why an entry would break a merge or the table (a traceback, or a silent drop), else None."""
+    if not isinstance(entry, dict):
+        return ": not an object"
+    if "name" not in entry:
+        return ": no name"
+    if entry["name"] not in ORDER:
+        return f": {entry['name']!r} is no benchmark of run.py"
+    if entry.get("median") is None:  # a failed benchmark: its error is all there is
+        return None
+    missing = sorted(set(MEASURED_KEYS) - set(entry))
+    if missing:
+        return f" ({entry['name']}): measured, but no {', '.join(missing)}"
+    for key in ("median", "min", "max"):
+        if isinstance(entry[key], bool) or not isinstance(entry[key], (int, float)):
+            return f" ({entry['name']}): {key} {entry[key]!r} is not a number"
+    return None
 
 
 def _stamped(entry: dict, header: dict) -> dict:

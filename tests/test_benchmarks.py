@@ -395,8 +395,21 @@ def test_a_benchmark_that_fails_on_a_rerun_leaves_no_figure_of_the_earlier_numbe
     assert json.loads((tmp_path / "results.json").read_text())["benchmarks"][0]["error"] == failed["error"]
 
 
-@pytest.mark.parametrize(("text", "said"), [('{"machine": ', "not valid JSON"),
-                                            ('{"a": 1}', "no 'machine' and 'benchmarks' (not a benchmarks/run.py results.json?)")])
+@pytest.mark.parametrize(("text", "said"), [
+    ('{"machine": ', "not valid JSON"),
+    ('{"a": 1}', "no 'machine' and 'benchmarks' (not a benchmarks/run.py results.json?)"),
+    # Entries that were merged silently (none), or ended in a ValueError/KeyError/TypeError traceback.
+    ('{"machine": {}, "benchmarks": {}}', "'benchmarks' is not a list of entries"),
+    ('{"machine": [], "benchmarks": []}', "'machine' is not an object"),
+    ('{"machine": {}, "benchmarks": [1]}', "benchmarks[0]: not an object"),
+    ('{"machine": {}, "benchmarks": [{"median": 1}]}', "benchmarks[0]: no name"),
+    ('{"machine": {}, "benchmarks": [{"name": "bogus"}]}', "benchmarks[0]: 'bogus' is no benchmark of run.py"),
+    ('{"machine": {}, "benchmarks": [{"name": "end_to_end", "median": 1}]}',
+     "benchmarks[0] (end_to_end): measured, but no goal, goal_value, max, met, min, repeats, samples, unit"),
+    ('{"machine": {}, "benchmarks": [{"name": "end_to_end", "median": "1", "min": 1, "max": 1, "repeats": 1, '
+     '"goal": "", "goal_value": 1, "met": true, "samples": [1], "unit": "s"}]}',
+     "benchmarks[0] (end_to_end): median '1' is not a number"),
+])
 @pytest.mark.parametrize("option", ["--merge", "--table", "--only"])
 def test_a_damaged_results_file_is_one_line_before_anything_runs(tmp_path, capsys, text, said, option):
     """--merge or --table of a damaged or foreign results.json, or --only into an --out holding
