@@ -8,6 +8,23 @@ CONFIG ?= config/config.yaml
 
 .PHONY: run test lint bench clean
 
+# Check `make run`'s variables when make reads this file, so a typo costs one line, not a pip
+# install followed by a Snakemake traceback (missing CONFIG) or a planned DAG (CORES=0).
+nondigits = $(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst 4,,$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1)))))))))))
+# Non-empty when $(1) is one word of digits, not all zeros: a core count Snakemake can grant.
+core_count = $(and $(filter 1,$(words $(1))),$(subst 0,,$(1)),$(if $(call nondigits,$(1)),,yes))
+ifneq ($(filter run,$(MAKECMDGOALS)),)
+  ifeq ($(strip $(CONFIG)),)
+    $(error CONFIG is empty: name a config file, e.g. make run CONFIG=config/test.yaml)
+  endif
+  $(foreach f,$(CONFIG),$(if $(wildcard $(f)),,$(error CONFIG=$(CONFIG): no such file '$(f)' (paths are relative to $(CURDIR)))))
+  ifneq ($(CORES),all)
+    ifeq ($(call core_count,$(CORES)),)
+      $(error CORES=$(CORES): give a whole number of cores above 0, or all)
+    endif
+  endif
+endif
+
 $(STAMP): envs/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

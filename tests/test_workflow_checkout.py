@@ -1,11 +1,14 @@
 """The workflow as a user drives it from a second checkout (a git worktree, or a clone sharing
-another checkout's venv): the Snakefile must read this checkout's peat, as its jobs do."""
+another checkout's venv): the Snakefile must read this checkout's peat, as its jobs do. And
+`make run`'s variables as the Quick start has a new user type them."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+
+import pytest
 
 from conftest import BIN, REPO
 
@@ -28,3 +31,38 @@ def test_a_second_checkout_tracks_its_own_kernel_sources(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     kernels = sorted(set(re.findall(r"(\S+/alt_kernels/\w+\.py)", proc.stdout)))
     assert kernels == [f"{checkout}/src/peat/alt_kernels/{name}.py" for name in ("_gemm", "_norm", "im2col")]
+
+
+def _make_run_dry(*variables: str) -> subprocess.CompletedProcess:
+    # -n: make prints the recipes instead of running them, so no install and no workflow
+    return subprocess.run(["make", "-n", "run", *variables], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(("variable", "message"), [
+    ("CONFIG=missing.yaml", "*** CONFIG=missing.yaml: no such file 'missing.yaml' (paths are relative to "),
+    ("CONFIG=config/test.yaml nope.yaml", "*** CONFIG=config/test.yaml nope.yaml: no such file 'nope.yaml' "),
+    ("CONFIG=", "*** CONFIG is empty: name a config file, e.g. make run CONFIG=config/test.yaml.  Stop."),
+    ("CORES=0", "*** CORES=0: give a whole number of cores above 0, or all.  Stop."),
+    ("CORES=abc", "*** CORES=abc: give a whole number of cores above 0, or all.  Stop."),
+    ("CORES=", "*** CORES=: give a whole number of cores above 0, or all.  Stop."),
+    ("CORES=1 2", "*** CORES=1 2: give a whole number of cores above 0, or all.  Stop."),
+])
+def test_make_run_refuses_a_bad_variable_in_one_line_before_any_work(variable, message):
+    """A typo in `make run`'s CONFIG or CORES stops make as it reads the Makefile: one line, and
+    neither the venv install nor Snakemake runs (before, a missing CONFIG ended in a Snakemake
+    traceback and CORES=0 in a planned DAG, each after the install)."""
+    proc = _make_run_dry(variable)
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("variables", "cores", "configs"), [
+    ((), "all", "config/config.yaml"),
+    (("CONFIG=config/test.yaml", "CORES=2"), "2", "config/test.yaml"),
+    (("CONFIG=config/test.yaml config/gpu.yaml", "CORES=all"), "all", "config/test.yaml config/gpu.yaml"),
+])
+def test_make_run_passes_good_variables_to_snakemake(variables, cores, configs):
+    proc = _make_run_dry(*variables)
+    assert proc.returncode == 0, proc.stderr
+    assert f"snakemake --cores {cores} --show-failed-logs --configfile {configs}\n" in proc.stdout
