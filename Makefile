@@ -6,7 +6,18 @@ STAMP  := $(VENV)/.installed
 CORES  ?= all
 CONFIG ?= config/config.yaml
 
-.PHONY: run test lint bench clean
+.PHONY: help run test lint bench clean
+
+# A bare `make` lists the commands: otherwise it would build the first rule, the venv stamp,
+# and answer "'.venv/.installed' is up to date", which says nothing about what to type next.
+.DEFAULT_GOAL := help
+help:
+	@echo 'make run [CONFIG=config/config.yaml] [CORES=all]  the workflow; report in reports/<config name>/index.html'
+	@echo 'make test    the whole test suite'
+	@echo 'make lint    snakemake --lint, snakefmt --check, ruff'
+	@echo 'make bench   the benchmarks (benchmarks/run.py)'
+	@echo 'make clean   remove results/, logs/ and .snakemake/'
+	@echo 'The first of run, test, lint, bench creates .venv and installs the pinned dependencies.'
 
 # Check `make run`'s variables when make reads this file, so a typo costs one line, not a pip
 # install followed by a Snakemake traceback (missing CONFIG) or a planned DAG (CORES=0).

@@ -66,3 +66,14 @@ def test_make_run_passes_good_variables_to_snakemake(variables, cores, configs):
     proc = _make_run_dry(*variables)
     assert proc.returncode == 0, proc.stderr
     assert f"snakemake --cores {cores} --show-failed-logs --configfile {configs}\n" in proc.stdout
+
+
+def test_a_bare_make_lists_the_commands_and_installs_nothing():
+    """`make` alone used to build the Makefile's first rule, the venv stamp: an install on a
+    fresh clone, else "'.venv/.installed' is up to date", neither saying to type `make run`."""
+    proc = subprocess.run(["make"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    commands = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("make ")]
+    assert commands == ["run", "test", "lint", "bench", "clean"], proc.stdout
+    assert "reports/<config name>/index.html" in proc.stdout
+    assert "pip" not in proc.stdout and "up to date" not in proc.stdout
