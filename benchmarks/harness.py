@@ -14,9 +14,22 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+
+def check_out_folder(path, option: str = "--out") -> None:
+    """A PeatError ("a file, not a folder") where ``path`` (``option``), or a folder above it, is a file: said
+    before anything runs, not as a traceback once the results are written."""
+    from peat.io import PeatError  # here: the harness itself needs nothing of peat
+
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise PeatError(f"{option}: {folder}: a file, not a folder")
+            return
 
 
 @dataclass

@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", nargs="+", type=Path, metavar="RESULTS_JSON",
                         help="merge the entries of results.json files of other runs into OUT and exit")
     args = parser.parse_args(argv)
+    try:
+        harness.check_out_folder(args.out)
+    except PeatError as err:
+        parser.error(str(err))
     for path in args.merge or ([args.out / "results.json"] if args.table else []):
         if not path.is_file():
             parser.error(f"{'--merge' if args.merge else '--table'}: {path} does not exist")

@@ -527,3 +527,24 @@ def test_record_layers_override_the_recorded_layers_only():
     assert training.recording(spec, override) == spec | {"record": spec["record"] | {"layers": ["fc"]}}
     assert spec["record"]["layers"] != ["fc"]  # the config's own spec is left as it was
     assert training.recording(spec, bench_run.Settings(quick=True, repeats=1, workdir=Path("."))) is spec
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+@pytest.mark.parametrize("script", ["run", "detector"])
+def test_an_out_that_is_no_folder_is_refused_before_anything_runs(tmp_path, capsys, script, where):
+    """--out naming a file (or a folder under one) ended in a FileExistsError traceback when the
+    results were written: after every benchmark (17 min) or every detector case had run."""
+    blocker = tmp_path / "results.json"
+    blocker.write_text("{}")
+    out = blocker if where == "file" else blocker / "sub"
+    work = tmp_path / "work"
+    if script == "run":
+        with pytest.raises(SystemExit) as ended:
+            bench_run.main(["--quick", "--only", "checkpoint_alteration", "--workdir", str(work), "--out", str(out)])
+        code = ended.value.code
+    else:
+        code = detector.main(["--context", str(tmp_path / "missing.h5"), "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"--out: {blocker}: a file, not a folder")
+    assert blocker.read_text() == "{}" and not work.exists()
