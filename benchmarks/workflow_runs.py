@@ -52,18 +52,30 @@ def snakemake(workdir: Path, configfile: Path, *args: str, timeout: float | None
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             seconds = time.perf_counter() - start
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop(proc)
             raise Unfinished(seconds, f"stopped at the {timeout:.0f} s limit", progress(log)) from None
+        except BaseException:
+            # Its own session keeps Ctrl-C in the terminal from reaching it: without this it ran
+            # on after benchmarks/run.py stopped, in a scratch folder being removed under it.
+            stop(proc)
+            raise
     seconds = time.perf_counter() - start
     if returncode != 0:
         raise Unfinished(seconds, f"snakemake failed ({returncode}; failed rules: {', '.join(failed_rules(log))})",
                          progress(log))
     return seconds
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group (snakemake and its jobs), SIGKILL after a minute."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group had ended by itself
+        pass
+    proc.wait()
 
 
 def failed_rules(log: Path) -> list[str]:

@@ -6,6 +6,7 @@ Nothing here asserts that a goal is met: timings on a shared machine are not tes
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -548,3 +549,38 @@ def test_an_out_that_is_no_folder_is_refused_before_anything_runs(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith(f"--out: {blocker}: a file, not a folder")
     assert blocker.read_text() == "{}" and not work.exists()
+
+
+def test_an_interrupted_workflow_run_stops_its_snakemake(tmp_path, monkeypatch):
+    """snakemake runs in its own session (so the time limit can stop its jobs too), which Ctrl-C in
+    the terminal does not reach: a Ctrl-C of benchmarks/run.py left the full workflow run going on
+    in the background, in a scratch folder being removed under it."""
+    import signal
+
+    import workflow_runs
+
+    fake = tmp_path / "bin" / "snakemake"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'pid'}\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(workflow_runs, "BIN", fake.parent)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            workflow_runs.snakemake(tmp_path, tmp_path / "config.yaml")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    pid = int((tmp_path / "pid").read_text())
+    try:
+        alive = os.kill(pid, 0) is None
+    except ProcessLookupError:
+        alive = False
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
