@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -117,6 +118,13 @@ def _results(parser: argparse.ArgumentParser, option: str, path: Path) -> dict:
         parser.error(f"{option}: {err}")
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM as an exit, as Ctrl-C is an exception: by default it ended Python at once, with
+    no cleanup, so the scratch folder stayed and a workflow entry's snakemake (its own session)
+    ran on. results.json is written atomically either way."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
     names = list(BENCHMARKS)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -189,4 +197,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

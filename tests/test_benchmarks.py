@@ -584,3 +584,19 @@ def test_an_interrupted_workflow_run_stops_its_snakemake(tmp_path, monkeypatch):
     if alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive
+
+
+def test_sigterm_of_a_benchmark_run_cleans_up_as_ctrl_c_does(tmp_path):
+    """SIGTERM ended benchmarks/run.py at once: no cleanup ran, so its scratch folder stayed and a
+    workflow entry's snakemake (in its own session) ran on. Now it is an exit that cleans up."""
+    code = (f"import sys, tempfile, time; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import run\n"
+            "run.exit_on_sigterm()\n"
+            f"with tempfile.TemporaryDirectory(dir={str(tmp_path)!r}) as tmp:\n"
+            "    print(tmp, flush=True)\n"
+            "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    scratch = Path(proc.stdout.readline().strip())
+    assert scratch.is_dir()
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    assert not scratch.exists()
