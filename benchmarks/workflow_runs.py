@@ -53,7 +53,8 @@ def snakemake(workdir: Path, configfile: Path, *args: str, timeout: float | None
         except subprocess.TimeoutExpired:
             seconds = time.perf_counter() - start
             stop(proc)
-            raise Unfinished(seconds, f"stopped at the {timeout:.0f} s limit", progress(log)) from None
+            limit = f"{timeout:.3f}".rstrip("0").rstrip(".")  # as given: a limit of 0.5 s was said as 0 s
+            raise Unfinished(seconds, f"stopped at the {limit} s limit", progress(log)) from None
         except BaseException:
             # Its own session keeps Ctrl-C in the terminal from reaching it: without this it ran
             # on after benchmarks/run.py stopped, in a scratch folder being removed under it.

@@ -551,12 +551,9 @@ def test_an_out_that_is_no_folder_is_refused_before_anything_runs(tmp_path, caps
     assert blocker.read_text() == "{}" and not work.exists()
 
 
-def test_an_interrupted_workflow_run_stops_its_snakemake(tmp_path, monkeypatch):
-    """snakemake runs in its own session (so the time limit can stop its jobs too), which Ctrl-C in
-    the terminal does not reach: a Ctrl-C of benchmarks/run.py left the full workflow run going on
-    in the background, in a scratch folder being removed under it."""
-    import signal
-
+@pytest.fixture
+def slow_snakemake(tmp_path, monkeypatch):
+    """workflow_runs' snakemake replaced by a 30 s sleep; returns whether that sleep still runs."""
     import workflow_runs
 
     fake = tmp_path / "bin" / "snakemake"
@@ -564,6 +561,35 @@ def test_an_interrupted_workflow_run_stops_its_snakemake(tmp_path, monkeypatch):
     fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'pid'}\nexec sleep 30\n")
     fake.chmod(0o755)
     monkeypatch.setattr(workflow_runs, "BIN", fake.parent)
+
+    def still_running() -> bool:
+        pid = int((tmp_path / "pid").read_text())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        os.kill(pid, 9)  # not left behind by a failing test
+        return True
+
+    return still_running
+
+
+def test_a_workflow_run_past_its_time_limit_is_stopped_and_says_the_limit(tmp_path, slow_snakemake):
+    """A limit under a second was said as 'the 0 s limit'."""
+    import workflow_runs
+
+    with pytest.raises(workflow_runs.Unfinished, match=r"^stopped at the 0\.5 s limit after \d+ s, no job finished$"):
+        workflow_runs.snakemake(tmp_path, tmp_path / "config.yaml", timeout=0.5)
+    assert not slow_snakemake()
+
+
+def test_an_interrupted_workflow_run_stops_its_snakemake(tmp_path, slow_snakemake):
+    """snakemake runs in its own session (so the time limit can stop its jobs too), which Ctrl-C in
+    the terminal does not reach: a Ctrl-C of benchmarks/run.py left the full workflow run going on
+    in the background, in a scratch folder being removed under it."""
+    import signal
+
+    import workflow_runs
 
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -576,14 +602,7 @@ def test_an_interrupted_workflow_run_stops_its_snakemake(tmp_path, monkeypatch):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    pid = int((tmp_path / "pid").read_text())
-    try:
-        alive = os.kill(pid, 0) is None
-    except ProcessLookupError:
-        alive = False
-    if alive:
-        os.kill(pid, signal.SIGKILL)
-    assert not alive
+    assert not slow_snakemake()
 
 
 def test_sigterm_of_a_benchmark_run_cleans_up_as_ctrl_c_does(tmp_path):
