@@ -4,6 +4,7 @@ another checkout's venv): the Snakefile must read this checkout's peat, as its j
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -33,9 +34,16 @@ def test_a_second_checkout_tracks_its_own_kernel_sources(tmp_path):
     assert kernels == [f"{checkout}/src/peat/alt_kernels/{name}.py" for name in ("_gemm", "_norm", "im2col")]
 
 
+def _make(*args: str) -> subprocess.CompletedProcess:
+    """make as a user types it: under `make test` the inherited MAKELEVEL and MAKEFLAGS made it a
+    sub-make, which prints "make[1]: Entering directory ..." on stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    return subprocess.run(["make", *args], cwd=REPO, capture_output=True, text=True, env=env)
+
+
 def _make_run_dry(*variables: str) -> subprocess.CompletedProcess:
     # -n: make prints the recipes instead of running them, so no install and no workflow
-    return subprocess.run(["make", "-n", "run", *variables], cwd=REPO, capture_output=True, text=True)
+    return _make("-n", "run", *variables)
 
 
 @pytest.mark.parametrize(("variable", "message"), [
@@ -71,7 +79,7 @@ def test_make_run_passes_good_variables_to_snakemake(variables, cores, configs):
 def test_a_bare_make_lists_the_commands_and_installs_nothing():
     """`make` alone used to build the Makefile's first rule, the venv stamp: an install on a
     fresh clone, else "'.venv/.installed' is up to date", neither saying to type `make run`."""
-    proc = subprocess.run(["make"], cwd=REPO, capture_output=True, text=True)
+    proc = _make()
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     commands = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("make ")]
     assert commands == ["run", "test", "lint", "bench", "clean"], proc.stdout
