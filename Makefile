@@ -21,9 +21,9 @@ help:
 
 # Check `make run`'s variables when make reads this file, so a typo costs one line, not a pip
 # install followed by a Snakemake traceback (missing CONFIG) or a planned DAG (CORES=0).
-nondigits = $(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst 4,,$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1)))))))))))
-# Non-empty when $(1) is one word of digits, not all zeros: a core count Snakemake can grant.
-core_count = $(and $(filter 1,$(words $(1))),$(subst 0,,$(1)),$(if $(call nondigits,$(1)),,yes))
+# "yes" when $(1) is one word (counted by make: $(shell) drops newlines) of digits, not all 0:
+# 007 passes, 0 and 00 do not. A quote becomes x, a non-digit that cannot end the quoted word.
+core_count = $(if $(filter 1,$(words $(1))),$(shell case '$(subst ',x,$(1))' in (*[!0-9]*) ;; (*[1-9]*) echo yes ;; esac))
 ifneq ($(filter run,$(MAKECMDGOALS)),)
   ifeq ($(strip $(CONFIG)),)
     $(error CONFIG is empty: name a config file, e.g. make run CONFIG=config/test.yaml)

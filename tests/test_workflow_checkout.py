@@ -54,6 +54,11 @@ def _make_run_dry(*variables: str) -> subprocess.CompletedProcess:
     ("CORES=abc", "*** CORES=abc: give a whole number of cores above 0, or all.  Stop."),
     ("CORES=", "*** CORES=: give a whole number of cores above 0, or all.  Stop."),
     ("CORES=1 2", "*** CORES=1 2: give a whole number of cores above 0, or all.  Stop."),
+    ("CORES=00", "*** CORES=00: give a whole number of cores above 0, or all.  Stop."),
+    ("CORES=1.5", "*** CORES=1.5: give a whole number of cores above 0, or all.  Stop."),
+    ("CORES=+1", "*** CORES=+1: give a whole number of cores above 0, or all.  Stop."),
+    # the check quotes CORES for a shell: a quote in it must not end that quoted word
+    ("CORES=1'2", "*** CORES=1'2: give a whole number of cores above 0, or all.  Stop."),
 ])
 def test_make_run_refuses_a_bad_variable_in_one_line_before_any_work(variable, message):
     """A typo in `make run`'s CONFIG or CORES stops make as it reads the Makefile: one line, and
@@ -68,6 +73,7 @@ def test_make_run_refuses_a_bad_variable_in_one_line_before_any_work(variable, m
 @pytest.mark.parametrize(("variables", "cores", "configs"), [
     ((), "all", "config/config.yaml"),
     (("CONFIG=config/test.yaml", "CORES=2"), "2", "config/test.yaml"),
+    (("CONFIG=config/test.yaml", "CORES=007"), "007", "config/test.yaml"),
     (("CONFIG=config/test.yaml config/gpu.yaml", "CORES=all"), "all", "config/test.yaml config/gpu.yaml"),
 ])
 def test_make_run_passes_good_variables_to_snakemake(variables, cores, configs):
