@@ -624,7 +624,7 @@ def test_a_parquet_table_that_is_no_playback_table_is_one_line_naming_it(tmp_pat
     (tmp_path / "k.json").write_text('{"outcomes": []}')
     with pytest.raises(PeatError) as err:
         detect.run_job(table, tmp_path / "k.json", tmp_path / "v.json")
-    assert str(err.value) == (f"{table}: missing columns case, fop, layer, computation, tensor, step "
+    assert str(err.value) == (f"{table}: missing columns case, computation, layer, fop, tensor, step "
                               "(damaged, or not the file expected?)")
     assert not (tmp_path / "v.json").exists()
 

@@ -30,11 +30,11 @@ import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from .detect import not_applicable  # noqa: E402
+from .detect import CASE_KEYS, TABLE_KEYS, not_applicable  # noqa: E402
 from .io import PeatError, atomic_path, iter_list_rows, open_h5, read_json, read_parquet_scalars, write_csv, write_json  # noqa: E402
 
 SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")
-KEYS = ["case", "computation", "layer", "fop", "tensor"]
+KEYS = list(CASE_KEYS)  # a list: pandas' groupby takes a tuple for one key
 # layers.csv's columns: the keys, mean and std of each score, iterations and those of them unscored.
 LAYER_COLUMNS = [*KEYS, *(f"{score}_{stat}" for score in SCORES for stat in ("mean", "std")), "iterations", "unscored"]
 SUMMARY_KEYS = ("ranges", "spearman", "repeated_blocks", "forward_backward", "propagation")
@@ -66,9 +66,9 @@ HEAT_TOP = 3.0
 NO_SCORE = "no finite error\n(no element, or all NaN/Inf)"
 NO_SCORE_ANYWHERE = "no result has a finite error (outputs without elements, or all NaN/Inf): nothing to plot"
 # The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
-COLUMNS = [*KEYS, "step", *SCORES, "error", "status", "map_rows", "map_cols", "nonfinite"]
+COLUMNS = [*TABLE_KEYS, *SCORES, "error", "status", "map_rows", "map_cols", "nonfinite"]
 # Those a table with rows must hold: another parquet file ended the job in a KeyError naming no file.
-REQUIRED = [*KEYS, "step", *SCORES]
+REQUIRED = [*TABLE_KEYS, *SCORES]
 
 
 def _ok(table: pd.DataFrame) -> pd.DataFrame:

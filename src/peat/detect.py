@@ -349,8 +349,10 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules | None = None) -> dict
     return json_safe(result)
 
 
-# The columns that say which case a playback row is; the rules' own scores are the table's too.
-TABLE_KEYS = ("case", "fop", "layer", "computation", "tensor", "step")
+# The columns that say which case a playback row is (peat.analyze groups by them, step aside); the
+# rules' own scores are the table's too.
+CASE_KEYS = ("case", "computation", "layer", "fop", "tensor")
+TABLE_KEYS = (*CASE_KEYS, "step")
 
 
 def run_job(table_path: str | Path, record_path: str | Path, out: str | Path, section: dict | None = None) -> dict:
