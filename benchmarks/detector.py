@@ -144,22 +144,25 @@ def layer_cases(context: str, layer: str, op: str, *, seeds: int, steps: int, sp
 
 def build_cases(contexts, *, seeds: int, steps: int, specs, alternatives, rules, layers_per_op=None,
                 layers=None) -> pd.DataFrame:
-    todo, recorded = [], {}
+    todo, unmatched = [], {}
     for context in contexts:
         info = playback.check_context(context, {})
-        recorded[context] = list(info["ops"])
+        kept = [(layer, op) for layer, op in info["ops"].items()
+                if not layers or any(fnmatch.fnmatchcase(layer, g) for g in layers)]
+        if not kept:
+            unmatched[context] = list(info["ops"])
         seen: dict[str, int] = {}
-        for layer, op in info["ops"].items():
-            if layers and not any(fnmatch.fnmatchcase(layer, g) for g in layers):
-                continue
+        for layer, op in kept:
             seen[op] = seen.get(op, 0) + 1  # of the layers --layer keeps
             if layers_per_op is not None and seen[op] > layers_per_op:
                 continue
             todo.append((context, layer, op))
-    if not todo:  # before any replay: an empty table has no metrics to report
-        raise PeatError(f"no recorded layer of {', '.join(map(str, contexts))} matches --layer "
+    # Before any replay, each context: one without a case was left out of the results unsaid
+    # (where another context matched), and with none at all there are no metrics to report.
+    if unmatched:
+        raise PeatError(f"no recorded layer of {', '.join(map(str, unmatched))} matches --layer "
                         f"{' '.join(map(repr, layers or []))} (recorded: "
-                        f"{'; '.join(', '.join(names) for names in recorded.values())})")
+                        f"{'; '.join(', '.join(names) or 'none' for names in unmatched.values())})")
     cases = []
     for context, layer, op in todo:
         print(f"{context}: {layer} ({op})", flush=True)

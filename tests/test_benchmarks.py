@@ -530,6 +530,47 @@ def test_record_layers_override_the_recorded_layers_only():
     assert training.recording(spec, bench_run.Settings(quick=True, repeats=1, workdir=Path("."))) is spec
 
 
+def _recorded_context(path: Path, layers: list[str]) -> Path:
+    """A context of one recorded step of small linear layers named ``layers``, in a chain."""
+    import torch
+    from torch import nn
+
+    from peat.profiler import Profiler
+
+    model = nn.Sequential()
+    for name in layers:
+        model.add_module(name, nn.Linear(4, 4))
+    prof = Profiler(path, layers, every=1, meta={"model": path.parent.name, "config_hash": "h", "vendor": "cpu"})
+    prof.attach(model)
+    prof.begin_step(0, 1)
+    model(torch.randn(2, 4)).sum().backward()
+    prof.end_step()
+    prof.close()
+    return path
+
+
+@pytest.mark.parametrize(("globs", "unmatched"), [
+    (["a"], {"two": "fc"}),
+    (["fc", "z*"], {"one": "a, b"}),
+    (["z*"], {"one": "a, b", "two": "fc"}),
+])
+def test_a_layer_glob_matching_no_layer_of_a_context_is_refused_naming_it(tmp_path, capsys, monkeypatch, globs,
+                                                                          unmatched):
+    """With several contexts, --layer globs matching layers of one only dropped the others from the
+    results without a word (it refused only where no context matched at all)."""
+    contexts = {name: _recorded_context(tmp_path / name / "context.h5", layers)
+                for name, layers in (("one", ["a", "b"]), ("two", ["fc"]))}
+    monkeypatch.setattr(detector, "layer_cases", lambda *a, **k: pytest.fail("a layer was replayed"))
+    out = tmp_path / "out"
+    args = [a for c in contexts.values() for a in ("--context", str(c))] + [a for g in globs for a in ("--layer", g)]
+    assert detector.main([*args, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()
+    assert captured.err == (f"detector benchmark: error: no recorded layer of "
+                            f"{', '.join(str(contexts[n]) for n in unmatched)} matches --layer "
+                            f"{' '.join(map(repr, globs))} (recorded: {'; '.join(unmatched.values())})\n")
+
+
 @pytest.mark.parametrize("where", ["file", "under_a_file"])
 @pytest.mark.parametrize("script", ["run", "detector"])
 def test_an_out_that_is_no_folder_is_refused_before_anything_runs(tmp_path, capsys, script, where):
