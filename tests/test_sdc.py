@@ -1896,32 +1896,22 @@ def test_a_data_file_prepared_with_other_settings_is_one_line(digits, tmp_path, 
                                                     f"dataset 'digits' (datasets.digits): {stale}; prepare it again "
                                                     "from this config\n")
 
-@pytest.mark.parametrize("setting, stale", [
-    ({}, None),
-    ({"seed": 1}, None),  # not shown by what the file holds: passes, as before
-    ({"image_size": 16}, "image_size 8 (config: 16)"),
-    ({"val_fraction": 0.3}, "1438 training and 359 validation examples (config: 1258 and 539; val_fraction, path or "
-                            "part differ)"),
-])
-def test_a_data_file_without_recorded_settings_is_checked_by_what_it_holds(digits, tmp_path, setting, stale):
-    # A file prepared by an earlier peat has no 'settings' attribute: it still loads and is compared as before.
-    from peat.data import load
-    from peat.sdc_drill import _check_prepared
+def test_a_data_file_without_recorded_settings_is_refused_in_one_line(digits, tmp_path, monkeypatch, capsys):
+    # A file prepared by an older peat records no settings: compared by what it held, one prepared with
+    # another seed, path or part was drilled; it is refused, with the command that prepares it again.
+    from peat.sdc_drill import main
 
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
     old = tmp_path / "digits.h5"
     old.write_bytes(digits.read_bytes())
     with h5py.File(old, "r+") as f:
         del f.attrs["settings"]
-    data = load(old)
-    assert "settings" not in data.attrs
-    spec = make_config()["datasets"]["digits"] | setting
-    if stale is None:
-        _check_prepared(old, data, "digits", spec)
-        return
-    with pytest.raises(PeatError) as err:
-        _check_prepared(old, data, "digits", spec)
-    assert str(err.value) == (f"{old}: not prepared with the settings of dataset 'digits' (datasets.digits): {stale}; "
-                              "prepare it again from this config")
+    config = _config_file(tmp_path)
+    code = main(["--config", str(config), "--model", "resnet18", "--data", str(old), "--out", str(tmp_path / "out")])
+    assert (code, capsys.readouterr().err) == (
+        2, f"peat sdc drill: error: {old}: prepared by an older peat (no 'settings' attribute); prepare it again "
+           f"(rule prepare_dataset): snakemake --cores 1 --force results/data/digits.h5 --configfile {config}\n")
 
 
 def test_a_data_file_whose_text_changed_under_the_same_settings_is_one_line(tmp_path):
@@ -1933,10 +1923,10 @@ def test_a_data_file_whose_text_changed_under_the_same_settings_is_one_line(tmp_
     text.write_bytes(bytes(range(32, 127)) * 2)
     spec = {"source": "text", "path": str(text), "seq_len": 8, "val_fraction": 0.25, "seed": 0}
     prepare("corpus", spec, out)
-    _check_prepared(out, load(out), "corpus", spec)
+    _check_prepared(out, load(out), "corpus", spec, "config.yaml")
     text.write_bytes(text.read_bytes() * 2)
     with pytest.raises(PeatError) as err:
-        _check_prepared(out, load(out), "corpus", spec)
+        _check_prepared(out, load(out), "corpus", spec, "config.yaml")
     assert str(err.value) == (f"{out}: not prepared with the settings of dataset 'corpus' (datasets.corpus): 17 "
                               "training and 6 validation examples (config: 35 and 12; the text it was prepared from "
                               "differs); prepare it again from this config")

@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         if prepared is not None and prepared != spec["dataset"]:  # else a KeyError from every rank building the model
             raise PeatError(f"{args.data}: dataset {prepared!r}, but model {args.model!r} trains on dataset "
                             f"{spec['dataset']!r} (models.{args.model}.dataset)")
-        _check_prepared(args.data, data, spec["dataset"], config["datasets"][spec["dataset"]])
+        _check_prepared(args.data, data, spec["dataset"], config["datasets"][spec["dataset"]], args.config)
         # The drills' settings are for sdc.world_size ranks; --bench times any number (.ci/gpu: one rank per GPU).
         world_size = None if args.bench else sdc_cfg["world_size"]
         rank, world, device = init_distributed(sdc_cfg["backend"], sdc_cfg["timeout_s"], world_size)
@@ -459,39 +459,30 @@ class Refused(PeatError):
     """A config error found once the ranks had joined (the guard's files): exit EXIT_USAGE, not as a peer's failure."""
 
 
-def _check_prepared(path, data, name: str, spec: dict) -> None:
-    """One line naming ``path`` and each setting of dataset ``name`` it was not prepared with. Under srun
-    the file is the user's (the workflow prepares it again when its settings change): one made with
-    another image size, split or seed was drilled without a word. A file records its settings (peat.data);
-    one prepared by an earlier peat is compared by what it holds, which does not show its seed."""
+def _check_prepared(path, data, name: str, spec: dict, config_file) -> None:
+    """One line naming ``path`` and each setting of dataset ``name`` (of ``config_file``) it was not prepared
+    with. Under srun the file is the user's (the workflow prepares it again when its settings change): one made
+    with another image size, split or seed was drilled without a word. A file records its settings (peat.data)."""
     from .data import SETTINGS_ATTR, settings, sizes
 
     recorded = data.attrs.get(SETTINGS_ATTR)
-    found, config = (recorded, settings(spec)) if recorded is not None else (_prepared_settings(data), spec)
-    stale = [f"{key} {value!r} (config: {config.get(key)!r})" for key, value in found.items()
+    if recorded is None:  # what an older peat's file holds does not show its seed, path or part
+        raise PeatError(f"{path}: prepared by an older peat (no {SETTINGS_ATTR!r} attribute); prepare it again "
+                        f"(rule prepare_dataset): snakemake --cores 1 --force results/data/{name}.h5 "
+                        f"--configfile {config_file}")
+    config = settings(spec)
+    stale = [f"{key} {value!r} (config: {config.get(key)!r})" for key, value in recorded.items()
              if value != config.get(key)]
     counts, expected = (len(data.train.y), len(data.val.y)), None
     if not stale:  # a split's count is comparable only when the examples are alike
         expected = sizes(name, spec)
     if expected is not None and counts != expected:
         # With the settings alike, only the text read can differ (a path's files, this Python's pydoc).
-        why = "the text it was prepared from differs" if recorded is not None else "val_fraction, path or part differ"
         stale.append(f"{counts[0]} training and {counts[1]} validation examples (config: {expected[0]} and "
-                     f"{expected[1]}; {why})")
+                     f"{expected[1]}; the text it was prepared from differs)")
     if stale:
         raise PeatError(f"{path}: not prepared with the settings of dataset {name!r} (datasets.{name}): "
                         f"{'; '.join(stale)}; prepare it again from this config")
-
-
-def _prepared_settings(data) -> dict:
-    """The dataset settings a file prepared by an earlier peat (no recorded settings) shows, by what it holds."""
-    found = {"source": data.attrs["source"]} if "source" in data.attrs else {}
-    if found.get("source") in (None, "digits", "cifar10") and data.kind == "image":
-        found |= {"image_size": int(data.train.x.shape[-1]),
-                  "labels": "parity" if data.attrs.get("num_classes") == 2 else "class"}
-    elif "seq_len" in data.attrs:
-        found["seq_len"] = int(data.attrs["seq_len"])
-    return found
 
 
 def _fail(message: str, code: int) -> None:
