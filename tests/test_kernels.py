@@ -1148,3 +1148,33 @@ def test_a_memory_limited_call_sees_no_gpu(monkeypatch):
     assert kernels.run_isolated(_visible_devices, memory_mb=256).value == ""
     assert kernels.run_isolated(_visible_devices).value == "0"  # no limit: the job's own devices
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the job itself keeps them
+
+
+def _one():
+    return 1
+
+
+def _entered(seconds):
+    with kernels.deadline(seconds):
+        return _one()
+
+
+@pytest.mark.parametrize("seconds", [1e12, float("inf"), 0, -1, True, "60"])
+@pytest.mark.parametrize("entry, what", [
+    (lambda s: kernels.run_isolated(_one, timeout=s), "kernels.run_isolated: timeout"),
+    (lambda s: kernels.run_isolated_many([kernels.Call(_one)], timeout=s), "kernels.run_isolated_many: timeout"),
+    (_entered, "kernels.deadline: seconds"),
+])
+def test_a_time_limit_no_timer_takes_is_one_line_naming_the_entry_point(entry, what, seconds):
+    # Called from Python, deadline(1e12) overflowed the interval timer (an OverflowError traceback), and
+    # run_isolated(timeout=math.inf) ran the call under an alarm or wait that could not be set; the
+    # config schema and playback.Plan bound timeouts to a year, and so do these, in Plan's words.
+    with pytest.raises(PeatError) as err:
+        entry(seconds)
+    assert str(err.value) == (f"{what}={seconds!r}: seconds per kernel call need a number > 0 and <= 31536000 "
+                              "(a year)")
+
+
+def test_a_year_is_a_time_limit_these_take():
+    assert _entered(kernels.MAX_TIMEOUT) == 1 and _entered(None) == 1
+    assert kernels.run_isolated(_one, timeout=kernels.MAX_TIMEOUT).value == 1

@@ -39,6 +39,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import io
+import numbers
 import os
 import re
 import signal
@@ -716,6 +717,18 @@ class Call:
     expect: torch.Tensor | None = None
 
 
+MAX_TIMEOUT = 31536000  # seconds: a year, the most an interval timer takes here (the config schema's bound)
+
+
+def check_timeout(what: str, seconds) -> None:
+    """One line where ``seconds`` (``what``, a setting's name) is no time limit a kernel call can have:
+    math.inf ("no limit") or a century overflowed the interval timer (``deadline``) in every call, each
+    then a crash blamed on the kernel. The config schema's bound, for a library call's limits."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds <= MAX_TIMEOUT:
+        raise PeatError(f"{what}={seconds!r}: seconds per kernel call need a number > 0 and <= {MAX_TIMEOUT} "
+                        "(a year)")
+
+
 def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | None = None,
                  expect: torch.Tensor | None = None, **kwargs) -> Outcome:
     """Call ``func(*args, **kwargs)`` in a forked child, so a crash, hang or leak cannot take us down.
@@ -726,6 +739,7 @@ def run_isolated(func: Callable, *args, timeout: float = 60.0, memory_mb: int | 
     CUDA cannot be used in a child forked after CUDA started, so then the call runs in this
     process, with the timeout as an alarm (a hang inside native code or a segfault is not caught).
     """
+    check_timeout("kernels.run_isolated: timeout", timeout)
     return run_isolated_many([Call(func, args, kwargs, expect)], timeout=timeout, memory_mb=memory_mb)[0]
 
 
@@ -737,6 +751,7 @@ def run_isolated_many(calls: list[Call], *, timeout: float = 60.0, memory_mb: in
     the other; a call that kills or hangs it ends it, and the calls after it go to a fresh one.
     ``timeout`` and ``memory_mb`` hold for each call.
     """
+    check_timeout("kernels.run_isolated_many: timeout", timeout)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return [_run_inline(c.func, c.args, c.kwargs, timeout, c.expect) for c in calls]
     outcomes: list[Outcome] = []
@@ -823,6 +838,8 @@ def deadline(seconds: float | None):
     the main thread only, and a hang inside native code that never returns to Python is not cut short."""
     import threading
 
+    if seconds is not None:
+        check_timeout("kernels.deadline: seconds", seconds)
     if seconds is None or threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -21,7 +21,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
-import numbers
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -109,9 +108,6 @@ class Plan:
         _check_injected(self)
 
 
-MAX_TIMEOUT = 31536000  # seconds: a year, the most an interval timer takes here (the config's bound)
-
-
 def _check_lists(plan: Plan) -> None:
     """A string was taken as a list of its letters (layers="fc": the globs 'f' and 'c'), an empty list
     (and max_samples=0) replayed nothing and passed as not applicable, a misspelt computation ended
@@ -135,12 +131,7 @@ def _check_limits(plan: Plan) -> None:
     if plan.max_samples is not None:
         check_int("playback.Plan: max_samples", plan.max_samples, 1,
                   "steps replayed per layer need an integer >= 1 (None: every step)")
-    # An interval timer bounds each call after the probe (kernels.deadline): math.inf ("no limit") or a
-    # century overflowed it in every call, each then a crash blamed on the kernel; the config schema's bound.
-    if (isinstance(plan.timeout, bool) or not isinstance(plan.timeout, numbers.Real)
-            or not 0 < plan.timeout <= MAX_TIMEOUT):
-        raise PeatError(f"playback.Plan: timeout={plan.timeout!r}: seconds per kernel call need a number > 0 "
-                        f"and <= {MAX_TIMEOUT} (a year)")
+    kernels.check_timeout("playback.Plan: timeout", plan.timeout)  # kernels.deadline bounds each call after the probe
     if plan.memory_mb is not None:
         check_int("playback.Plan: memory_mb", plan.memory_mb, 16,
                   "extra MiB the isolated first call may map need an integer >= 16 (None: no limit)")
