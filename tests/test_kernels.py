@@ -1178,3 +1178,14 @@ def test_a_time_limit_no_timer_takes_is_one_line_naming_the_entry_point(entry, w
 def test_a_year_is_a_time_limit_these_take():
     assert _entered(kernels.MAX_TIMEOUT) == 1 and _entered(None) == 1
     assert kernels.run_isolated(_one, timeout=kernels.MAX_TIMEOUT).value == 1
+
+
+def _exit_3():
+    os._exit(3)
+
+
+def test_a_call_that_kills_its_child_under_a_long_time_limit_is_its_outcome():
+    # Its exit code was awaited as long as the timeout in one poll of int milliseconds: above 24.8 days
+    # (the workflow allows a year) a kernel crashing its isolated call ended the job in an OverflowError.
+    outcome = kernels.run_isolated(_exit_3, timeout=kernels.MAX_TIMEOUT)
+    assert (outcome.status, outcome.message) == ("crash", "exited with code 3 without a result")

@@ -718,6 +718,9 @@ class Call:
 
 
 MAX_TIMEOUT = 31536000  # seconds: a year, the most an interval timer takes here (the config schema's bound)
+# A child whose pipe ended is gone or going: its exit code is awaited this long at most. One wait takes
+# int milliseconds (poll): with a timeout above 24.8 days, a call that killed its child was an OverflowError.
+EXIT_WAIT = 86400.0
 
 
 def check_timeout(what: str, seconds) -> None:
@@ -782,7 +785,7 @@ def _run_in_child(calls: list[Call], timeout: float, memory_mb: int | None) -> l
                 outcomes.append(Outcome("timeout", f"no result after {timeout:g} s (killed)", seconds=seconds))
                 break
             if payload is None:  # the child died inside this call: its exit code says how
-                proc.join(timeout)
+                proc.join(min(timeout, EXIT_WAIT))
                 outcomes.append(_died(proc.exitcode, seconds))
                 break
             outcomes.append(_read_back(payload, call.expect, seconds))
