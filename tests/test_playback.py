@@ -421,6 +421,38 @@ def test_a_kernels_own_timeout_overrides_playbacks(context, tmp_path):
     assert outcomes == {"default": "timeout", "patient": "ok"}
 
 
+def test_run_job_takes_the_config_schemas_playback_defaults(context, tmp_path, monkeypatch):
+    """A library call leaving settings out got others than a workflow job (whose config the schema fills):
+    without propagate_samples every step was followed, without memory_mb the first call had no limit."""
+    import yaml
+
+    from peat import propagate
+    from peat.config import validate
+
+    config = yaml.safe_load((REPO / "config/test.yaml").read_text())
+    schema = REPO / "workflow/schemas/config.schema.yaml"
+    workflow = validate({key: value for key, value in config.items() if key != "playback"}, schema)["playback"]
+    seen = {}
+
+    class Planned(Exception):
+        """Raised instead of replaying: the plan is what this test reads."""
+
+    def replay(plan):
+        seen["plan"] = plan
+        raise Planned
+
+    monkeypatch.setattr(playback, "replay", replay)
+    monkeypatch.setattr(propagate, "Propagator", lambda **kwargs: seen.setdefault("propagator", kwargs))
+    with pytest.raises(Planned):
+        playback.run_job("tiny", "cpu", "golden", {"op": "linear"}, context, tmp_path / "t.parquet",
+                         tmp_path / "t.json", errors_=[], settings={}, rules={}, propagate_from={})
+    plan = seen["plan"]
+    assert {"max_samples_per_layer": plan.max_samples, "computations": list(plan.computations),
+            "timeout": plan.timeout, "memory_mb": plan.memory_mb, "propagate": plan.propagate is not None,
+            "propagate_samples": seen["propagator"]["samples"]} == workflow
+    assert workflow["memory_mb"] is not None and workflow["propagate_samples"] is not None  # what differed
+
+
 @pytest.mark.parametrize("importable", [False, True], ids=["file", "module"])
 @pytest.mark.parametrize("body, error", [("def forward(x, weight, bias)\n    return x\n", "SyntaxError"),
                                          ("raise RuntimeError('needs a GPU')\n", "RuntimeError: needs a GPU")])

@@ -550,6 +550,18 @@ def write(table: pd.DataFrame, sidecar: dict, out: str | Path, sidecar_path: str
     write_json(sidecar_path, sidecar)
 
 
+def schema_defaults() -> dict:
+    """The config schema's defaults of the playback section: what a workflow job gets for a key its
+    config leaves out, and so a library ``run_job`` too (without propagate_samples it followed every
+    step, without memory_mb it had no limit)."""
+    import yaml
+
+    from .sdc_drill import SCHEMA
+
+    section = yaml.safe_load(SCHEMA.read_text())["properties"]["playback"]["properties"]
+    return {key: spec["default"] for key, spec in section.items() if "default" in spec}
+
+
 def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str | Path, out: str | Path,
             sidecar: str | Path, *, errors_: list[str], settings: dict, rules: dict, seed: int = 0,
             threads: int = 1, config_hash: str | None = None, propagate_from: dict | None = None) -> pd.DataFrame:
@@ -557,12 +569,14 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
 
     The context must carry this workflow's ``config_hash`` and the running torch release (the
     build tag, such as ``+cu130``, may differ: cross-vendor replay).
+    ``settings``: the config's playback section, a key it leaves out taking the schema's default.
     ``propagate_from`` (model spec, data and checkpoint paths) enables the later observing points.
     """
     from .candidate import build
     from .device import for_vendor, seed_everything
 
-    timeout = kspec.get("timeout", settings.get("timeout", 60.0))  # a slow kernel may ask for more
+    settings = schema_defaults() | settings
+    timeout = kspec.get("timeout", settings["timeout"])  # a slow kernel may ask for more
     # First, before CUDA starts (no fork after that) and before anything is read or written.
     kernels.check_loads(kspec.get("impl", "golden"), kspec["op"], timeout=timeout)
     seed_everything(seed, threads)
@@ -571,15 +585,14 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
     if config_hash is not None:
         expect["config_hash"] = config_hash
     plan = Plan(context=Path(context), kernel=build(kernel_name, kspec), layers=kspec.get("layers"),
-                errors=list(errors_), computations=tuple(settings.get("computations", kernels.COMPUTATIONS)),
-                max_samples=settings.get("max_samples_per_layer"), seed=seed,
-                timeout=timeout, memory_mb=settings.get("memory_mb"),
+                errors=list(errors_), computations=tuple(settings["computations"]),
+                max_samples=settings["max_samples_per_layer"], seed=seed, timeout=timeout, memory_mb=settings["memory_mb"],
                 expect=expect, meta={"model": model, "vendor": vendor, "kernel": kernel_name},
                 rules=detect.rules_from(rules), device=device)
-    if propagate_from is not None and settings.get("propagate", True):
+    if propagate_from is not None and settings["propagate"]:
         from .propagate import Propagator
 
-        plan.propagate = Propagator(context=plan.context, device=device, samples=settings.get("propagate_samples"),
+        plan.propagate = Propagator(context=plan.context, device=device, samples=settings["propagate_samples"],
                                     **propagate_from)
     table, record = replay(plan)
     record["provenance"] = provenance.stamp(config_hash, vendor)
