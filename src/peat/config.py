@@ -17,6 +17,8 @@ from .io import PeatError
 from .models import IMAGE_ARCHS, language_size, layer_ops
 from .profiler import check_records_a_step, match_names
 
+# The workflow's config schema: peat runs from its checkout (the Makefile installs it with pip install -e .).
+SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 # Sources prepared as images (peat.data.prepare); the others are byte-level text.
 IMAGE_SOURCES = ("digits", "cifar10")
 # The dataset settings each source reads (peat.data); source, val_fraction and seed apply to all.

@@ -556,7 +556,7 @@ def schema_defaults() -> dict:
     step, without memory_mb it had no limit)."""
     import yaml
 
-    from .sdc_drill import SCHEMA
+    from .config import SCHEMA
 
     section = yaml.safe_load(SCHEMA.read_text())["properties"]["playback"]["properties"]
     return {key: spec["default"] for key, spec in section.items() if "default" in spec}

@@ -50,7 +50,6 @@ EXIT_OOM = 4  # this rank ran out of (GPU) memory; its peers then exit EXIT_PEER
 EXIT_DEAD = 13  # the dead drill's injected rank
 PEER_FAILED = "a peer rank died or hung past the timeout"  # in sdc.collective_failure's message
 ERROR = "peat sdc drill: error: "  # how a rank's own one-line error starts
-SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -516,7 +515,7 @@ def load_config(path: str | Path) -> dict:
 def validated(config: dict) -> dict:
     """A copy of ``config`` validated as the workflow does (defaults filled in), sdc section checked.
     Validating twice changes nothing, so a config the workflow validated passes as it is."""
-    from .config import validate
+    from .config import SCHEMA, validate
 
     config = validate(copy.deepcopy(config), SCHEMA)
     check_config(config)
