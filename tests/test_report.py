@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,25 @@ def test_upstream_change_regenerates_report_not_golden(workflow_run):
         snakemake(workflow_run)
     after = snakemake(workflow_run, "-n")
     assert "Nothing to be done" in after.stdout + after.stderr
+
+
+@pytest.mark.xdist_group("workflow")
+def test_an_edited_caption_reruns_the_report_alone(workflow_run, tmp_path):
+    """The page quotes the RST captions, which were no inputs of its rule: an edited caption showed
+    only after --forcerun collate_report. Edited in a copy of the checkout (the repository's stays
+    as it is), whose files keep their times, so that by the mtime trigger only the edit is new."""
+    checkout = tmp_path / "checkout"
+    for part in ("workflow", "src", "config", "kernels", "envs"):
+        shutil.copytree(REPO / part, checkout / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy2(REPO / "Snakefile", checkout / "Snakefile")
+    caption = checkout / "workflow/report/alter_heatmap.rst"
+    caption.write_text(caption.read_text() + "\nOne more sentence.\n")
+    proc = subprocess.run([str(BIN / "snakemake"), "-n", "--snakefile", str(checkout / "Snakefile"), "--directory",
+                           str(workflow_run), "--rerun-triggers", "mtime", "--configfile", str(TEST_CONFIG)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"Updated input files: {caption}" in proc.stdout, proc.stdout[-2000:]
+    assert _planned_jobs(proc.stdout) == {"collate_report", "all"}, proc.stdout[-2000:]
 
 
 @pytest.mark.xdist_group("workflow")

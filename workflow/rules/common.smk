@@ -67,6 +67,8 @@ PLAYBACK = config["playback"]
 DETECT = config["detect"]
 ALTER = config["alter"]
 REPORT_DIR = f"reports/{config['name']}"
+# The figures' RST captions (Snakemake's report and the collated page quote them).
+CAPTIONS = os.path.join(workflow.basedir, "workflow/report")
 REPORT_TABLES = list(peat.report.TABLES)
 BENCHMARKS = "reports/benchmarks"
 ANALYZE_FIGURES = {
@@ -221,6 +223,16 @@ def benchmark_files():
     names = sorted(os.listdir(BENCHMARKS))
     return [
         f"{BENCHMARKS}/{n}" for n in names if n == "results.json" or n.endswith(".png")
+    ]
+
+
+def caption_files():
+    # The collated page quotes them: as its rule's inputs, an edited caption reruns the report
+    # (it reran nothing without --forcerun collate_report).
+    return [
+        os.path.join(CAPTIONS, n)
+        for n in sorted(os.listdir(CAPTIONS))
+        if n.endswith(".rst")
     ]
 
 

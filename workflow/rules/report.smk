@@ -44,6 +44,7 @@ rule collate_report:
         + alter_targets()
         + sdc_targets()
         + benchmark_files(),
+        captions=caption_files(),
     output:
         html=f"{REPORT_DIR}/index.html",
         tables=expand(f"{REPORT_DIR}/{{table}}", table=REPORT_TABLES),
@@ -57,7 +58,8 @@ rule collate_report:
         title=config["report"]["title"],
         models=MODELS,
         vendors=VENDORS,
-        captions=os.path.join(workflow.basedir, "workflow/report"),
+        # Their folder, from the inputs: --lint calls a path param beside its files hardcoded.
+        captions=lambda wildcards, input: os.path.dirname(input.captions[0]),
         dpi=config["report"]["dpi"],
         injected={k: v.get("error") or "" for k, v in config["kernels"].items()},
     script:
