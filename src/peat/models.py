@@ -148,10 +148,9 @@ def loss_and_metrics(model: nn.Module, kind: str, x: torch.Tensor, y: torch.Tens
         logits = model(input_ids=x).logits
         logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
     loss = nn.functional.cross_entropy(logits, y)
-    # A row whose largest logit is not finite (a NaN, +inf, or all -inf) predicts nothing: argmax read NaN
-    # as the largest, and a candidate whose loss went NaN reported the share of class 0 as its accuracy.
-    # max gives that largest logit with argmax's index in the same pass: a pass of isfinite over all
-    # logits cost every step another read of them (a -inf logit elsewhere in a row leaves argmax valid).
+    # A row whose largest logit is not finite (NaN, +inf, all -inf) predicts nothing: argmax reads NaN as
+    # the largest, and a candidate whose loss went NaN reported class 0's share as its accuracy. max gives
+    # that logit with argmax's index in one pass (isfinite over all logits cost another read per step).
     best, predicted = logits.max(-1)
     correct = ((predicted == y) & best.isfinite()).sum().item()
     return loss, {"correct": correct, "count": y.numel()}
