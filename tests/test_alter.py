@@ -824,8 +824,36 @@ def test_unwritable_outputs_fail_with_one_line(mixed, tmp_path, capsys):
                  ["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(under_a_file)],
                  ["h5diff", str(mixed), str(mixed), "--json", str(under_a_file)]):
         assert main(argv) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.startswith(f"peat {argv[0]}: error:") and str(mixed) in err and "\n" not in err
+        out, err = capsys.readouterr()
+        # Before any work: h5diff printed its whole table, then "[Errno 17] File exists", naming no option.
+        label = str(under_a_file) if len(argv) == 3 else f"{argv[-2]} {under_a_file}"
+        assert out == "" and err == f"peat {argv[0]}: error: {label}: {mixed} is not a directory\n"
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_and_kept(mixed, tmp_path, capsys):
+    """`peat alter ckpt.h5 /dev/null` renamed the altered copy over /dev/null (as root): outputs that are
+    devices or pipes are refused, for --log and --json too, before any work."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for argv, label, noun in ((["alter", str(mixed), str(fifo)], f"{fifo}", "output"),
+                              (["alter", str(mixed), str(tmp_path / "o.h5"), "--log", str(fifo)], f"--log {fifo}", "log"),
+                              (["h5diff", str(mixed), str(mixed), "--json", str(fifo)], f"--json {fifo}", "JSON")):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == f"peat {argv[0]}: error: {label}: not a regular file; name the {noun} file\n"
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5", "pipe"]
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(mixed, tmp_path, capsys, monkeypatch):
+    # Root writes anywhere: the folder's permission is what os.access answers for other users.
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(A.os, "access", lambda path, mode: Path(path) != locked)
+    assert main(["h5diff", str(mixed), str(mixed), "--json", str(locked / "new" / "d.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"peat h5diff: error: --json {locked}/new/d.json: cannot write in {locked} "
+                                 "(permission denied or read-only)\n")
 
 
 def test_an_output_directory_fails_with_one_line_naming_it(mixed, tmp_path, capsys):
@@ -834,12 +862,16 @@ def test_an_output_directory_fails_with_one_line_naming_it(mixed, tmp_path, caps
     assert sorted(tmp_path.iterdir()) == [mixed]
 
 
-def test_a_log_that_cannot_be_written_leaves_no_output(mixed, tmp_path):
-    # Nor the output's new folders: they were left behind, empty.
+def test_a_log_that_cannot_be_written_leaves_no_output(mixed, tmp_path, monkeypatch):
+    # Nor the output's new folders: they were left behind, empty. (A disk that fills while the log is written.)
+    def full(path, *_):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(A, "write_log", full)
     before = sha(mixed)
     for out, in_place in ((tmp_path / "new" / "sub" / "o.h5", False), (None, True)):
         with pytest.raises(OSError):
-            A.alter(mixed, out, A.Plan(count=5), in_place=in_place, log=mixed / "log.json")
+            A.alter(mixed, out, A.Plan(count=5), in_place=in_place, log=tmp_path / "log.json")
     assert sorted(tmp_path.iterdir()) == [mixed] and sha(mixed) == before  # in place: the input is unaltered
 
 

@@ -790,9 +790,23 @@ def _prepare_output(src: Path, dst: Path | None, in_place: bool) -> Path:
         raise PeatError("give an output file (or --in-place to alter the input)")
     if dst.exists() and dst.resolve() == src.resolve():
         raise PeatError(f"{dst}: output is the input file; use --in-place to alter it")
-    if dst.is_dir():  # else the rename fails after all the work, naming only the temporary copy
-        raise PeatError(f"{dst}: is a directory; name the output file")
+    check_output(str(dst), dst, "output")
     return dst
+
+
+def check_output(label: str, path: Path, noun: str) -> None:
+    """One line, before any work, for an output that cannot be renamed into place where it is named."""
+    if path.is_dir():  # else the rename fails after all the work, naming only the temporary copy
+        raise PeatError(f"{label}: is a directory; name the {noun} file")
+    if path.exists() and not path.is_file():  # the rename would replace it: /dev/null became a checkpoint
+        raise PeatError(f"{label}: not a regular file; name the {noun} file")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # the folders made for it start at the first existing one
+        folder = folder.parent
+    if not folder.is_dir():  # else 'File exists' once the work is done
+        raise PeatError(f"{label}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PeatError(f"{label}: cannot write in {folder} (permission denied or read-only)")
 
 
 def alter(src, dst, plan: Plan, *, in_place: bool = False, log: str | os.PathLike | None = None,
@@ -849,8 +863,7 @@ def _check_json_output(option: str, path, files: list, what: str, noun: str) -> 
     """One line, before any work, for a JSON output that would replace one of ``files`` or is a directory."""
     if Path(path).resolve() in {Path(p).resolve() for p in files}:
         raise PeatError(f"{option} {path}: that is {what}; name another file")
-    if Path(path).is_dir():  # else its rename fails after all the work
-        raise PeatError(f"{option} {path}: is a directory; name the {noun} file")
+    check_output(f"{option} {path}", Path(path), noun)
 
 
 LOG_CHUNK = 50_000  # injection-log rows encoded at a time (about 10 MB of JSON)
