@@ -776,6 +776,20 @@ def test_cli_output_read_in_part_ends_quietly(tmp_path):
     assert proc.stdout.splitlines()[1].startswith("/d0 ")
 
 
+def test_ctrl_c_ends_with_one_line_and_no_output(mixed, tmp_path, capsys, monkeypatch):
+    """Ctrl-C printed a Python traceback of a dozen lines; it is one line, the shell's status 130."""
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(A, "alter", interrupted)
+    try:
+        status = main(["alter", str(mixed), str(tmp_path / "o.h5")])
+    except KeyboardInterrupt:
+        status = "traceback"
+    assert status == 130 and capsys.readouterr().err == "peat alter: interrupted; files left as they were\n"
+    assert sorted(tmp_path.iterdir()) == [mixed]
+
+
 def test_cli_counts_only_the_datasets_that_can_take_the_corruption(mixed, tmp_path, capsys):
     # --scale acts on floats only: the two integer counters are selected but cannot take it.
     assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--select", "counters/*", "--select",

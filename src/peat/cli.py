@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # a reader that stopped early (| head): no error of ours, as for any Unix tool
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush raises again
         return 128 + 13  # a shell's status for a writer ended by SIGPIPE
+    except KeyboardInterrupt:  # Ctrl-C: outputs are renamed into place only once complete, so a line says it all
+        print(f"peat {argv[0]}: interrupted; files left as they were", file=sys.stderr)
+        return 128 + 2  # a shell's status for a command ended by SIGINT
     except (PeatError, OSError) as err:  # OSError: an output that cannot be written (no directory, read-only, full)
         print(f"peat {argv[0]}: error: {err}", file=sys.stderr)
         return 2
