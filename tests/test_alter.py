@@ -870,6 +870,14 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(mixe
                                  "(permission denied or read-only)\n")
 
 
+@pytest.mark.parametrize("burst", ["0", "65", "99999999999999999999"])
+def test_a_burst_wider_than_any_value_fails_with_one_line(mixed, tmp_path, capsys, burst):
+    """--burst 99999999999999999999 ended in an OverflowError traceback, --burst 1000000000 built a list of
+    a billion bit offsets before finding no dataset that could take it."""
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--burst", burst]) == 2
+    assert capsys.readouterr().err == f"peat alter: error: --burst {burst}: must be in [1, 64] (no value has more bits)\n"
+
+
 def test_an_output_directory_fails_with_one_line_naming_it(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"peat alter: error: {tmp_path}: is a directory; name the output file"

@@ -526,8 +526,8 @@ class Plan:
             raise PeatError(f"--region {self.region!r}: allowed: {', '.join(CLI_REGIONS)}")
         if self.bits is not None and not 0 <= self.bits[0] <= self.bits[1] <= 63:
             raise PeatError(f"--bits {self.bits[0]}-{self.bits[1]}: need 0 <= A <= B <= 63 (bit 0 = sign)")
-        if self.burst < 1:
-            raise PeatError(f"--burst {self.burst}: must be >= 1")
+        if not 1 <= self.burst <= 64:  # a huge one built a list of that many bit offsets (or overflowed)
+            raise PeatError(f"--burst {self.burst}: must be in [1, 64] (no value has more bits)")
         if self.seed < 0:  # numpy's generators take no negative seed
             raise PeatError(f"--seed {self.seed}: must be >= 0")
         if self.mask is not None and (self.burst != 1 or not self.mask or set(self.mask) - {"0", "1"} or "1" not in self.mask):
