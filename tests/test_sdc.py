@@ -490,12 +490,12 @@ def test_config_errors_name_the_key(bad, message):
 
 
 def test_drill_params_hold_only_what_the_drills_read():
-    """The drills' params held the config's name, which only names the report, and the keys that
-    only shape golden training: a renamed copy of a config, or a new record.every, reran every
-    drill (torchrun, one process per rank)."""
+    """The drills' params held the config's name, which only names the report, the keys that
+    only shape golden training and the vendors: a renamed copy of a config, a new record.every or
+    another GPU vendor reran every drill (torchrun, one process per rank)."""
     config = make_config()
     model = config["models"]["resnet18"]
-    edited = {**config, "name": "mine", "models": {"resnet18": {
+    edited = {**config, "name": "mine", "vendors": ["cpu", "nvidia"], "reference_vendor": "nvidia", "models": {"resnet18": {
         **model, "epochs": 3, "checkpoint_epochs": [3], "record": {"layers": ["conv1"], "every": 2},
         "max_train_samples": 100, "max_val_samples": 50}}}
     assert drill_config(edited, "resnet18") == drill_config(config, "resnet18")

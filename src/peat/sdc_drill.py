@@ -306,17 +306,19 @@ def drill_config(config: dict, model: str) -> dict:
     another section does not rerun the drills). Drills train from scratch: ``init_from`` is dropped.
     The config's ``name`` only names its report: a fixed one, so a renamed copy of a config does not
     rerun the drills. Drills run ``sdc.steps`` steps on the whole training set and record nothing,
-    so the keys that only shape golden training are left at fixed values the schema accepts.
+    so the keys that only shape golden training are left at fixed values the schema accepts; so are
+    ``vendors`` and ``reference_vendor``, which no drill reads (its device follows ``sdc.backend``).
     Of the sdc section, ``bench_steps`` (read by --bench only) and the faults of drills not run are
     left out: editing them reran every drill.
     """
     golden_only = ("init_from", "epochs", "checkpoint_epochs", "record", "max_train_samples", "max_val_samples")
     spec = {k: v for k, v in config["models"][model].items() if k not in golden_only}
     spec |= {"epochs": 1, "record": {"layers": ["*"]}}
-    keep = ("seed", "threads", "vendors", "reference_vendor")
+    keep = ("seed", "threads")
     sdc_cfg = {k: v for k, v in config["sdc"].items() if k != "bench_steps"}
     sdc_cfg |= {"models": [model], "faults": {d: f for d, f in sdc_cfg["faults"].items() if d in sdc_cfg["drills"]}}
-    return {"name": "sdc", **{k: config[k] for k in keep if k in config}, "models": {model: spec},
+    return {"name": "sdc", **{k: config[k] for k in keep if k in config}, "vendors": ["cpu"],
+            "reference_vendor": "cpu", "models": {model: spec},
             "datasets": {spec["dataset"]: config["datasets"][spec["dataset"]]}, "sdc": sdc_cfg}
 
 
