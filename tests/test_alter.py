@@ -1037,14 +1037,18 @@ def test_any_plan_agrees_with_h5diff(tmp_path_factory, count, seed, region, burs
 
 def test_compare_counts_recovery_and_divergence():
     golden = pd.DataFrame({"accuracy": [0.5, 0.6, 0.7, 0.8], "loss": [1.0, 0.9, 0.8, 0.7]}, index=[1, 2, 3, 4])
-    run = pd.DataFrame({"accuracy": [0.5, 0.3, 0.69, 0.76], "loss": [1.0, 1.5, 0.8, 0.75]}, index=[1, 2, 3, 4])
-    out = S.compare(run, golden, 1, tolerance=0.02)
-    assert out["epochs_to_recover"] == 2 and not out["diverged"] and out["resumed_epochs"] == 3
+    run = pd.DataFrame({"accuracy": [0.5, 0.25, 0.69, 0.76], "loss": [1.0, 1.5, 0.8, 0.75]}, index=[1, 2, 3, 4])
+    out = S.compare(run, golden, 1)
+    gaps = [abs(0.25 - 0.6), abs(0.69 - 0.7), abs(0.76 - 0.8)]
+    assert out["accuracy_gaps"] == " ".join(map(repr, gaps)) and not out["diverged"] and out["resumed_epochs"] == 3
+    assert [S.epochs_to_recover(out["accuracy_gaps"], t) for t in (0.02, 0.05, 0.4)] == [2, 2, 1]
+    assert np.isnan(S.epochs_to_recover(out["accuracy_gaps"], 0.001))
     assert out["accuracy_loss_pct"] == pytest.approx(5.0)
     run.loc[2, "loss"] = float("nan")
     run.loc[3:, "accuracy"] = 0.1
-    out = S.compare(run, golden, 1, tolerance=0.02)
-    assert out["diverged"] and np.isnan(out["epochs_to_recover"])
+    out = S.compare(run, golden, 1)
+    assert out["diverged"] and out["accuracy_gaps"].split()[0] == "inf"
+    assert np.isnan(S.epochs_to_recover(out["accuracy_gaps"], 0.02)) and S.epochs_to_recover(out["accuracy_gaps"], 0.65) == 2
 
 
 def test_absorbed_table():
@@ -1154,10 +1158,10 @@ def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(gpt2_golden,
     spec, data, out = gpt2_golden
     golden = S._val_curve(pd.read_csv(out / "metrics.csv"))
     row = S._cell("gpt2", spec, "cpu", out / "checkpoints" / "epoch001.h5", A.Plan(count=0), golden,
-                  1, 0.02, data, 0, 1, "", tmp_path / "control.json")
+                  1, data, 0, 1, "", tmp_path / "control.json")
     assert row["status"] == "ok" and row["altered_values"] == 0
     assert row["final_loss"] == row["golden_loss"] and row["final_accuracy"] == row["golden_accuracy"]
-    assert row["accuracy_loss_pct"] == 0 and row["epochs_to_recover"] == 1 and not row["diverged"]
+    assert row["accuracy_loss_pct"] == 0 and S.epochs_to_recover(row["accuracy_gaps"], 0) == 1 and not row["diverged"]
     # Right after the (empty) alteration, before resuming: golden's own validation at that epoch.
     assert row["altered_accuracy"] == golden.loc[1, "accuracy"] and row["altered_loss"] == golden.loc[1, "loss"]
 
@@ -1168,13 +1172,13 @@ def test_a_resumed_training_that_stops_with_an_error_is_a_diverged_cell_not_a_fa
     spec, data, out = gpt2_golden
     golden = S._val_curve(pd.read_csv(out / "metrics.csv"))
     row = S._cell("gpt2", spec, "cpu", out / "checkpoints" / "epoch001.h5",
-                  A.Plan(select=["optimizer/state/*/step"], count=1, region="sign"), golden, 1, 0.02, data, 0, 1, "",
+                  A.Plan(select=["optimizer/state/*/step"], count=1, region="sign"), golden, 1, data, 0, 1, "",
                   tmp_path / "cell.json")
     assert row["status"] == "ok" and row["altered_values"] == 1 and row["diverged"] is True
     assert row["reason"] == ("resumed training stopped: RuntimeError: result type ComplexFloat can't be cast to "
                              "the desired output type Float")
-    assert np.isnan([row["final_accuracy"], row["final_loss"], row["accuracy_loss_pct"], row["loss_change_pct"],
-                     row["epochs_to_recover"]]).all()
+    assert np.isnan([row["final_accuracy"], row["final_loss"], row["accuracy_loss_pct"], row["loss_change_pct"]]).all()
+    assert row["accuracy_gaps"] == ""
     assert row["resumed_epochs"] == 0 and row["golden_accuracy"] == golden.loc[2, "accuracy"]
     table = pd.DataFrame([{"model": "gpt2", "vendor": "cpu", "epoch": 1, "cls": "optimizer", "region": "sign",
                            "flips": 1, "seed": 0, **row}], columns=list(S.COLUMNS))
@@ -1259,7 +1263,7 @@ def test_a_replayed_log_naming_a_tied_weight_by_its_link_names_the_dataset(tmp_p
 def test_replaying_the_log_of_a_cell_that_was_not_applicable_fails_with_its_reason(mixed, tmp_path):
     # Its replay was an unaltered copy, 'altered' without a word, as if it were the cell's checkpoint.
     log = tmp_path / "cell.json"
-    row = S._cell("m", {}, "cpu", mixed, A.Plan(classes=["embedding"], count=10**6), None, 1, 0.02, "", 0, 1, "", log)
+    row = S._cell("m", {}, "cpu", mixed, A.Plan(classes=["embedding"], count=10**6), None, 1, "", 0, 1, "", log)
     assert row["status"] == "not_applicable"
     with pytest.raises(PeatError) as err:
         A.alter(mixed, tmp_path / "o.h5", A.Plan(), replay=log)
@@ -1273,7 +1277,7 @@ def test_a_damaged_golden_checkpoint_fails_the_cells_instead_of_reading_as_not_a
     pd.DataFrame({"split": ["val", "val"], "epoch": [1, 2], "accuracy": [0.5, 0.6], "loss": [1.0, 0.9]}).to_csv(metrics)
     with pytest.raises(PeatError) as err:
         S.run_cells("gpt2", {}, "cpu", 1, "weight", ["sign"], [1], [0], checkpoints=tmp_path / "ckpt", data="",
-                    golden_metrics=metrics, tolerance=0.02, run_seed=0, threads=1, config_hash="",
+                    golden_metrics=metrics, run_seed=0, threads=1, config_hash="",
                     out_csv=tmp_path / "cells.csv", log_dir=tmp_path / "logs")
     assert str(err.value) == f"{tmp_path / 'ckpt' / 'epoch001.h5'}: not a readable HDF5 file (Unable to synchronously open file)"
 
@@ -1281,8 +1285,8 @@ def test_a_damaged_golden_checkpoint_fails_the_cells_instead_of_reading_as_not_a
 def test_summary_of_cells_the_model_lacks(tmp_path):
     rows = [dict(model="m", vendor="cpu", epoch=1, cls="norm_stats", region="sign", flips=1, seed=0,
                  status="not_applicable", reason="no dataset of class 'norm_stats'")]
-    pd.DataFrame(rows, columns=list(S.COLUMNS)).to_csv(tmp_path / "part.csv", index=False)
-    S.summarize([tmp_path / "part.csv"], tmp_path / "s.csv", tmp_path / "a.csv", tmp_path / "h.png", 1.0)
+    pd.DataFrame(rows, columns=list(S.CELL_COLUMNS)).to_csv(tmp_path / "part.csv", index=False)
+    S.summarize([tmp_path / "part.csv"], tmp_path / "s.csv", tmp_path / "a.csv", tmp_path / "h.png", 1.0, 0.02)
     table = pd.read_csv(tmp_path / "s.csv")
     assert list(table.columns) == list(S.COLUMNS) and table.loc[0, "status"] == "not_applicable"
     assert pd.read_csv(tmp_path / "a.csv").empty
@@ -1299,25 +1303,25 @@ def _study_tables(cells, seeds, mixed, tmp_path, monkeypatch) -> None:
     metrics = tmp_path / "metrics.csv"
     pd.DataFrame({"split": ["val", "val"], "epoch": [1, 2], "accuracy": [0.5, 0.5], "loss": [1.0, 0.9]}).to_csv(metrics)
     S.run_cells("m", {}, "cpu", 1, "weight", ["sign"], [1], seeds, checkpoints=tmp_path / "ckpt", data="",
-                golden_metrics=metrics, tolerance=0.02, run_seed=0, threads=1, config_hash="",
+                golden_metrics=metrics, run_seed=0, threads=1, config_hash="",
                 out_csv=tmp_path / "part.csv", log_dir=tmp_path / "logs")
     lacks = dict(model="m", vendor="cpu", epoch=1, cls="weight", region="sign", flips=10**6, seed=0,
                  status="not_applicable", reason="too few values")
-    pd.DataFrame([lacks], columns=list(S.COLUMNS)).to_csv(tmp_path / "lacks.csv", index=False)
+    pd.DataFrame([lacks], columns=list(S.CELL_COLUMNS)).to_csv(tmp_path / "lacks.csv", index=False)
     S.summarize([tmp_path / "part.csv", tmp_path / "lacks.csv"], tmp_path / "s.csv", tmp_path / "a.csv",
-                tmp_path / "h.png", 1.0)
+                tmp_path / "h.png", 1.0, 0.02)
 
 
 def test_a_diverged_loss_reads_nan_in_the_tables_not_empty_like_an_unmeasured_one(mixed, tmp_path, monkeypatch):
     diverged = {"status": "ok", "reason": "", "altered_values": 1, "datasets_hit": 1, "nonfinite_injected": 0,
                 "altered_accuracy": 0.0, "altered_loss": np.nan, "final_accuracy": 0.0, "final_loss": np.nan,
                 "golden_accuracy": 0.5, "golden_loss": 0.9, "accuracy_loss_pct": 100.0, "loss_change_pct": np.inf,
-                "diverged": True, "epochs_to_recover": np.nan, "resumed_epochs": 1}
+                "diverged": True, "resumed_epochs": 1, "accuracy_gaps": "inf"}
     _study_tables([diverged], [0], mixed, tmp_path, monkeypatch)
     for path in (tmp_path / "part.csv", tmp_path / "s.csv"):
         row = pd.read_csv(path, keep_default_na=False).iloc[0]
         assert [str(row[name]) for name in ("altered_loss", "final_loss", "loss_change_pct")] == ["nan", "nan", "inf"]
-        assert row["epochs_to_recover"] == ""  # never recovered
+    assert pd.read_csv(tmp_path / "s.csv", keep_default_na=False).loc[0, "epochs_to_recover"] == ""  # never recovered
     lacks_row = pd.read_csv(tmp_path / "s.csv", keep_default_na=False).iloc[1]
     assert lacks_row["status"] == "not_applicable" and lacks_row["final_loss"] == ""
     table = pd.read_csv(tmp_path / "s.csv")
@@ -1329,11 +1333,11 @@ def test_counts_in_the_tables_read_as_integers_beside_never_and_not_applicable(m
     cells = [{"status": "ok", "reason": "", "altered_values": 3, "datasets_hit": 2, "nonfinite_injected": 0,
                    "altered_accuracy": 0.5, "altered_loss": 1.0, "final_accuracy": 0.5, "final_loss": 0.9,
                    "golden_accuracy": 0.5, "golden_loss": 0.9, "accuracy_loss_pct": 0.0, "loss_change_pct": 0.0,
-                   "diverged": False, "epochs_to_recover": recover, "resumed_epochs": 1} for recover in (1, np.nan)]
+                   "diverged": False, "resumed_epochs": 1, "accuracy_gaps": gap} for gap in ("0.0", "0.5")]
     _study_tables(cells, [0, 1], mixed, tmp_path, monkeypatch)
     counts = ["altered_values", "datasets_hit", "nonfinite_injected", "epochs_to_recover", "resumed_epochs"]
-    assert pd.read_csv(tmp_path / "part.csv", dtype=str, keep_default_na=False)[counts].values.tolist() == [
-        ["3", "2", "0", "1", "1"], ["3", "2", "0", "", "1"]]
+    assert pd.read_csv(tmp_path / "part.csv", dtype=str, keep_default_na=False)[counts[:3] + counts[4:]].values.tolist() == [
+        ["3", "2", "0", "1"], ["3", "2", "0", "1"]]
     assert pd.read_csv(tmp_path / "s.csv", dtype=str, keep_default_na=False)[counts].values.tolist() == [
         ["3", "2", "0", "1", "1"], ["3", "2", "0", "", "1"], ["", "", "", "", ""]]
 

@@ -32,7 +32,7 @@ def golden(tmp_path: Path, **columns) -> Path:
 
 def run(folder: Path, cls: str = "weight") -> pd.DataFrame:
     return S.run_cells("tiny", SPEC, "cpu", 1, cls, ["sign"], [1], [0], checkpoints=folder / "checkpoints",
-                       data=folder / "no-data.h5", golden_metrics=folder / "metrics.csv", tolerance=0.02, run_seed=0,
+                       data=folder / "no-data.h5", golden_metrics=folder / "metrics.csv", run_seed=0,
                        threads=1, config_hash="", out_csv=folder / "cells.csv", log_dir=folder / "logs")
 
 
@@ -79,7 +79,7 @@ def test_a_cell_compares_with_the_checked_golden_curve(tmp_path):
     prepare("pydoc", config["datasets"]["pydoc"], tmp_path / "pydoc.h5")
     train_model("gpt2", spec, tmp_path / "pydoc.h5", tmp_path / "golden", record=False, progress=False)
     table = S.run_cells("gpt2", spec, "cpu", 1, "bias", ["mantissa"], [1], [0], checkpoints=tmp_path / "golden" / "checkpoints",
-                        data=tmp_path / "pydoc.h5", golden_metrics=tmp_path / "golden" / "metrics.csv", tolerance=0.02,
+                        data=tmp_path / "pydoc.h5", golden_metrics=tmp_path / "golden" / "metrics.csv",
                         run_seed=0, threads=1, config_hash="", out_csv=tmp_path / "cells.csv", log_dir=tmp_path / "logs")
     metrics = pd.read_csv(tmp_path / "golden" / "metrics.csv")
     last = metrics[(metrics["split"] == "val") & (metrics["epoch"] == spec["epochs"])].iloc[0]
@@ -93,7 +93,7 @@ def test_without_the_models_epochs_the_files_last_epoch_bounds_the_check(tmp_pat
     folder = golden(tmp_path, split=["train", "train", "train", "train", "train", "val"])
     with pytest.raises(PeatError) as err:
         S.run_cells("tiny", {}, "cpu", 1, "weight", ["sign"], [1], [0], checkpoints=folder / "checkpoints",
-                    data=folder / "no-data.h5", golden_metrics=folder / "metrics.csv", tolerance=0.02, run_seed=0,
+                    data=folder / "no-data.h5", golden_metrics=folder / "metrics.csv", run_seed=0,
                     threads=1, config_hash="", out_csv=folder / "cells.csv", log_dir=folder / "logs")
     assert str(err.value) == (f"{folder / 'metrics.csv'}: no validation row of epoch 2; the study compares epochs 2 "
                               "to 3 with golden's (damaged, or not this model's golden run?)")

@@ -296,7 +296,7 @@ def test_an_emptied_or_zeroed_input_of_a_job_is_one_line_naming_it(tmp_path, rea
     run = {"detect": lambda: detect.run_job(table, bad, out / "v.json"),
            "analyze": lambda: analyze.run_job(table, tmp_path / "context.h5", out, record=bad),
            "training_curves": lambda: report.training_curves(bad, out / "x.png", title="x"),
-           "alter_collect": lambda: alter_study.collect([bad], out / "study.csv")}[reader]
+           "alter_collect": lambda: alter_study.collect([bad], out / "study.csv", 0.02)}[reader]
     with pytest.raises(PeatError) as err:
         run()
     assert str(err.value).startswith(f"{bad}: ") and "\n" not in str(err.value)

@@ -262,6 +262,18 @@ def test_a_detector_setting_reruns_only_the_stages_that_read_it(workflow_run, tm
 
 
 @pytest.mark.xdist_group("workflow")
+def test_the_alteration_tolerance_reruns_the_summaries_not_the_cells(workflow_run, tmp_path):
+    """alter.tolerance only decides epochs_to_recover, yet it was a param of every alteration cell:
+    editing it reran them all, each a resumed training (72 per model and vendor by default)."""
+    config = yaml.safe_load((REPO / "config/test.yaml").read_text())
+    config["alter"]["tolerance"] = config["alter"].get("tolerance", 0.02) + 0.03
+    path = tmp_path / "alter.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = snakemake(workflow_run, "-n", "--rerun-triggers", "params", configfile=path).stdout
+    assert _planned_jobs(out) == {"alter_summary", "collate_report", "all"}, out[-2000:]
+
+
+@pytest.mark.xdist_group("workflow")
 def test_snakemake_report(workflow_run):
     """README's command as written, without --cores: the bench rule's threads (workflow.cores)
     stopped it with a WorkflowError asking for --cores."""

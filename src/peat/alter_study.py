@@ -25,7 +25,10 @@ GRID = ("model", "vendor", "epoch", "cls", "region", "flips", "seed")
 COLUMNS = GRID + ("status", "reason", "altered_values", "datasets_hit", "nonfinite_injected", "altered_accuracy",
                   "altered_loss", "final_accuracy",
                   "final_loss", "golden_accuracy", "golden_loss", "accuracy_loss_pct", "loss_change_pct", "diverged",
-                  "epochs_to_recover", "resumed_epochs")
+                  "epochs_to_recover", "resumed_epochs", "accuracy_gaps")
+# A cell's own table: epochs_to_recover is the summary's, from accuracy_gaps and alter.tolerance, so that
+# editing the tolerance reruns no cell (each a resumed training).
+CELL_COLUMNS = tuple(name for name in COLUMNS if name != "epochs_to_recover")
 COUNTS = ("altered_values", "datasets_hit", "nonfinite_injected", "epochs_to_recover", "resumed_epochs")
 # A diverged run's NaN loss is a measurement: written as "nan", since an empty cell reads as not
 # measured (a not_applicable row) or, in epochs_to_recover, as never.
@@ -50,7 +53,7 @@ def check_config(config: dict) -> None:
 
 def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions: list[str], flips: list[int],
               seeds: list[int], *, checkpoints: str | Path, data: str | Path, golden_metrics: str | Path,
-              tolerance: float, run_seed: int, threads: int, config_hash: str, out_csv: str | Path,
+              run_seed: int, threads: int, config_hash: str, out_csv: str | Path,
               log_dir: str | Path) -> pd.DataFrame:
     """Every (region, flips, seed) cell of one (model, vendor, epoch, class); one row each.
 
@@ -66,10 +69,10 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
     for region, n, seed in itertools.product(regions, flips, seeds):
         key = dict(model=model, vendor=vendor, epoch=epoch, cls=cls, region=region, flips=n, seed=seed)
         plan = Plan(classes=[cls], count=n, region=region, seed=seed)
-        rows.append({**key, **_cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data,
-                                    run_seed, threads, config_hash, log_dir / f"{region}_n{n}_seed{seed}.json")})
+        rows.append({**key, **_cell(model, spec, vendor, source, plan, golden, epoch, data, run_seed, threads,
+                                    config_hash, log_dir / f"{region}_n{n}_seed{seed}.json")})
         print(rows[-1], flush=True)
-    table = pd.DataFrame(rows, columns=list(COLUMNS))  # same columns when every cell is not_applicable
+    table = pd.DataFrame(rows, columns=list(CELL_COLUMNS))  # same columns when every cell is not_applicable
     # The stack the cells ran on, as a report row's prov_ columns (stamp alone is no result with a provenance).
     table = table.assign(**columns({"provenance": stamp(config_hash, vendor)}))
     _write_table(out_csv, table)
@@ -78,7 +81,7 @@ def run_cells(model: str, spec: dict, vendor: str, epoch: int, cls: str, regions
 
 def _write_table(path: str | Path, table: pd.DataFrame) -> None:
     # Counts stay integers beside the empty cells of a never-recovered or not_applicable row (not 3.0).
-    out = table.astype({name: object for name in MEASURED} | {name: "Int64" for name in COUNTS})
+    out = table.astype({name: object for name in MEASURED} | {name: "Int64" for name in COUNTS if name in table})
     for name in MEASURED:
         out.loc[(table["status"] == "ok") & table[name].isna(), name] = "nan"
     write_csv(path, out)
@@ -90,7 +93,7 @@ def made_nonfinite(records: list[dict]) -> int:
     return sum(1 for r in records if isinstance(r["new"], str) and not isinstance(r["old"], str))
 
 
-def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run_seed, threads, config_hash, log):
+def _cell(model, spec, vendor, source, plan, golden, epoch, data, run_seed, threads, config_hash, log):
     import torch
 
     from .train import evaluate_checkpoint, train_model
@@ -110,7 +113,7 @@ def _cell(model, spec, vendor, source, plan, golden, epoch, tolerance, data, run
             metrics = train_model(model, spec, data, Path(tmp) / "run", vendor=vendor, seed=run_seed, threads=threads,
                                   config_hash=config_hash, record=False, progress=False, start=altered,
                                   on_row=rows.append)
-            outcome = {"reason": "", **compare(_val_curve(metrics), golden, epoch, tolerance)}
+            outcome = {"reason": "", **compare(_val_curve(metrics), golden, epoch)}
         except (ArithmeticError, RuntimeError, ValueError) as err:
             # Corrupted state can stop the training itself (AdamW's step counter flipped negative: a
             # complex bias correction; -1.0: a division by zero): the cell's outcome, not the job's.
@@ -154,26 +157,30 @@ def golden_curve(path: str | Path, epoch: int, last: int | None = None) -> pd.Da
     return curve.apply(pd.to_numeric, errors="coerce")  # text read where a row before the compared ones was damaged
 
 
-def compare(run: pd.DataFrame, golden: pd.DataFrame, epoch: int, tolerance: float) -> dict:
-    """Final accuracy/loss against golden, divergence, and epochs until back within ``tolerance``.
-
-    ``tolerance`` is an absolute difference of validation accuracy; epochs are counted from the
-    alteration (1 = the first resumed epoch was already within tolerance).
-    """
+def compare(run: pd.DataFrame, golden: pd.DataFrame, epoch: int) -> dict:
+    """Final accuracy/loss against golden, divergence, and ``accuracy_gaps``: |accuracy - golden's| at
+    each epoch resumed after the altered ``epoch``, space-separated (``inf`` where the loss was not finite)."""
     resumed = run.loc[run.index > epoch]
     final, ref = resumed.iloc[-1], golden.loc[resumed.index[-1]]
     diverged = not bool(np.isfinite(resumed["loss"]).all())
-    close = (resumed["accuracy"] - golden.loc[resumed.index, "accuracy"]).abs() <= tolerance
-    close &= np.isfinite(resumed["loss"])
-    recover = int(close.idxmax() - epoch) if close.any() else math.nan
+    gaps = (resumed["accuracy"] - golden.loc[resumed.index, "accuracy"]).abs().where(np.isfinite(resumed["loss"]), math.inf)
     return {
         "final_accuracy": float(final["accuracy"]), "final_loss": float(final["loss"]),
         "golden_accuracy": float(ref["accuracy"]), "golden_loss": float(ref["loss"]),
         "accuracy_loss_pct": 100.0 * (ref["accuracy"] - final["accuracy"]) / max(ref["accuracy"], 1e-12),
         "loss_change_pct": 100.0 * (final["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
         if np.isfinite(final["loss"]) else math.inf,
-        "diverged": diverged, "epochs_to_recover": recover, "resumed_epochs": len(resumed),
+        "diverged": diverged, "resumed_epochs": len(resumed), "accuracy_gaps": " ".join(map(repr, gaps.tolist())),
     }
+
+
+def epochs_to_recover(gaps, tolerance: float) -> float:
+    """Epochs after the alteration until validation accuracy is back within ``tolerance`` (absolute) of
+    golden's: 1 = the first resumed epoch already was; NaN if never (or no gaps: a cell not run)."""
+    for n, gap in enumerate(gaps.split() if isinstance(gaps, str) else [], 1):
+        if float(gap) <= tolerance:
+            return n
+    return math.nan
 
 
 def stopped(run: pd.DataFrame, golden: pd.DataFrame, epoch: int) -> dict:
@@ -185,7 +192,7 @@ def stopped(run: pd.DataFrame, golden: pd.DataFrame, epoch: int) -> dict:
     return {
         "final_accuracy": math.nan, "final_loss": math.nan, "golden_accuracy": float(ref["accuracy"]),
         "golden_loss": float(ref["loss"]), "accuracy_loss_pct": math.nan, "loss_change_pct": math.nan,
-        "diverged": True, "epochs_to_recover": math.nan, "resumed_epochs": int((_val_curve(run).index > epoch).sum()),
+        "diverged": True, "resumed_epochs": int((_val_curve(run).index > epoch).sum()), "accuracy_gaps": "",
     }
 
 
@@ -193,9 +200,12 @@ def stopped(run: pd.DataFrame, golden: pd.DataFrame, epoch: int) -> dict:
 # Summaries
 
 
-def collect(parts: list[str | Path], out_csv: str | Path) -> pd.DataFrame:
-    table = pd.concat([read_csv(p, COLUMNS, keep_default_na=False, na_values=["", "nan"]) for p in parts], ignore_index=True)
+def collect(parts: list[str | Path], out_csv: str | Path, tolerance: float) -> pd.DataFrame:
+    table = pd.concat([read_csv(p, CELL_COLUMNS, keep_default_na=False, na_values=["", "nan"], dtype={"accuracy_gaps": str})
+                       for p in parts], ignore_index=True)
     table["diverged"] = table["diverged"].astype(str).eq("True")
+    table.insert(table.columns.get_loc("resumed_epochs"), "epochs_to_recover",
+                 [epochs_to_recover(gaps, tolerance) for gaps in table["accuracy_gaps"]])
     table = table.sort_values(list(GRID), kind="stable").reset_index(drop=True)
     _write_table(out_csv, table)
     return table
@@ -221,9 +231,9 @@ def absorbed(table: pd.DataFrame, max_loss_pct: float) -> pd.DataFrame:
                                        "runs", "absorbed_runs", "diverged_runs"]).astype({"first_harmful_flips": "Int64"})
 
 
-def summarize(parts: list[str | Path], sensitivity_csv, absorbed_csv, heatmap_png, max_loss_pct: float, *,
-              dpi: int = 110) -> None:
-    table = collect(parts, sensitivity_csv)
+def summarize(parts: list[str | Path], sensitivity_csv, absorbed_csv, heatmap_png, max_loss_pct: float,
+              tolerance: float, *, dpi: int = 110) -> None:
+    table = collect(parts, sensitivity_csv, tolerance)
     write_csv(absorbed_csv, absorbed(table, max_loss_pct))
     heatmap(table, heatmap_png, dpi)
 

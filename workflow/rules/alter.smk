@@ -24,7 +24,6 @@ rule alter_cells:
         regions=ALTER["regions"],
         flips=ALTER["flips"],
         seeds=ALTER["seeds"],
-        tolerance=ALTER["tolerance"],
         seed=config["seed"],
         config_hash=lambda w: model_hash(w.model),
     script:
@@ -61,6 +60,7 @@ rule alter_summary:
         **CPU_RESOURCES,
     params:
         max_loss_pct=ALTER["absorbed_loss_pct"],
+        tolerance=ALTER["tolerance"],
         dpi=config["report"]["dpi"],
     script:
         "../scripts/alter_summary.py"

@@ -18,7 +18,6 @@ run_cells(
     checkpoints=snakemake.input.checkpoints,
     data=snakemake.input.data,
     golden_metrics=snakemake.input.metrics,
-    tolerance=snakemake.params.tolerance,
     run_seed=snakemake.params.seed,
     threads=job_threads(snakemake),
     config_hash=snakemake.params.config_hash,

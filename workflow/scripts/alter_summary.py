@@ -10,5 +10,6 @@ summarize(
     snakemake.output.absorbed,
     snakemake.output.heatmap,
     snakemake.params.max_loss_pct,
+    snakemake.params.tolerance,
     dpi=snakemake.params.dpi,
 )
