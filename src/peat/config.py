@@ -99,6 +99,12 @@ def _message(err: jsonschema.ValidationError) -> str:
     return f"config key '{key}': {err.message}"
 
 
+def section_defaults(section: str) -> dict:
+    """The schema's defaults of the keys of one config ``section``: what validation fills in."""
+    keys = yaml.safe_load(SCHEMA.read_text())["properties"][section]["properties"]
+    return {key: spec["default"] for key, spec in keys.items() if "default" in spec}
+
+
 def validate(config: dict, schema_path: str | Path) -> dict:
     """Validate ``config`` in place (filling schema defaults) and cross-check references.
 

@@ -550,18 +550,6 @@ def write(table: pd.DataFrame, sidecar: dict, out: str | Path, sidecar_path: str
     write_json(sidecar_path, sidecar)
 
 
-def schema_defaults() -> dict:
-    """The config schema's defaults of the playback section: what a workflow job gets for a key its
-    config leaves out, and so a library ``run_job`` too (without propagate_samples it followed every
-    step, without memory_mb it had no limit)."""
-    import yaml
-
-    from .config import SCHEMA
-
-    section = yaml.safe_load(SCHEMA.read_text())["properties"]["playback"]["properties"]
-    return {key: spec["default"] for key, spec in section.items() if "default" in spec}
-
-
 def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str | Path, out: str | Path,
             sidecar: str | Path, *, errors_: list[str], settings: dict, rules: dict, seed: int = 0,
             threads: int = 1, config_hash: str | None = None, propagate_from: dict | None = None) -> pd.DataFrame:
@@ -573,9 +561,12 @@ def run_job(model: str, vendor: str, kernel_name: str, kspec: dict, context: str
     ``propagate_from`` (model spec, data and checkpoint paths) enables the later observing points.
     """
     from .candidate import build
+    from .config import section_defaults
     from .device import for_vendor, seed_everything
 
-    settings = schema_defaults() | settings
+    # A workflow job's defaults for a library call too: without propagate_samples it followed every
+    # step, without memory_mb it had no limit.
+    settings = section_defaults("playback") | settings
     timeout = kspec.get("timeout", settings["timeout"])  # a slow kernel may ask for more
     # First, before CUDA starts (no fork after that) and before anything is read or written.
     kernels.check_loads(kspec.get("impl", "golden"), kspec["op"], timeout=timeout)
