@@ -800,9 +800,7 @@ def check_output(label: str, path: Path, noun: str) -> None:
         raise PeatError(f"{label}: is a directory; name the {noun} file")
     if path.exists() and not path.is_file():  # the rename would replace it: /dev/null became a checkpoint
         raise PeatError(f"{label}: not a regular file; name the {noun} file")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:  # the folders made for it start at the first existing one
-        folder = folder.parent
+    folder = next(f for f in path.parents if f.exists())  # the folders made for it start at the first existing one
     if not folder.is_dir():  # else 'File exists' once the work is done
         raise PeatError(f"{label}: {folder} is not a directory")
     if not os.access(folder, os.W_OK | os.X_OK):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import numbers
@@ -25,10 +26,7 @@ def atomic_path(path: str | os.PathLike):
     fails no folder that was made for it (``peat alter`` left an empty output folder when its log failed).
     """
     path = Path(path)
-    made, folder = [], path.parent
-    while not folder.exists() and folder != folder.parent:
-        made.append(folder)  # deepest first, as they must be removed
-        folder = folder.parent
+    made = list(itertools.takewhile(lambda f: not f.exists(), path.parents))  # deepest first, as they must be removed
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
