@@ -840,6 +840,28 @@ def test_source_files_list_what_should_rerun_jobs():
     assert Path(kernels.source_files("kernels/my_gemm.py")[0]).resolve() == REPO / "kernels/my_gemm.py"
 
 
+def test_a_kernel_module_reruns_on_the_helpers_it_imports_only(tmp_path, monkeypatch):
+    """Every ``_*.py`` beside a dotted kernel was a source of it: editing the norm kernels' ``_norm.py``
+    reran im2col's candidate training and playback, which never import it."""
+    def names(impl):
+        return [Path(f).name for f in kernels.source_files(impl)]
+
+    assert names("peat.alt_kernels.im2col") == ["im2col.py"]
+    assert names("peat.alt_kernels.welford_norm") == ["welford_norm.py", "_norm.py"]
+    assert names("peat.alt_kernels.tf32") == ["tf32.py", "_gemm.py"]
+    pkg = tmp_path / "rerunpkg"
+    pkg.mkdir()
+    files = {"__init__.py": "", "kern.py": "from . import _a\nimport rerunpkg._d\n",
+             "_a.py": "from ._b import f\n", "_b.py": "f = 1\n", "_c.py": "", "_d.py": "",
+             "broken.py": "def (\n"}
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert names("rerunpkg.kern") == ["kern.py", "_a.py", "_b.py", "_d.py"]  # through _a; not _c
+    # One that does not parse fails at load in words; until then every helper counts, as it may import any.
+    assert names("rerunpkg.broken") == ["broken.py", "_a.py", "_b.py", "_c.py", "_d.py"]
+
+
 def test_cpp_kernel_compiles_once_and_serves_linear(context, monkeypatch):
     kernel = kernels.load("kernels/naive_gemm.cpp", "linear")
     assert kernel.custom == kernels.COMPUTATIONS

@@ -28,6 +28,7 @@ several ops defines a namespace per op instead (``class linear: forward = ...``)
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
@@ -294,7 +295,8 @@ def source_of(impl: str) -> str | None:
 
 def source_files(impl: str) -> list[str]:
     """Files whose change must rerun a kernel's jobs: its source, plus for a dotted import (a
-    shipped ``peat.alt_kernels`` module or a user's package) the ``_*.py`` modules beside it."""
+    shipped ``peat.alt_kernels`` module or a user's package) the ``_*.py`` modules beside it that
+    it imports, directly or through one another."""
     source = source_of(impl)
     if source is None:
         return []
@@ -303,7 +305,38 @@ def source_files(impl: str) -> list[str]:
         return [str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)]
     origin = Path(source) if Path(source).is_absolute() else REPO / source
     helpers = sorted(p for p in origin.parent.glob("_*.py") if p.name != "__init__.py")
-    return [str(p) for p in [origin, *helpers]]
+    package = impl if origin.name == "__init__.py" else impl.rpartition(".")[0]
+    # Every helper of the folder reran every kernel in it: editing _norm.py reran im2col's jobs.
+    imported, todo = [], [origin]
+    while todo:
+        names = _sibling_imports(todo.pop(), package)
+        if names is None:  # does not parse (its load says so): any helper may be one it imports
+            return [str(p) for p in [origin, *helpers]]
+        found = [p for p in helpers if p.stem in names and p not in imported]
+        imported += found
+        todo += found
+    return [str(p) for p in [origin, *sorted(imported)]]
+
+
+def _sibling_imports(path: Path, package: str) -> set[str] | None:
+    """Names of the modules of ``package`` (the folder of ``path``) that ``path`` imports
+    (``from . import _a``, ``from ._a import f``, ``import pkg._a``); None where it does not parse."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+        return None
+    prefix = f"{package}." if package else ""  # a top-level module's helpers are top-level too
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level <= 1:  # from pkg._a import f, from . import _a
+            base = ".".join(filter(None, [package if node.level else "", node.module]))
+            modules = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        names |= {m[len(prefix):].split(".")[0] for m in modules if m.startswith(prefix)}
+    return names
 
 
 def _resolve(path: str) -> Path:
