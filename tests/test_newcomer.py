@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from peat import playback
+from peat import cli, playback, sdc_drill
 from peat.io import PeatError
 
 
@@ -16,3 +16,30 @@ def test_a_plan_refuses_a_kernel_given_by_its_impl_in_one_line(tmp_path):
             "playback.Plan: kernel='kernels/my_gemm.py' is not a kernel; load one with peat.kernels.load(impl, op)")):
         playback.Plan(context=tmp_path / "context.h5", kernel="kernels/my_gemm.py")
 
+
+def _help(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def test_h5diff_help_names_its_files_as_the_readme_does(capsys):
+    """The README writes `peat h5diff A.h5 B.h5`; --help said `a b`, with no word on either."""
+    out = _help(cli.main, ["h5diff", "--help"], capsys)
+    assert out.startswith("usage: peat h5diff [-h] [--json OUT.json] [--positions] [--all] A.h5 B.h5\n")
+    assert re.search(r"^  A\.h5 +the first file", out, re.M) and re.search(r"^  B\.h5 +the file compared", out, re.M)
+
+
+def test_peat_help_says_how_to_see_a_command_s_options(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "'peat COMMAND --help' lists a command's options." in capsys.readouterr().out
+
+
+def test_sdc_drill_help_is_plain_text_with_its_launch_commands(capsys):
+    """--help showed the docstring's reST (``peat.sdc``) and not how the workers are launched."""
+    out = _help(sdc_drill.main, ["--help"], capsys)
+    assert "``" not in out and "::" not in out
+    assert "checked by peat.sdc." in out
+    assert "\n    torchrun --standalone --nproc-per-node 3 -m peat.sdc_drill --config CFG" in out
+    assert "\n    srun --ntasks 3 python -m peat.sdc_drill --config CFG" in out

@@ -1177,8 +1177,8 @@ def cli_alter(argv: list[str]) -> int:
 def cli_h5diff(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="peat h5diff", description="Compare two HDF5 files dataset by dataset.",
                                 epilog=f"Bit numbering: {BIT_NUMBERING}.")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", metavar="A.h5", help="the first file, e.g. the checkpoint peat alter read")
+    p.add_argument("b", metavar="B.h5", help="the file compared with it, e.g. peat alter's output")
     p.add_argument("--json", metavar="OUT.json", help="also write the comparison as JSON")
     p.add_argument("--positions", action="store_true",
                    help="list every differing element (dataset, index, bit, old, new), as in the injection log: "

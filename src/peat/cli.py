@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: peat COMMAND [options]\n\ncommands:", file=out)
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:10s} {text}", file=out)
+        print("\n'peat COMMAND --help' lists a command's options.", file=out)
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)

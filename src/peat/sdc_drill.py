@@ -391,8 +391,16 @@ def _slurm_local_tasks(env) -> int:
     return max(int(n) for n in re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_NTASKS_PER_NODE", "1")))
 
 
+def _help_text() -> tuple[str, str]:
+    """--help's description and epilog: the docstring's summary and launch commands, without reST's `` and ::."""
+    summary, usage, launch = __doc__.split("\n\n")[:3]
+    return summary.replace("``", ""), usage.replace("::", ":") + "\n" + launch
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peat.sdc_drill", description=__doc__.splitlines()[0])
+    description, epilog = _help_text()
+    parser = argparse.ArgumentParser(prog="python -m peat.sdc_drill", description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="workflow config (YAML or JSON)")
     parser.add_argument("--model", required=True, help="model name in the config")
     parser.add_argument("--data", required=True, help="prepared dataset (results/data/<dataset>.h5)")
