@@ -3,9 +3,10 @@
 
 import re
 
+import h5py
 import pytest
 
-from peat import cli, playback, sdc_drill
+from peat import cli, kernels, playback, sdc_drill
 from peat.io import PeatError
 
 
@@ -43,3 +44,13 @@ def test_sdc_drill_help_is_plain_text_with_its_launch_commands(capsys):
     assert "checked by peat.sdc." in out
     assert "\n    torchrun --standalone --nproc-per-node 3 -m peat.sdc_drill --config CFG" in out
     assert "\n    srun --ntasks 3 python -m peat.sdc_drill --config CFG" in out
+
+
+def test_a_replay_of_a_checkpoint_instead_of_a_context_fails_in_one_line(tmp_path):
+    """final.h5 lies beside context.h5: replayed, it matched no recorded layer and its verdict passed as
+    not applicable."""
+    with h5py.File(tmp_path / "final.h5", "w") as f:
+        f["model/fc.weight"] = [[1.0, 2.0]]
+    with pytest.raises(PeatError, match=re.escape(
+            f"{tmp_path / 'final.h5'}: not a training context (no 'layers' group, which peat's Profiler writes)")):
+        playback.replay(playback.Plan(context=tmp_path / "final.h5", kernel=kernels.golden("linear")))

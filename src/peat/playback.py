@@ -164,8 +164,11 @@ _COMPARED_AS = {"torch_version": lambda v: str(v).split("+", 1)[0]}
 def check_context(path: str | Path, expect: dict) -> dict:
     """Root attrs and layer ops of a context, after checking it matches what the workflow expects."""
     with open_h5(path) as f:
+        if "layers" not in f:  # a checkpoint (final.h5 lies beside context.h5) replayed nothing and passed
+            raise PeatError(f"{path}: not a training context (no 'layers' group, which peat's Profiler writes); "
+                            "give a golden run's context.h5")
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        ops = {name: str(group.attrs.get("op", "")) for name, group in f.get("layers", {}).items()}
+        ops = {name: str(group.attrs.get("op", "")) for name, group in f["layers"].items()}
     for key, want in expect.items():
         have = attrs.get(key)
         if have is None:
