@@ -245,6 +245,25 @@ def test_a_kernel_setting_of_one_stage_reruns_only_that_stage(workflow_run, tmp_
 
 
 @pytest.mark.xdist_group("workflow")
+@pytest.mark.parametrize("kernels, playback", [
+    ({"im2col": {"seed": 5, "computation": "weight_grad"}}, {}),
+    ({}, {"propagate_samples": 3}),
+])
+def test_a_setting_no_job_reads_reruns_nothing(workflow_run, tmp_path, kernels, playback):
+    """seed and computation place a kernel's injected error, yet editing them reran the candidate
+    training and playback of a kernel with none; propagate_samples reran every playback where
+    nothing propagates (propagate: false)."""
+    config = yaml.safe_load((REPO / "config/test.yaml").read_text())
+    for name, setting in kernels.items():
+        config["kernels"][name].update(setting)
+    config["playback"].update(playback)
+    path = tmp_path / "unread.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = snakemake(workflow_run, "-n", "--rerun-triggers", "params", configfile=path).stdout
+    assert "Nothing to be done" in out, out[-2000:]
+
+
+@pytest.mark.xdist_group("workflow")
 @pytest.mark.parametrize("setting, rerun", [
     ({"accept_reduced_precision": False}, {"detect", "collate_report", "all"}),
     ({"benchmark_seeds": 2}, set()),

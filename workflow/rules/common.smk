@@ -143,12 +143,19 @@ def kernel_sources(wildcards):
 def kernel_spec(kernel, other_stage):
     # Only the keys a stage reads are its params: a playback timeout reran the candidate
     # training (a whole training), train: true reran the playback. models and train only
-    # choose which jobs exist; other_stage is the other stage's own setting.
-    return {
-        key: value
-        for key, value in KERNELS[kernel].items()
-        if key not in ("models", "train", other_stage)
-    }
+    # choose which jobs exist; other_stage is the other stage's own setting; seed and
+    # computation place the injected error, and a kernel without one reads neither.
+    spec = KERNELS[kernel]
+    unread = {"models", "train", other_stage}
+    if spec.get("error") is None:
+        unread |= {"seed", "computation"}
+    return {key: value for key, value in spec.items() if key not in unread}
+
+
+def playback_settings():
+    # propagate_samples reran every playback where nothing propagates.
+    unread = () if PLAYBACK["propagate"] else ("propagate_samples",)
+    return {key: value for key, value in PLAYBACK.items() if key not in unread}
 
 
 def kernel_hash(wildcards):

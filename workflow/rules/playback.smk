@@ -21,7 +21,7 @@ rule playback:
         spec=lambda w: config["models"][w.model],
         kernel=lambda w: kernel_spec(w.kernel, "train_timeout"),
         errors=config["errors"],
-        settings=PLAYBACK,
+        settings=playback_settings(),
         rules=detect_rules("accept_reduced_precision"),
         seed=config["seed"],
         config_hash=lambda w: model_hash(w.model),
