@@ -77,6 +77,14 @@ def test_casts_act_on_operands_in_faulty_kernels():
     assert torch.equal(got, torch.nn.functional.linear(x.double(), w.double(), b.double()).float())
 
 
+def test_faulty_refuses_a_kernel_given_by_its_impl_in_one_line():
+    """faulty("kernels/my_gemm.py", ...) (the impl, not the loaded kernel) failed in
+    AttributeError: 'str' object has no attribute 'computation'."""
+    with pytest.raises(PeatError, match=re.escape(
+            "errors.faulty: kernel='kernels/my_gemm.py' is not a kernel; load one with peat.kernels.load(impl, op)")):
+        errors.faulty("kernels/my_gemm.py", "lane:4")
+
+
 def bn_operands():
     x = torch.randn(4, 3, 5, 5, generator=gen(12))
     w, b = torch.rand(3, generator=gen(13)) + 0.5, torch.randn(3, generator=gen(14))

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .io import PeatError
+from . import kernels
 from .kernels import COMPUTATIONS
 
 CASTS = ("fp16", "bf16", "tf32", "fp64")
@@ -482,6 +483,7 @@ def faulty(kernel, error, computation: str = "forward", seed: int = 0, strict: b
     error leaves as it was raises ``NotInjected`` (a case that reports an injection); else it
     returns that result (training goes on, as with a real fault that did not show).
     """
+    kernels.require(kernel, "errors.faulty")
     model = dataclasses.replace(parse(error) if isinstance(error, str) else error, strict=strict)
     wrapped = _injecting(kernel.computation(computation), model, seeded(seed), kernel.op, computation)
     custom = tuple(c for c in COMPUTATIONS if c in kernel.custom or c == computation)

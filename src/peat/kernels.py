@@ -84,6 +84,14 @@ class Kernel:
         return getattr(self, computation)
 
 
+def require(kernel, where: str) -> None:
+    """One line for a kernel named by its impl (kernel="kernels/my_gemm.py"), which failed later
+    with an AttributeError ('str' object has no attribute 'op'); ``where`` names the call."""
+    if not isinstance(kernel, Kernel):
+        raise PeatError(f"{where}: kernel={kernel!r} is not a kernel; load one with "
+                        "peat.kernels.load(impl, op), e.g. kernels.load('kernels/my_gemm.py', 'linear')")
+
+
 # -- golden ops ---------------------------------------------------------------------------
 def _linear_weight_grad(grad_out, x):
     return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
