@@ -701,3 +701,12 @@ def test_allclose_baseline_counts_failed_cases_beside_rows_that_failed():
     assert table["allclose"].dtype == object
     got = detect.judge(table, {})["evidence"]["baselines"]["allclose"]
     assert (got["verdict"], got["failed_cases"]) == ("fail", 2)
+
+
+def test_judge_with_its_arguments_swapped_says_which_is_which():
+    """judge(record, table) failed in AttributeError: 'dict' object has no attribute 'empty'."""
+    import pandas as pd
+
+    with pytest.raises(PeatError, match=re.escape(
+            "detect.judge(table, record): table is replay's DataFrame, record its dict; given dict, DataFrame")):
+        detect.judge({"outcome": {"status": "ok"}}, pd.DataFrame())

@@ -336,6 +336,9 @@ def judge(table: pd.DataFrame, record: dict, rules: Rules | None = None) -> dict
     unlike ``verdict`` on the table alone, a crash after the probe (a row with an ``error``) fails
     it, and nothing replayed passes as not applicable. ``rules``: by default those playback scored
     the table with (``rules_of``)."""
+    if not isinstance(table, pd.DataFrame) or not isinstance(record, dict):  # swapped: an AttributeError on .empty
+        raise PeatError(f"detect.judge(table, record): table is replay's DataFrame, record its dict; "
+                        f"given {type(table).__name__}, {type(record).__name__}")
     rules = rules_of(record, rules)
     outcome, table = after_probe(table, record.get("outcome", {"status": "ok"}))
     if outcome.get("status", "ok") != "ok" or not table.empty:
