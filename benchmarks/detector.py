@@ -344,9 +344,12 @@ def _spec_truth(case: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", action="append", default=None, help="context.h5 (repeatable)")
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="seeds per pseudo-error case, each its own draw of the fault (default 5)")
     parser.add_argument("--steps", type=int, default=2, help="recorded iterations replayed per case")
-    parser.add_argument("--out", default="reports/benchmarks/detector")
+    parser.add_argument("--out", default="reports/benchmarks/detector", metavar="DIR",
+                        help="folder of the report: cases.csv, confusion.csv, metrics.csv, summary.json, "
+                             "confusion.png (default reports/benchmarks/detector)")
     parser.add_argument("--smoke", action="store_true", help="a few specs, one layer per op (for the tests)")
     parser.add_argument("--layer", action="append", default=None, help="only recorded layers matching this glob")
     parser.add_argument("--spec", action="append", default=None,

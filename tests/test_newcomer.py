@@ -1,7 +1,9 @@
 """What a newcomer following the README runs into: library calls made a plausible wrong way, and the
 --help of each command."""
 
+import importlib
 import re
+from pathlib import Path
 
 import h5py
 import pytest
@@ -44,6 +46,16 @@ def test_sdc_drill_help_is_plain_text_with_its_launch_commands(capsys):
     assert "checked by peat.sdc." in out
     assert "\n    torchrun --standalone --nproc-per-node 3 -m peat.sdc_drill --config CFG" in out
     assert "\n    srun --ntasks 3 python -m peat.sdc_drill --config CFG" in out
+
+
+def test_detector_benchmark_help_describes_seeds_and_out(capsys, monkeypatch):
+    """--seeds and --out were listed with no word on either."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.setenv("COLUMNS", "200")  # unwrapped (argparse breaks lines at hyphens too)
+    flat = " ".join(_help(importlib.import_module("detector").main, ["--help"], capsys).split())
+    assert "--seeds SEEDS seeds per pseudo-error case, each its own draw of the fault (default 5)" in flat
+    assert ("--out DIR folder of the report: cases.csv, confusion.csv, metrics.csv, summary.json, confusion.png "
+            "(default reports/benchmarks/detector)") in flat
 
 
 def test_a_replay_of_a_checkpoint_instead_of_a_context_fails_in_one_line(tmp_path):
