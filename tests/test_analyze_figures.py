@@ -488,3 +488,14 @@ def test_an_infinite_score_is_drawn_at_the_largest_float_and_leaves_the_heatmap_
     assert heat.collections[0].get_clim() == (-3.0, analyze.HEAT_TOP)
     assert [t.get_text() for t in heat.texts] == ["NaN/Inf", "NaN/Inf"]
     assert drawn["heatmap"].axes[1].get_label() == "<colorbar>" and heat.collections[0].colorbar.extend == "max"
+
+
+def test_score_vs_iteration_legend_sits_beside_the_panels_without_a_blank_gap(table, tmp_path, drawn):
+    """One GPT-2 layer: the legend sat at the figure's right edge, 1.3 in of blank right of the panels."""
+    table = table[table["layer"] == "a"].assign(layer="transformer.h.0.mlp.c_fc")
+    analyze.figures(table, tmp_path)
+    fig = drawn["score_vs_iteration"]
+    fig.canvas.draw()
+    right = max(ax.get_tightbbox().x1 for ax in fig.axes)
+    gap = (fig.legends[0].get_window_extent().x0 - right) / fig.dpi
+    assert 0 < gap < 0.5

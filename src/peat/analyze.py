@@ -331,17 +331,26 @@ def _score_vs_iteration(named: pd.DataFrame, shown: list[str], left: list[str], 
     grid.set_axis_labels("training step", "log10 top-10% |error|\n(exact match: -30)")
     # Two lines: seaborn's "computation = ... | layer = ...", and even "forward | <GPT-2 layer>", overran the next panel's.
     grid.set_titles("{row_name}\n{col_name}")
-    # Beyond the figure's right edge: a long layer name's title ran under the legend of a one-column grid.
-    sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))
     for ax in grid.axes.flat:
         # Steps: a lone step was ticked -0.050 to 0.050, and nine ticks of 0..120 ran into each other.
         ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True, min_n_ticks=1))
     _say_unscored(grid.axes_dict, named.groupby(["computation", "layer"])["log10_err_top10"].count(), clear_y=True)
     grid.tight_layout()  # again, for the two-line titles: their first line ran into the panel above
+    _legend_beside(grid)
     if left:
         _note(grid.figure, f"{len(shown)} of {len(shown) + len(left)} layers: those with the kernel's largest "
                            f"top-10% error over fp32 noise; left out (in layers.csv): {', '.join(left)}")
     _save(grid.figure, path, dpi, failed)
+
+
+def _legend_beside(grid) -> None:
+    """The legend just right of everything the panels draw: beside the panels, a long layer name's
+    title ran under it; at the figure's right edge (1.0), seaborn's width kept for it stayed blank
+    between panels and legend, a third of a one-column figure."""
+    fig = grid.figure
+    renderer = fig.canvas.get_renderer()
+    right = max(ax.get_tightbbox(renderer).x1 for ax in grid.axes.flat) / (fig.get_figwidth() * fig.dpi)
+    sns.move_legend(grid, "upper left", bbox_to_anchor=(right + 0.02, 0.9))
 
 
 def _distributions(named: pd.DataFrame, left: list[str], computations: list[str], path: Path, dpi: int,
