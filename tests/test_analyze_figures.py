@@ -499,3 +499,10 @@ def test_score_vs_iteration_legend_sits_beside_the_panels_without_a_blank_gap(ta
     right = max(ax.get_tightbbox().x1 for ax in fig.axes)
     gap = (fig.legends[0].get_window_extent().x0 - right) / fig.dpi
     assert 0 < gap < 0.5
+
+
+def test_bits_list_cases_in_the_tables_order_under_a_title_naming_golden(table, tmp_path, drawn):
+    analyze.figures(table, tmp_path)
+    ax = drawn["bits"].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["kernel", "ref:fp64", "lane:4"]  # not sorted by name
+    assert ax.get_title() == analyze.BITS_TITLE and "golden" in ax.get_title()

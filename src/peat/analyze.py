@@ -65,6 +65,8 @@ HEAT_TOP = 3.0
 # elements, as of a zero-size batch, or one all NaN/Inf) has NaN scores, which no line or box can draw.
 NO_SCORE = "no finite error\n(no element, or all NaN/Inf)"
 NO_SCORE_ANYWHERE = "no result has a finite error (outputs without elements, or all NaN/Inf): nothing to plot"
+# Without it, bits.png did not say what its bits differ from.
+BITS_TITLE = "bits where each case's float32 result differs from golden (all replayed tensors)"
 # The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
 COLUMNS = [*TABLE_KEYS, *SCORES, "error", "status", "map_rows", "map_cols", "nonfinite"]
 # Those a table with rows must hold: another parquet file ended the job in a KeyError naming no file.
@@ -309,12 +311,15 @@ def figures(table: pd.DataFrame, out: Path, dpi: int = 80, outcomes: list[dict] 
     counts = {}
     for case, row in zip(own["case"], lists("bits", own.index)):
         counts[case] = counts.get(case, 0) + row
-    bits = pd.DataFrame(counts).T.sort_index()
+    # Cases in the table's order, as the other figures list them (references, kernel, pseudo-errors):
+    # sorted by name, "kernel" sat between bit_flip and lane, ref:fp64 among the references' bf16 and tf32.
+    bits = pd.DataFrame(counts).T
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.3 * len(bits)))
     sns.heatmap(np.log10(bits.astype(float) + 1), ax=ax, cmap="rocket_r",
                 cbar_kws={"label": "log10(1 + elements whose bit differs)"})
     ax.set_xlabel("bit (0 = mantissa LSB, 23-30 exponent, 31 = sign)")
     ax.set_ylabel("")
+    ax.set_title(BITS_TITLE, fontsize=10)
     _save(fig, out / "bits.png", dpi, failed)
     _spatial_maps(own, out / "spatial.png", dpi, failed, lists)
 
