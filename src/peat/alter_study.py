@@ -238,6 +238,9 @@ def summarize(parts: list[str | Path], sensitivity_csv, absorbed_csv, heatmap_pn
     heatmap(table, heatmap_png, dpi)
 
 
+HEATMAP_SCALE = "accuracy loss vs golden (%)"
+
+
 def heatmap(table: pd.DataFrame, out_png: str | Path, dpi: int = 110) -> None:
     """Mean loss of final accuracy (%) per class x region, one panel per number of flips; † = diverged."""
     import matplotlib
@@ -270,8 +273,9 @@ def heatmap(table: pd.DataFrame, out_png: str | Path, dpi: int = 110) -> None:
         grid = grid.reindex(index=classes, columns=regions)
         div = part.pivot_table(index="cls", columns="region", values="diverged", aggfunc="max").reindex_like(grid)
         labels = grid.map(lambda v: "" if np.isnan(v) else f"{v:.1f}") + div.map(lambda d: "†" if d == 1 else "")
+        # The colour bar says its unit itself: unlabelled, its 0-100 read as a count beside "10 flipped values".
         sns.heatmap(grid, annot=labels, fmt="", cmap="rocket_r", vmin=0, vmax=vmax, cbar=ax is axes[0][-1], ax=ax,
-                    linewidths=0.5)
+                    linewidths=0.5, cbar_kws={"label": HEATMAP_SCALE})
         for i, j in zip(*np.nonzero(grid.isna().to_numpy() & (labels != "").to_numpy())):
             ax.text(j + 0.5, i + 0.5, labels.iloc[i, j], ha="center", va="center")  # seaborn leaves NaN cells bare
         ax.set_title(f"{n} flipped value{'s' if n != 1 else ''}")
