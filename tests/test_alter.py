@@ -348,7 +348,7 @@ def test_amounts(mixed, tmp_path):
     p1 = run_alter(mixed, tmp_path / "o.h5", probability=0.1, select=["model/conv1.weight"], seed=9).records
     p2 = run_alter(mixed, tmp_path / "o.h5", probability=0.1, select=["model/conv1.weight"], seed=9).records
     assert p1 == p2 and 0 < len(p1) < n // 2
-    assert run_alter(mixed, tmp_path / "o.h5", count=0).flips == 0
+    assert run_alter(mixed, tmp_path / "o.h5", probability=0.0).flips == 0
 
 
 def test_selection_by_regex_glob_and_class(mixed, tmp_path):
@@ -878,6 +878,14 @@ def test_a_burst_wider_than_any_value_fails_with_one_line(mixed, tmp_path, capsy
     assert capsys.readouterr().err == f"peat alter: error: --burst {burst}: must be in [1, 64] (no value has more bits)\n"
 
 
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_a_count_that_alters_nothing_fails_with_one_line_before_any_work(mixed, tmp_path, capsys, count):
+    """--count 0 succeeded and wrote a copy identical to the input, and a log of no injection."""
+    assert main(["alter", str(mixed), str(tmp_path / "o.h5"), "--count", count, "--log", str(tmp_path / "l.json")]) == 2
+    assert capsys.readouterr().err == f"peat alter: error: --count {count}: must be >= 1\n"
+    assert sorted(tmp_path.iterdir()) == [mixed]
+
+
 def test_an_output_directory_fails_with_one_line_naming_it(mixed, tmp_path, capsys):
     assert main(["alter", str(mixed), str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"peat alter: error: {tmp_path}: is a directory; name the output file"
@@ -1017,7 +1025,7 @@ def test_h5diff_sees_a_low_bit_flip_of_a_large_int64(tmp_path):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(count=st.integers(0, 200), seed=st.integers(0, 2**31), region=st.sampled_from(A.CLI_REGIONS),
+@given(count=st.integers(1, 200), seed=st.integers(0, 2**31), region=st.sampled_from(A.CLI_REGIONS),
        burst=st.integers(1, 3), sign=st.booleans(), finite=st.booleans())
 def test_any_plan_agrees_with_h5diff(tmp_path_factory, count, seed, region, burst, sign, finite):
     tmp = tmp_path_factory.mktemp("prop")
@@ -1157,7 +1165,7 @@ def test_resuming_an_unaltered_checkpoint_reproduces_golden_exactly(gpt2_golden,
     """The study's baseline: any difference from golden comes from the flips, not from resuming."""
     spec, data, out = gpt2_golden
     golden = S._val_curve(pd.read_csv(out / "metrics.csv"))
-    row = S._cell("gpt2", spec, "cpu", out / "checkpoints" / "epoch001.h5", A.Plan(count=0), golden,
+    row = S._cell("gpt2", spec, "cpu", out / "checkpoints" / "epoch001.h5", A.Plan(probability=0.0), golden,
                   1, data, 0, 1, "", tmp_path / "control.json")
     assert row["status"] == "ok" and row["altered_values"] == 0
     assert row["final_loss"] == row["golden_loss"] and row["final_accuracy"] == row["golden_accuracy"]

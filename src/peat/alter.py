@@ -514,8 +514,8 @@ class Plan:
         amounts = [x is not None for x in (self.count, self.fraction, self.probability)]
         if sum(amounts) > 1:
             raise PeatError("give only one of --count, --fraction, --probability")
-        if self.count is not None and self.count < 0:
-            raise PeatError(f"--count {self.count}: must be >= 0")
+        if self.count is not None and self.count < 1:  # 0 wrote a copy identical to the input
+            raise PeatError(f"--count {self.count}: must be >= 1")
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise PeatError(f"--fraction {self.fraction}: must be in [0, 1]")
         if self.probability is not None and not 0 <= self.probability <= 1:
