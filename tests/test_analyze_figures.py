@@ -68,13 +68,13 @@ def test_an_inf_error_leaves_the_shared_scale_to_the_finite_ones_and_titles_coun
     nan = _row("nan:1", "forward", "a", 0, 1.0, 1.0, 1e-8) | {"nonfinite": 2}  # NaN: no mass in the map
     analyze.figures(pd.concat([table, pd.DataFrame([inf, nan])], ignore_index=True), tmp_path)
     fig = drawn["spatial"]
-    images = {ax.get_title().split("\n")[0]: a for ax in fig.axes for a in ax.get_children()
+    images = {ax.get_title().split(",")[0]: a for ax in fig.axes for a in ax.get_children()
               if isinstance(a, AxesImage)}
     assert {im.get_clim() for im in images.values()} == {(-8.0, 0.0)}
     assert images["inf:1"].get_array()[0, 5] > 300  # above the scale: the colorbar's green extension
     titles = [ax.get_title() for ax in fig.axes]
-    assert any(t.startswith("inf:1") and t.endswith(", 1 NaN/Inf") for t in titles)
-    assert any(t.startswith("nan:1") and t.endswith(", 2 NaN/Inf") for t in titles)
+    assert any(t.startswith("inf:1, 1 NaN/Inf\n") for t in titles)
+    assert any(t.startswith("nan:1, 2 NaN/Inf\n") for t in titles)
     assert "green: an Inf error" in [ax for ax in fig.axes if ax.get_label() == "<colorbar>"][0].get_ylabel()
 
 
@@ -506,3 +506,18 @@ def test_bits_list_cases_in_the_tables_order_under_a_title_naming_golden(table, 
     ax = drawn["bits"].axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["kernel", "ref:fp64", "lane:4"]  # not sorted by name
     assert ax.get_title() == analyze.BITS_TITLE and "golden" in ax.get_title()
+
+
+def test_spatial_titles_of_a_long_layer_name_do_not_run_into_each_other(table, tmp_path, drawn):
+    """A GPT-2 layer's tensor line with its NaN/Inf count ran into the neighbouring panels' titles."""
+    table = table.assign(layer=table["layer"].map({"a": "transformer.h.11.attn.c_attn", "b": "z"}),
+                         step=table["step"] + 120, nonfinite=12)
+    analyze.figures(table, tmp_path)
+    fig = drawn["spatial"]
+    FigureCanvasAgg(fig)  # laid out at the dpi it was saved at
+    fig.set_dpi(80)
+    fig.canvas.draw()
+    titles = [ax.title.get_window_extent() for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 3 and not any(a.overlaps(b) for i, a in enumerate(titles) for b in titles[i + 1:])
+    assert [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_title()] == [
+        "kernel, 12 NaN/Inf", "ref:fp64, 12 NaN/Inf", "lane:4, 12 NaN/Inf"]

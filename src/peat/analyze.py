@@ -65,6 +65,8 @@ HEAT_TOP = 3.0
 # elements, as of a zero-size batch, or one all NaN/Inf) has NaN scores, which no line or box can draw.
 NO_SCORE = "no finite error\n(no element, or all NaN/Inf)"
 NO_SCORE_ANYWHERE = "no result has a finite error (outputs without elements, or all NaN/Inf): nothing to plot"
+# Characters of a spatial map's title line at most: a panel's 3 in at 7 pt, its gaps included.
+SPATIAL_TITLE_CHARS = 42
 # Without it, bits.png did not say what its bits differ from.
 BITS_TITLE = "bits where each case's float32 result differs from golden (all replayed tensors)"
 # The playback table's columns the Analyzer reads; its list columns only the figures drawing them.
@@ -512,10 +514,13 @@ def _spatial_maps(own: pd.DataFrame, path: Path, dpi: int, failed: list[str], li
         image = ax.imshow(m, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
         ax.set_xticks([])
         ax.set_yticks([])
-        # A NaN error carries no mass in the map: the title counts it (and Inf ones).
+        # A NaN error carries no mass in the map: the title counts it (and Inf ones), beside the case's
+        # short name. Its tensor's line wrapped at a panel's width: "transformer.h.11.attn.c_attn
+        # weight_grad step 120" (or a count after it) ran into the neighbouring panels' titles.
         bad = row["nonfinite"]
-        ax.set_title(f"{row['case']}\n{row['layer']} {row['computation']} step {row['step']}"
-                     + (f", {bad} NaN/Inf" if bad else ""), fontsize=7)
+        where = f"{row['layer']} {row['computation']} step {row['step']}"
+        ax.set_title(f"{row['case']}" + (f", {bad} NaN/Inf" if bad else "") + "\n"
+                     + textwrap.fill(where, SPATIAL_TITLE_CHARS), fontsize=7)
         ax.set_xlabel("columns (channels)", fontsize=7)
         ax.set_ylabel("rows", fontsize=7)
     fig.subplots_adjust(hspace=0.6)
