@@ -739,3 +739,10 @@ def test_a_damaged_or_missing_stage_output_is_one_line_naming_it(tmp_path, where
         build([bad], tmp_path / "out", name="bad", models=["m"], vendors=["cpu"])
     assert str(err.value) == f"{bad}: {message}"
     assert not (tmp_path / "out").exists()
+
+
+def test_candidate_caption_says_what_an_rfi_case_names():
+    """Headings read "resnet18 / cpu / lane_fc / f0.5" under a caption naming no f0.5 nor every-N-th step."""
+    caption = SECTIONS["candidate"][1]
+    assert "(<b>case</b>: f0.5 the first half, every4 every fourth step)" in caption
+

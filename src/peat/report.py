@@ -54,8 +54,9 @@ SECTIONS = {
         "what the model learns; differences near 1e-7 are float32 rounding. <b>candidate.csv</b> "
         "gives each run's outcome (status ok, crash, oom, timeout or shape_mismatch, final validation loss and accuracy of "
         "candidate and golden); <b>rfi.csv</b> the same for frequency-based runtime fault "
-        "injection, where the faulty kernel is active only in the first fraction of the steps "
-        f"(<b>case</b>). {NOT_INJECTED_NOTE}: those layers trained as golden.")),
+        "injection, where the faulty kernel is active only in the first fraction of the steps or every "
+        "N-th step, golden otherwise (<b>case</b>: f0.5 the first half, every4 every fourth step). "
+        f"{NOT_INJECTED_NOTE}: those layers trained as golden.")),
     "analyze": ("Analyzer", (
         "The Analyzer's characterization of each candidate kernel against the golden kernel on "
         "the replayed training context: per layer and computation (forward, input gradient, "
