@@ -746,3 +746,10 @@ def test_candidate_caption_says_what_an_rfi_case_names():
     caption = SECTIONS["candidate"][1]
     assert "(<b>case</b>: f0.5 the first half, every4 every fourth step)" in caption
 
+
+def test_alter_and_sdc_captions_say_what_their_cells_mean():
+    """"nan ... (both runs diverged)" named no second run; the clean drill's detected and right_rank
+    read False beside the faulty drills' True, as if it had failed."""
+    assert "(both runs diverged)" not in SECTIONS["alter"][1]
+    assert "either way the run counts as diverged, † in the heatmap" in SECTIONS["alter"][1]
+    assert "its <b>detected</b> and <b>right_rank</b> are False, as they should be" in SECTIONS["sdc"][1]

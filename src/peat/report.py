@@ -71,14 +71,16 @@ SECTIONS = {
         "ends from the unaltered one. Light cells are absorbed by training; dark cells are "
         "flips the model does not recover from (usually exponent bits). In the tables, <b>nan</b> is a "
         "NaN loss, or no final value where the resumed training stopped with the error its "
-        "<b>reason</b> names (both runs diverged); a blank cell was not measured.")),
+        "<b>reason</b> names (either way the run counts as diverged, † in the heatmap); a blank cell "
+        "was not measured.")),
     "sdc": ("Silent data corruption drills", (
         "Each drill injects one fault into distributed data-parallel training and checks that "
         "the SDC checks catch it: <b>detected</b> says whether an alarm came at or after the injection, "
         "<b>detection_step</b> at which step, <b>localized</b> whether that alarm named suspect ranks and "
         "<b>right_rank</b> whether it named the faulty rank alone; <b>false_alarms</b> counts alarms naming a "
         "healthy rank or raised before the injection. The drill without an injected fault (clean) is the "
-        "false-alarm control: its <b>false_alarms</b> must be 0.")),
+        "false-alarm control: its <b>false_alarms</b> must be 0; with no faulty rank to find, its "
+        "<b>detected</b> and <b>right_rank</b> are False, as they should be.")),
     "benchmarks": ("Benchmarks", (
         "From <code>make bench</code>: each benchmark is a ratio of two things measured in the same "
         "run (<b>measured_as</b> says which, for example playback time over retraining time). In "
