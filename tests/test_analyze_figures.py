@@ -521,3 +521,10 @@ def test_spatial_titles_of_a_long_layer_name_do_not_run_into_each_other(table, t
     assert len(titles) == 3 and not any(a.overlaps(b) for i, a in enumerate(titles) for b in titles[i + 1:])
     assert [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_title()] == [
         "kernel, 12 NaN/Inf", "ref:fp64, 12 NaN/Inf", "lane:4, 12 NaN/Inf"]
+
+
+def test_heatmap_axes_say_training_step_as_the_score_figure_does(table, tmp_path, drawn):
+    analyze.figures(table, tmp_path)
+    ax = drawn["heatmap"].axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("training step", "layer - computation")
+    assert drawn["score_vs_iteration"].axes[-1].get_xlabel() == "training step"

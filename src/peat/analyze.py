@@ -466,6 +466,8 @@ def _heatmap(kernel: pd.DataFrame, path: Path, dpi: int, failed: list[str]) -> N
     for row, col in zip(*np.nonzero(marks.to_numpy())):
         ax.text(col + 0.5, row + 0.5, "NaN/Inf", ha="center", va="center", color="firebrick", fontsize=7)
     ax.set_title("kernel under test: layer x iteration")
+    # seaborn's "step" and "layer-computation" (its index names joined): the score figure says "training step".
+    ax.set(xlabel="training step", ylabel="layer - computation")
     _save(fig, path, dpi, failed)
 
 
