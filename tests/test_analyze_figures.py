@@ -528,3 +528,13 @@ def test_heatmap_axes_say_training_step_as_the_score_figure_does(table, tmp_path
     ax = drawn["heatmap"].axes[0]
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("training step", "layer - computation")
     assert drawn["score_vs_iteration"].axes[-1].get_xlabel() == "training step"
+
+
+def test_distributions_of_one_step_draw_each_layer_in_its_colour(table, tmp_path, drawn):
+    """One replayed step (config/test.yaml) makes each box one value, a grey line whatever its layer:
+    the layers' legend matched nothing drawn."""
+    analyze.figures(table[table["step"] == 0], tmp_path)
+    ax = drawn["distributions"].axes[0]
+    colours = [{tuple(m.get_color()) for m in c.medians} for c in ax.containers]
+    assert colours == [{tuple(c.boxes[0].get_facecolor())} for c in ax.containers] and len(colours) == 2
+    assert colours[0] != colours[1]

@@ -380,11 +380,23 @@ def _distributions(named: pd.DataFrame, left: list[str], computations: list[str]
     # than a panel narrowed by long case names and a GPT-2 layer's legend, and ran into its neighbour's.
     grid.set_titles("{col_name}")
     _say_unscored(grid.axes_dict, named.groupby("computation")["log10_rel_top10"].count(), clear_y=False)
+    if not left:
+        _colour_flat_boxes(grid)
     _cut_beyond(grid, named, cases)
     _one_decade_at_least(grid.axes.flat[0])
     if left:
         _note(grid.figure, f"all {layers} layers pooled (each layer's statistics: layers.csv)")
     _save(grid.figure, path, dpi, failed)
+
+
+def _colour_flat_boxes(grid) -> None:
+    """A box of one value (a layer replayed at one step) is its median's line alone, grey whatever
+    its layer, so the layers' legend matched nothing drawn: such a line takes its box's colour."""
+    for ax in grid.axes.flat:
+        for container in ax.containers:
+            for box, median in zip(container.boxes, container.medians):
+                if box.get_path().get_extents().width == 0:
+                    median.set(color=box.get_facecolor(), linewidth=2)
 
 
 def _one_decade_at_least(ax) -> None:
