@@ -310,8 +310,8 @@ def test_snakemake_report(workflow_run):
 
 def test_training_curves_are_byte_identical(workflow_run, tmp_path):
     metrics = workflow_run / "results/golden/gpt2/cpu/metrics.csv"
-    a = training_curves(metrics, tmp_path / "a.png", title="gpt2 (cpu)")
-    b = training_curves(metrics, tmp_path / "b.png", title="gpt2 (cpu)")
+    a = training_curves(metrics, tmp_path / "a.png", title="golden training of gpt2 (cpu)")
+    b = training_curves(metrics, tmp_path / "b.png", title="golden training of gpt2 (cpu)")
     assert a.read_bytes() == b.read_bytes()
     assert a.read_bytes() == (workflow_run / "results/golden/gpt2/cpu/training_curves.png").read_bytes()
 
