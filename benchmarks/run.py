@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.merge or ([args.out / "results.json"] if args.table else []):
         if not path.is_file():
             parser.error(f"{'--merge' if args.merge else '--table'}: {path} does not exist")
+    if (args.only or args.merge) and (args.out / "results.json").exists():
+        # said now, not after every benchmark has run (--only) or as a traceback (--merge)
+        _results(parser, "--out", args.out / "results.json")
     if args.merge:
         others = [_results(parser, "--merge", path) for path in args.merge]  # all read before any is merged
         for other in others:
@@ -162,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(figures.markdown(_results(parser, "--table", args.out / "results.json")))
         return 0
-    if args.only and (args.out / "results.json").exists():  # said now, not after every benchmark has run
-        _results(parser, "--out", args.out / "results.json")
     if args.results is not None and not any(args.results.glob("golden/*/*/storage.json")):
         # context_storage would silently fall back to measuring its own truncated training
         parser.error(f"--results: {args.results}: no golden/*/*/storage.json under it "

@@ -430,6 +430,21 @@ def test_a_damaged_results_file_is_one_line_before_anything_runs(tmp_path, capsy
     assert not (tmp_path / "work").exists()
 
 
+def test_a_merge_into_an_out_holding_a_damaged_results_file_is_one_line(tmp_path, capsys):
+    """--merge into an --out whose results.json is not one ended in a PeatError traceback."""
+    other = tmp_path / "other.json"
+    other.write_text('{"machine": {}, "benchmarks": []}')
+    bad = tmp_path / "out" / "results.json"
+    bad.parent.mkdir()
+    bad.write_text('{"a": 1}')
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main(["--merge", str(other), "--out", str(bad.parent)])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --out: {bad}: no 'machine' and 'benchmarks' (not a benchmarks/run.py results.json?)")
+    assert bad.read_text() == '{"a": 1}' and sorted(p.name for p in bad.parent.iterdir()) == ["results.json"]
+
+
 @pytest.mark.parametrize("layout", ["missing", "empty"])
 def test_results_without_golden_storage_files_is_refused(tmp_path, capsys, layout):
     """--results with a typo, or a folder without golden runs, silently measured context_storage on
