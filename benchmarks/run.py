@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     except PeatError as err:
         parser.error(str(err))
     for path in args.merge or ([args.out / "results.json"] if args.table else []):
-        if not path.is_file():
-            parser.error(f"{'--merge' if args.merge else '--table'}: {path} does not exist")
+        if not path.is_file():  # a folder is most often another run's --out, not "missing"
+            parser.error(f"{'--merge' if args.merge else '--table'}: {path} "
+                         + ("is a folder, not a results.json" if path.is_dir() else "does not exist"))
     if (args.only or args.merge) and (args.out / "results.json").exists():
         # said now, not after every benchmark has run (--only) or as a traceback (--merge)
         _results(parser, "--out", args.out / "results.json")

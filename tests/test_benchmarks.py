@@ -445,6 +445,17 @@ def test_a_merge_into_an_out_holding_a_damaged_results_file_is_one_line(tmp_path
     assert bad.read_text() == '{"a": 1}' and sorted(p.name for p in bad.parent.iterdir()) == ["results.json"]
 
 
+def test_a_merge_of_a_folder_says_it_is_a_folder(tmp_path, capsys):
+    """--merge of another run's --out folder (not its results.json) said the folder did not exist."""
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main(["--merge", str(other), "--out", str(tmp_path / "out")])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --merge: {other} is a folder, not a results.json")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("layout", ["missing", "empty"])
 def test_results_without_golden_storage_files_is_refused(tmp_path, capsys, layout):
     """--results with a typo, or a folder without golden runs, silently measured context_storage on
