@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+import harness
 from peat import detect, evidence, playback
+from peat.io import PeatError, write_json
 
 
 def resident_mb(field: str = "VmHWM") -> float:
@@ -56,11 +58,24 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if min(args.shape) < 1:
         parser.error(f"--shape {' '.join(map(str, args.shape))}: every dimension must be at least 1")
+    if args.out:
+        check_out_file(parser, args.out)
     result = measure(tuple(args.shape))
     print(json.dumps(result))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)  # its folder made where missing
     return result
+
+
+def check_out_file(parser: argparse.ArgumentParser, out: Path) -> None:
+    """A folder, or a file where a folder above it should be, is refused before the measurement
+    (at the default shape over a GB of memory), not as a traceback after it."""
+    if out.is_dir():
+        parser.error(f"--out: {out}: a folder, not a file")
+    try:
+        harness.check_out_folder(out.parent)
+    except PeatError as err:
+        parser.error(str(err))
 
 
 if __name__ == "__main__":

@@ -499,6 +499,33 @@ def test_scoring_memory_refuses_an_empty_or_negative_shape(tmp_path, capsys, sha
     assert not (tmp_path / "m.json").exists()
 
 
+@pytest.mark.parametrize("where", ["folder", "under_a_file"])
+def test_scoring_memory_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch, where):
+    """--out naming a folder (or a path under a file) ended in an IsADirectoryError (NotADirectoryError)
+    traceback after the measurement; a missing folder above it in a FileNotFoundError."""
+    import scoring_memory
+
+    blocker = tmp_path / "blocker"
+    blocker.mkdir() if where == "folder" else blocker.write_text("")
+    out = blocker if where == "folder" else blocker / "m.json"
+    monkeypatch.setattr(scoring_memory, "measure", lambda shape: pytest.fail("measured before refusing --out"))
+    with pytest.raises(SystemExit) as ended:
+        scoring_memory.main(["--shape", "2", "3", "--out", str(out)])
+    assert ended.value.code == 2
+    said = "a folder, not a file" if where == "folder" else "a file, not a folder"
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --out: {blocker}: {said}")
+
+
+def test_scoring_memory_makes_the_folder_of_its_out(tmp_path, monkeypatch):
+    """--out in a folder not made yet ended in a FileNotFoundError traceback after the measurement."""
+    import scoring_memory
+
+    monkeypatch.setattr(scoring_memory, "measure", lambda shape: {"shape": list(shape)})
+    out = tmp_path / "new" / "m.json"
+    scoring_memory.main(["--shape", "2", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == {"shape": [2, 3]}
+
+
 @pytest.mark.parametrize("vendor", ["cpu", "nvidia"])
 def test_figure_names_the_clock_of_the_samples(vendor):
     """On a GPU (--vendor) the samples are wall-clock ratios: the figure labelled them
