@@ -46,9 +46,14 @@ def measure(shape: tuple[int, ...]) -> dict:
     scored = playback._Scored(plan, {}, {k: t[k] for k in ("golden", "fp64", *evidence.PRECISIONS)})
     scored.add("candidate", t["candidate"])
     seconds, peak = time.perf_counter() - start, resident_mb()
-    return {"shape": list(shape), "tensor_mb": round(size_mb, 1), "peak_above_inputs_mb": round(peak - before, 1),
-            "peak_over_tensor": round((peak - before) / size_mb, 1), "seconds": round(seconds, 2),
+    # 4 significant digits, not 0.1 MB: a 0.25 MB tensor read 0.2 beside a ratio of the true size
+    return {"shape": list(shape), "tensor_mb": _digits(size_mb), "peak_above_inputs_mb": _digits(peak - before),
+            "peak_over_tensor": _digits((peak - before) / size_mb), "seconds": round(seconds, 2),
             "rows": len(scored.rows)}
+
+
+def _digits(value: float) -> float:
+    return float(f"{value:.4g}")
 
 
 def main(argv=None) -> dict:

@@ -499,6 +499,17 @@ def test_scoring_memory_refuses_an_empty_or_negative_shape(tmp_path, capsys, sha
     assert not (tmp_path / "m.json").exists()
 
 
+def test_scoring_memory_ratio_is_the_quotient_of_the_sizes_beside_it():
+    """A 0.25 MB tensor read "tensor_mb": 0.2 (rounded to 0.1 MB) beside a peak_over_tensor of the
+    true size: 4.3 MB above the inputs over 0.2 MB read as 17.1, not 21.5."""
+    import scoring_memory
+
+    result = scoring_memory.measure((4, 16, 32, 32))
+    assert result["tensor_mb"] == 0.25
+    assert math.isclose(result["peak_over_tensor"] * result["tensor_mb"], result["peak_above_inputs_mb"],
+                        rel_tol=2e-3)
+
+
 @pytest.mark.parametrize("where", ["folder", "under_a_file"])
 def test_scoring_memory_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch, where):
     """--out naming a folder (or a path under a file) ended in an IsADirectoryError (NotADirectoryError)
