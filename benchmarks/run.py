@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         harness.check_out_folder(args.out)
+        if args.workdir:
+            harness.check_out_folder(args.workdir, "--workdir")
     except PeatError as err:
         parser.error(str(err))
     for path in args.merge or ([args.out / "results.json"] if args.table else []):

@@ -656,6 +656,20 @@ def test_an_out_that_is_no_folder_is_refused_before_anything_runs(tmp_path, caps
     assert blocker.read_text() == "{}" and not work.exists()
 
 
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_a_workdir_that_is_no_folder_is_refused_before_anything_runs(tmp_path, capsys, where):
+    """--workdir naming a file (or a folder under one) ended in a FileExistsError (NotADirectoryError) traceback."""
+    blocker = tmp_path / "work"
+    blocker.write_text("")
+    work = blocker if where == "file" else blocker / "sub"
+    with pytest.raises(SystemExit) as ended:
+        bench_run.main(["--quick", "--only", "checkpoint_alteration", "--workdir", str(work),
+                        "--out", str(tmp_path / "out")])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --workdir: {blocker}: a file, not a folder")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture
 def slow_snakemake(tmp_path, monkeypatch):
     """workflow_runs' snakemake replaced by a 30 s sleep; returns whether that sleep still runs."""
