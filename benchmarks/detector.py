@@ -302,6 +302,9 @@ def _once(paths, option: str) -> None:
         seen.add(path.resolve())
 
 
+SUMMARY_KEYS = ("contexts", "layers", "smoke", "wall_s")
+
+
 def _finished_run(part: Path) -> tuple[pd.DataFrame, dict]:
     """The cases and summary of a run's --out folder; one line naming it where it has not both."""
     if not part.is_dir():
@@ -310,10 +313,17 @@ def _finished_run(part: Path) -> tuple[pd.DataFrame, dict]:
         if not (part / name).is_file():
             raise PeatError(f"--combine {part}: no {name} (not a finished detector benchmark run?)")
     try:
-        return (read_csv(part / "cases.csv", ("case", "truth", *METHODS, "detector_verdict", "correct_kernel"),
-                         keep_default_na=False), read_json(part / "summary.json"))
+        cases = read_csv(part / "cases.csv", ("case", "truth", *METHODS, "detector_verdict", "correct_kernel"),
+                         keep_default_na=False)
+        summary = read_json(part / "summary.json")
     except PeatError as err:
         raise PeatError(f"--combine {part}: {err}") from None
+    # combine() reads these of every part: without them it ended in a KeyError traceback
+    missing = [k for k in SUMMARY_KEYS if k not in summary] if isinstance(summary, dict) else list(SUMMARY_KEYS)
+    if missing:
+        raise PeatError(f"--combine {part}: summary.json has no {', '.join(missing)} "
+                        "(not a detector benchmark run's?)")
+    return cases, summary
 
 
 def report(frame: pd.DataFrame, out: str | Path, **meta) -> dict:

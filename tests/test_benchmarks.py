@@ -338,12 +338,14 @@ def _detector_part(out: Path) -> Path:
     ("summary.json", "no summary.json (not a finished detector benchmark run?)"),
     ("cases.csv", "no cases.csv (not a finished detector benchmark run?)"),
     ("torn", "not valid JSON"),
+    ("foreign", "summary.json has no contexts, layers, smoke, wall_s (not a detector benchmark run's?)"),
     ("twice", "given twice"),
     ("out", "also --out: the combined report would replace its cases, and a rerun count them twice"),
 ])
 def test_detector_benchmark_combine_of_an_unfinished_part_is_one_line(tmp_path, capsys, damage, said):
     """--combine of a part that is not there, was interrupted or copied in half ended in a
-    FileNotFoundError traceback; the same part given twice counted its cases twice."""
+    FileNotFoundError traceback, one whose summary.json is another tool's in a KeyError; the same
+    part given twice counted its cases twice."""
     good, part = _detector_part(tmp_path / "good"), tmp_path / "part"
     if damage != "missing":
         _detector_part(part)
@@ -351,6 +353,8 @@ def test_detector_benchmark_combine_of_an_unfinished_part_is_one_line(tmp_path, 
         (part / damage).unlink()
     elif damage == "torn":
         (part / "summary.json").write_text('{"cases": ')
+    elif damage == "foreign":
+        (part / "summary.json").write_text('{"cases": 2}')
     elif damage == "twice":
         part = good
     out = part if damage == "out" else tmp_path / "all"
