@@ -587,13 +587,13 @@ def expected(computation: str, sample: dict, attrs: dict | None = None) -> torch
 
 
 # -- running a kernel in a child process -------------------------------------------------------
-STATUSES = ("ok", "crash", "oom", "timeout", "shape_mismatch")
 OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "MemoryError", "std::bad_alloc")
 
 
 @dataclass
 class Outcome:
-    """What happened when a kernel ran: status (one of STATUSES), message, result, seconds."""
+    """What happened when a kernel ran: status (ok, crash, oom, timeout or shape_mismatch), message,
+    result, seconds."""
 
     status: str
     message: str = ""
