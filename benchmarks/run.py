@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import figures  # noqa: E402
 import harness  # noqa: E402
 
+from peat.cli import interrupted  # noqa: E402
 from peat.device import for_vendor  # noqa: E402
 from peat.io import PeatError  # noqa: E402
 
@@ -200,6 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def command(argv: list[str] | None = None) -> int:
+    """main() as the command line runs it: SIGTERM exits quietly with 143, Ctrl-C with one line and
+    130 (as ``peat``'s commands), not Python's traceback. Either way the scratch folder and a
+    workflow entry's snakemake are gone by then (with blocks, finally), and results.json is as it
+    was: it is written, atomically, once every benchmark has run."""
     exit_on_sigterm()
-    sys.exit(main())
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        return interrupted("run.py", "results.json left as it was")
+
+
+if __name__ == "__main__":
+    sys.exit(command())

@@ -742,3 +742,37 @@ def test_sigterm_of_a_benchmark_run_cleans_up_as_ctrl_c_does(tmp_path):
     proc.terminate()
     assert proc.wait(timeout=30) == 128 + 15
     assert not scratch.exists()
+
+
+def test_ctrl_c_of_a_benchmark_run_is_one_line_and_130_leaving_results_as_they_were(tmp_path):
+    """Ctrl-C of benchmarks/run.py printed Python's KeyboardInterrupt traceback and died of SIGINT,
+    where SIGTERM exits quietly with 143 and peat's commands say one line and exit 130. A real SIGINT
+    while a (stand-in, sleeping) benchmark runs: one line, 130, results.json and its figures
+    untouched, the scratch folder gone."""
+    import signal
+
+    import figures
+
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
+    figures.write(out, {"cpu": "Intel Xeon"}, [{"name": "checkpoint_alteration"}])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's command has it\n"
+            f"sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import run\n"
+            "def slow(settings):\n"
+            "    print('started', flush=True)\n"
+            "    time.sleep(60)\n"
+            "run.BENCHMARKS['checkpoint_alteration'] = '__main__:slow'\n"
+            f"sys.exit(run.command(['--quick', '--only', 'checkpoint_alteration', '--out', {str(out)!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"TMPDIR": str(scratch)})
+    for line in proc.stdout:
+        if line == "started\n":
+            break
+    assert any(scratch.iterdir())  # the benchmark runs, its scratch folder in place
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert proc.stderr.read() == "run.py: interrupted; results.json left as it was\n"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not any(scratch.iterdir())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import signal
 import sys
 
 from .io import PeatError
@@ -17,6 +18,14 @@ COMMANDS = {
     "alter": ("peat.alter", "flip bits in an HDF5 checkpoint (peat alter IN.h5 OUT.h5 ...)"),
     "h5diff": ("peat.alter", "compare two HDF5 files dataset by dataset"),
 }
+
+
+def interrupted(prog: str, kept: str = "files left as they were") -> int:
+    """Ctrl-C's one line on stderr and its exit status (a shell's for a command ended by SIGINT).
+    For tools that rename their outputs into place only once complete, so that no traceback is
+    needed to say what is left; ``kept`` says what that is (peat's commands, benchmarks/run.py)."""
+    print(f"{prog}: interrupted; {kept}", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # a reader that stopped early (| head): no error of ours, as for any Unix tool
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush raises again
         return 128 + 13  # a shell's status for a writer ended by SIGPIPE
-    except KeyboardInterrupt:  # Ctrl-C: outputs are renamed into place only once complete, so a line says it all
-        print(f"peat {argv[0]}: interrupted; files left as they were", file=sys.stderr)
-        return 128 + 2  # a shell's status for a command ended by SIGINT
+    except KeyboardInterrupt:
+        return interrupted(f"peat {argv[0]}")
     except (PeatError, OSError) as err:  # OSError: an output that cannot be written (no directory, read-only, full)
         print(f"peat {argv[0]}: error: {err}", file=sys.stderr)
         return 2
