@@ -149,13 +149,17 @@ def kernel_spec(kernel, other_stage):
     unread = {"models", "train", other_stage}
     if spec.get("error") is None:
         unread |= {"seed", "computation"}
-    return {key: value for key, value in spec.items() if key not in unread}
+    return without(spec, unread)
 
 
 def playback_settings():
     # propagate_samples reran every playback where nothing propagates.
-    unread = () if PLAYBACK["propagate"] else ("propagate_samples",)
-    return {key: value for key, value in PLAYBACK.items() if key not in unread}
+    return without(PLAYBACK, () if PLAYBACK["propagate"] else ("propagate_samples",))
+
+
+def without(settings, unread):
+    # A job's params are the settings it reads: any other reran it when edited.
+    return {key: value for key, value in settings.items() if key not in unread}
 
 
 def kernel_hash(wildcards):
@@ -170,11 +174,7 @@ def kernel_hash(wildcards):
 def detect_rules(*unread):
     # The Detector settings a stage reads: benchmark_seeds (the on-demand benchmark's) reran
     # every playback and detection, accept_reduced_precision (the verdict's) every playback.
-    return {
-        key: value
-        for key, value in DETECT.items()
-        if key not in ("benchmark_seeds", *unread)
-    }
+    return without(DETECT, ("benchmark_seeds", *unread))
 
 
 def routed_inputs():
