@@ -355,10 +355,20 @@ def _why_fixed(ds: h5py.Dataset) -> str | None:
     # cannot hold. (Still scanned, so that h5diff compares them.)
     if h5py.check_enum_dtype(ds.dtype) is not None:
         return "enum values"
-    # The scale-offset filter rounds floats to a few decimals, so most flips would not be stored.
-    if ds.dtype.kind == "f" and any(plist.get_filter(i)[0] == h5py.h5z.FILTER_SCALEOFFSET
-                                    for i in range(plist.get_nfilters())):
-        return "floats behind HDF5's lossy scale-offset filter"
+    return _lossy_filter(ds, plist)
+
+
+def _lossy_filter(ds: h5py.Dataset, plist) -> str | None:
+    """The scale-offset filter rounds floats to a few decimals, and stores integers in a fixed number of
+    bits above each chunk's minimum where one is given: most flips would not be stored."""
+    for i in range(plist.get_nfilters()):
+        code, _, values, _ = plist.get_filter(i)
+        if code != h5py.h5z.FILTER_SCALEOFFSET:
+            continue
+        if ds.dtype.kind == "f":
+            return "floats behind HDF5's lossy scale-offset filter"
+        if len(values) > 1 and values[1] > 0:  # values[1]: the bit width; 0 lets HDF5 choose a lossless one
+            return f"integers behind HDF5's scale-offset filter with a fixed width of {values[1]} bits"
     return None
 
 
