@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from peat import alter as A
+from peat.cli import main
 from peat.io import PeatError
 
 
@@ -33,3 +34,38 @@ def test_integers_behind_a_scale_offset_filter_of_fixed_width_are_never_altered(
     with pytest.raises(PeatError, match=r"'clipped' names clipped, which peat never alters \(integers behind HDF5's "
                                         r"scale-offset filter with a fixed width of 3 bits\)$"):
         run_alter(src, tmp_path / "o.h5", select=["clipped"])
+
+
+def _filter_missing_here(path: Path) -> Path:
+    """A file whose /z is compressed with a filter this HDF5 lacks (32001, Blosc's id, as PyTables writes)."""
+    with h5py.File(path, "w") as f:
+        f.create_dataset("z", data=np.arange(32, dtype=np.float32), chunks=(8,), compression="gzip")
+        f["plain"] = np.arange(4, dtype=np.float32)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"deflate") - 8  # the filter pipeline message: id, name length, flags, values, name
+    assert data[at:at + 2] == (1).to_bytes(2, "little")
+    data[at:at + 2] = (32001).to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_dataset_compressed_with_a_filter_this_hdf5_lacks_is_named_before_any_work(tmp_path, capsys):
+    """It failed in the flips, as 'cannot read /z (Can't synchronously read data)', and only when the draw
+    landed there; the default selection now leaves it out and selecting it says which filter is missing."""
+    src = _filter_missing_here(tmp_path / "blosc.h5")
+    before = sha(src)
+    rows = run_alter(src, tmp_path / "o.h5", fraction=1.0).records
+    assert {r["dataset"] for r in rows} == {"/plain"}
+    assert main(["alter", str(src), str(tmp_path / "o2.h5"), "--select", "z"]) == 2
+    assert capsys.readouterr().err == (f"peat alter: error: {src}: 'z' names z, which peat never alters (behind "
+                                       "HDF5 filter 32001 (deflate), which this HDF5 library lacks)\n")
+    assert not (tmp_path / "o2.h5").exists() and sha(src) == before
+
+
+def test_h5diff_names_a_dataset_behind_a_missing_filter_as_not_compared(tmp_path, capsys):
+    """h5diff stopped at the first such dataset: no table for the datasets it could read."""
+    src = _filter_missing_here(tmp_path / "blosc.h5")
+    assert main(["h5diff", str(src), str(src)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("0 dataset(s) differ, 1 identical; not compared: /z (behind HDF5 filter 32001 "
+                       "(deflate), which this HDF5 library lacks)")

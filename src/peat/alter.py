@@ -355,7 +355,16 @@ def _why_fixed(ds: h5py.Dataset) -> str | None:
     # cannot hold. (Still scanned, so that h5diff compares them.)
     if h5py.check_enum_dtype(ds.dtype) is not None:
         return "enum values"
-    return _lossy_filter(ds, plist)
+    return _missing_filter(plist) or _lossy_filter(ds, plist)
+
+
+def _missing_filter(plist) -> str | None:
+    """Why a dataset cannot be read or written here: a filter (Blosc, LZ4, Zstd...) this HDF5 lacks."""
+    for i in range(plist.get_nfilters()):
+        code, _, _, name = plist.get_filter(i)
+        if not h5py.h5z.filter_avail(code):
+            return f"behind HDF5 filter {code} ({name.decode(errors='replace')}), which this HDF5 library lacks"
+    return None
 
 
 def _lossy_filter(ds: h5py.Dataset, plist) -> str | None:
@@ -370,6 +379,14 @@ def _lossy_filter(ds: h5py.Dataset, plist) -> str | None:
         if len(values) > 1 and values[1] > 0:  # values[1]: the bit width; 0 lets HDF5 choose a lossless one
             return f"integers behind HDF5's scale-offset filter with a fixed width of {values[1]} bits"
     return None
+
+
+class Unreadable(PeatError):
+    """A dataset HDF5 cannot read (a damaged chunk, a filter it lacks); ``reason`` says why, for h5diff."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Storage:
@@ -394,7 +411,8 @@ class Storage:
                 try:
                     data = f[entry.path][()]
                 except (OSError, RuntimeError) as err:
-                    raise PeatError(f"{self.name}: cannot read {entry.path} ({_h5_reason(err)})") from None
+                    why = _missing_filter(f[entry.path].id.get_create_plist()) or _h5_reason(err)
+                    raise Unreadable(f"{self.name}: cannot read {entry.path} ({why})", why) from None
             self._arrays[entry.path] = np.ascontiguousarray(data).reshape(-1).view(_raw_dtype(entry.dtype))
         return self._arrays[entry.path]
 
@@ -1010,7 +1028,11 @@ def diff(a, b, *, positions: bool = False) -> dict:
         if x.shape != y.shape or x.dtype != y.dtype or x.layout != y.layout:
             rows.append({"dataset": name, "status": f"differs in shape/dtype: {_typed(x)} vs {_typed(y)}"})
             continue
-        ra, rb = sa.raw(x), sb.raw(y)
+        try:
+            ra, rb = sa.raw(x), sb.raw(y)
+        except Unreadable as err:
+            not_compared[name] = err.reason
+            continue
         where = np.flatnonzero(ra != rb)
         rows.append(_diff_row(x, ra, rb, where))
         if positions and len(where):
@@ -1071,7 +1093,8 @@ def _diff_other(a, b, name: str) -> dict:
             va, vb = (np.zeros(0, d.dtype) if d.shape is None else np.asarray(d[()], d.dtype).reshape(-1) for d in (da, db))
             where = np.flatnonzero(_unequal(va, vb))
         except (OSError, RuntimeError, TypeError, ValueError) as err:
-            return {"not_compared": _h5_reason(err) or type(err).__name__}
+            why = _missing_filter(da.id.get_create_plist()) or _missing_filter(db.id.get_create_plist())
+            return {"not_compared": why or _h5_reason(err) or type(err).__name__}
         kind = _kind(da.dtype) or da.dtype.name
         nonfinite = int((~np.isfinite(vb[where])).sum()) if da.dtype.kind in "fc" else 0
     return {"dataset": name, "dtype": kind, "class": location_class(name, da.attrs), "elements": len(va),
