@@ -69,3 +69,21 @@ def test_h5diff_names_a_dataset_behind_a_missing_filter_as_not_compared(tmp_path
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == ("0 dataset(s) differ, 1 identical; not compared: /z (behind HDF5 filter 32001 "
                        "(deflate), which this HDF5 library lacks)")
+
+
+def test_h5diff_compares_references_by_what_they_point_to(tmp_path):
+    """Object and region references were compared as h5py objects, which differ between two open files:
+    a file against a byte copy of itself read '/refs 2 differing'."""
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    for path, target in ((a, "x"), (b, "y")):
+        with h5py.File(path, "w") as f:
+            f["x"], f["y"] = np.arange(10, dtype=np.float32), np.ones(3, np.float32)
+            f["refs"] = np.array([f["x"].ref, f[target].ref, h5py.Reference()], dtype=h5py.ref_dtype)
+            f["regions"] = np.array([f["x"].regionref[2:4], f["x"].regionref[{"x": 1, "y": 5}[target]:6]],
+                                    dtype=h5py.regionref_dtype)
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(a.read_bytes())
+    same = {r["dataset"]: r["differing"] for r in A.diff(a, copy)["datasets"]}
+    assert same == {"/refs": 0, "/regions": 0, "/x": 0, "/y": 0}
+    other = {r["dataset"]: r["differing"] for r in A.diff(a, b)["datasets"]}
+    assert other == {"/refs": 1, "/regions": 1, "/x": 0, "/y": 0}

@@ -1091,6 +1091,8 @@ def _diff_other(a, b, name: str) -> dict:
                 return {"dataset": name, "status": f"differs in shape/dtype: {da.shape} {da.dtype} vs {db.shape} {db.dtype}"}
             # h5py reads a null dataspace as h5py.Empty and a scalar string as bytes: arrays of the stored dtype.
             va, vb = (np.zeros(0, d.dtype) if d.shape is None else np.asarray(d[()], d.dtype).reshape(-1) for d in (da, db))
+            if h5py.check_ref_dtype(da.dtype):  # h5py's reference objects of two open files never compare equal
+                va, vb = _targets(da.file, va), _targets(db.file, vb)
             where = np.flatnonzero(_unequal(va, vb))
         except (OSError, RuntimeError, TypeError, ValueError) as err:
             why = _missing_filter(da.id.get_create_plist()) or _missing_filter(db.id.get_create_plist())
@@ -1100,6 +1102,18 @@ def _diff_other(a, b, name: str) -> dict:
     return {"dataset": name, "dtype": kind, "class": location_class(name, da.attrs), "elements": len(va),
             "differing": int(len(where)), "nonfinite_new": nonfinite, "max_rel": "n/a", "mean_rel": "n/a",
             "euclidean": "n/a", "bits": {}}
+
+
+def _targets(f: h5py.File, refs: np.ndarray) -> np.ndarray:
+    """What each reference points to, comparable between files: the object's name, with a region
+    reference's selection (HDF5's encoding of it); None for a null reference."""
+    out = np.empty(len(refs), object)
+    for i, ref in enumerate(refs):
+        if ref:
+            name = h5py.h5r.get_name(ref, f.id)
+            region = isinstance(ref, h5py.RegionReference)
+            out[i] = (name, h5py.h5r.get_region(ref, f.id).encode()) if region else name
+    return out
 
 
 def _unequal(x: np.ndarray, y: np.ndarray) -> np.ndarray:
