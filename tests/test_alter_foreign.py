@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -87,3 +90,19 @@ def test_h5diff_compares_references_by_what_they_point_to(tmp_path):
     assert same == {"/refs": 0, "/regions": 0, "/x": 0, "/y": 0}
     other = {r["dataset"]: r["differing"] for r in A.diff(a, b)["datasets"]}
     assert other == {"/refs": 1, "/regions": 1, "/x": 0, "/y": 0}
+
+
+@pytest.mark.parametrize("command", ["alter", "h5diff"])
+def test_a_pipe_named_as_the_input_is_refused_in_one_line(tmp_path, command):
+    """A FIFO (no writer yet) blocked h5py's open forever; a subprocess, so that the old hang fails the test."""
+    fifo = tmp_path / "ckpt.h5"
+    os.mkfifo(fifo)
+    other = tmp_path / "o.h5"
+    if command == "h5diff":
+        with h5py.File(other, "w") as f:
+            f["w"] = np.ones(2, np.float32)
+    proc = subprocess.run([sys.executable, "-m", "peat.cli", command, str(fifo), str(other)], capture_output=True,
+                          text=True, timeout=20)
+    assert (proc.returncode, proc.stderr) == (2, f"peat {command}: error: {fifo}: not a regular file (a pipe, "
+                                                 "socket or device); name an HDF5 file\n")
+    assert command == "h5diff" or not other.exists()
