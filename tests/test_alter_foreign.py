@@ -106,3 +106,15 @@ def test_a_pipe_named_as_the_input_is_refused_in_one_line(tmp_path, command):
     assert (proc.returncode, proc.stderr) == (2, f"peat {command}: error: {fifo}: not a regular file (a pipe, "
                                                  "socket or device); name an HDF5 file\n")
     assert command == "h5diff" or not other.exists()
+
+
+def test_opaque_bytes_are_named_as_such_not_as_a_compound(tmp_path, capsys):
+    """A dataset of raw bytes (HDF5's opaque type, numpy's V4) was refused and compared as 'compound values'."""
+    src = tmp_path / "op.h5"
+    with h5py.File(src, "w") as f:
+        f["blob"] = np.array([b"abcd", b"efgh"]).astype("V4")
+        f["w"] = np.ones(3, np.float32)
+    with pytest.raises(PeatError, match=r"'blob' names blob, which peat never alters \(opaque values\)$"):
+        run_alter(src, tmp_path / "o.h5", select=["blob"])
+    rows = {r["dataset"]: (r["dtype"], r["differing"]) for r in A.diff(src, src)["datasets"]}
+    assert rows == {"/blob": ("opaque", 0), "/w": ("float32", 0)}

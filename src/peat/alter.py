@@ -304,6 +304,8 @@ def _kind(dt: np.dtype) -> str | None:
     """What a user calls a non-numeric dtype (None: a number)."""
     if dt.kind == "O" and not h5py.check_string_dtype(dt):
         return "reference" if h5py.check_ref_dtype(dt) else "vlen"
+    if dt.kind == "V" and dt.names is None:  # raw bytes (HDF5's opaque type), no fields
+        return "opaque"
     return {"b": "bool", "V": "compound", "O": "string", "S": "string", "U": "string", "c": "complex"}.get(dt.kind)
 
 
