@@ -58,6 +58,13 @@ shape rules then apply to G, as they do when S is dense and unstructured (bit_fl
 counts the bits above those the tile's reduced-precision envelope reaches). A fault that
 errs in a block or lane of such a footprint still differs from it: it leaves the rest of
 the footprint exact.
+
+Nor are a few scattered elements of S (bit_flip, random_value) evidence when S is only the
+tail of a spread (``s_tail``): the candidate moves 1 / (1 - COVER) times as many elements
+beyond golden's own worst rounding (tau32 / K32) as beyond tau32. A fault leaves the rest
+of the result at the kernel's usual few ULPs; an algorithm that rounds worse than golden
+everywhere (Winograd F(4x4, 3x3)) crosses tau32 in a few elements of a broad spread. G is
+then judged alone, as for a footprint.
 """
 
 from __future__ import annotations
@@ -130,16 +137,38 @@ def shape_class(f: dict, prefix: str, rules: Rules) -> tuple[str, float] | None:
     return None
 
 
+# Classes of a few scattered values that say nothing once S is only the tail of a spread (``s_tail``).
+SCATTERED = ("bit_flip", "random_value")
+
+
+def s_class(f: dict, rules: Rules = Rules()) -> tuple[str, float] | None:
+    """The class S's layout gives, or None where it is no evidence of a fault: S matches a
+    precision's footprint, or is a few scattered values that are only the tail of an error spread
+    the candidate has everywhere (``s_tail``: a correct algorithm that rounds worse than golden,
+    such as Winograd F(4x4, 3x3), crosses the fp32 envelope in a few elements, 1-2 bits beyond it,
+    which read as bit flips). Zeros, blocks and lanes stay evidence."""
+    if rounding_footprint(f):
+        return None
+    found = shape_class(f, "s_", rules)
+    if found and found[0] in SCATTERED and _flag(f.get("s_tail")):
+        return None
+    return found
+
+
+def _flag(value) -> bool:
+    """A boolean feature of a dict or a table row (NaN or None in a row of a table without it)."""
+    return isinstance(value, (bool, np.bool_)) and bool(value)
+
+
 def classify(f: dict, rules: Rules = Rules()) -> tuple[str, float]:
     """(class, confidence in 0..1) of one tensor's evidence ``f`` (a dict or a table row)."""
     if f["nonfinite"] > 0:
         return "non_finite", 1.0
     if f["n32"] == 0:
         return "none", float(np.clip(1.0 - f["err_over_tau32"], 0.0, 1.0))
-    if not rounding_footprint(f):
-        found = shape_class(f, "s_", rules)
-        if found:
-            return found
+    found = s_class(f, rules)
+    if found:
+        return found
     if f["ngross"] == 0:
         return "reduced_precision", float(np.clip(1.0 - f["err_over_taurp"], 0.0, 1.0))
     return shape_class(f, "g_", rules) or ("block_structured", float(f["g_n"] / f["numel"]))

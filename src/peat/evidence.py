@@ -13,7 +13,7 @@ import torch
 from scipy import ndimage
 
 from . import tensor_stats
-from .detect import Rules, shape_class
+from .detect import Rules, s_class
 from .scores import QUIET, Diff, Golden, abs_error, as_matrix, difference, masked, per_tile, summary
 
 PRECISIONS = ("fp16", "bf16", "tf32")  # golden rounded so: the reduced-precision envelope
@@ -185,10 +185,19 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     out["s_rounding"] = rounding_footprint(over32, n32, env, rules.cover) if n32 else ""
     s = shape(over32, candidate, gold, env["tau32"], rules, layout=not out["s_rounding"])
     out |= {f"s_{k}": v for k, v in s.items()}
-    needs_gross = ngross > 0 and n32 > 0 and (out["s_rounding"] or shape_class(out, "s_", rules) is None)
+    out["s_tail"] = bool(s["sparse"] and not out["s_rounding"]) and spread_tail(diff, n32, env["tau32"], rules)
+    needs_gross = ngross > 0 and n32 > 0 and s_class(out, rules) is None
     g = shape(gross, candidate, gold, bound, rules, layout=needs_gross, lone=True)
     out |= {f"g_{k}": v for k, v in g.items()}
     return out
+
+
+def spread_tail(diff: np.ndarray, n32: int, tau32: float, rules: Rules) -> bool:
+    """Whether the ``n32`` elements of S are only the tail of an error spread the candidate has
+    everywhere: S is at most 1 - COVER of the elements beyond golden's own worst rounding,
+    tau32 / K32 (measured: Winograd F(4x4, 3x3) moves 10-25 % of a convolution's output beyond
+    it and a few dozen beyond tau32; a fault on golden's result moves only its own elements)."""
+    return n32 <= (1 - rules.cover) * np.count_nonzero(diff > tau32 / rules.k32)
 
 
 def _beyond(diff: np.ndarray, tau32: float, bound: float | TileBound) -> tuple:
