@@ -118,3 +118,43 @@ def test_opaque_bytes_are_named_as_such_not_as_a_compound(tmp_path, capsys):
         run_alter(src, tmp_path / "o.h5", select=["blob"])
     rows = {r["dataset"]: (r["dtype"], r["differing"]) for r in A.diff(src, src)["datasets"]}
     assert rows == {"/blob": ("opaque", 0), "/w": ("float32", 0)}
+
+
+def _keras(path: Path, version: str = "2.4.0", names=(b"dense",)) -> Path:
+    """A Keras 2 weights file: attributes on the root, the layer groups and a dataset, and a dimension scale
+    (attributes holding references)."""
+    with h5py.File(path, "w") as f:
+        f.attrs.update(backend="tensorflow", keras_version=version)
+        weights = f.create_group("model_weights")
+        weights.attrs["layer_names"] = np.array(names)
+        kernel = weights.create_dataset("dense/dense/kernel:0", data=np.arange(12, dtype=np.float32).reshape(3, 4))
+        kernel.attrs["bounds"] = np.array([[0.0, np.nan], [1.0, 2.0]])
+        scale = weights.create_dataset("dense/dense/units", data=np.arange(4, dtype=np.float32))
+        scale.make_scale("units")
+        kernel.dims[1].attach_scale(scale)
+    return path
+
+
+def test_h5diff_names_the_attributes_that_differ(tmp_path, capsys):
+    """peat h5diff 'shows exactly what changed', yet two files differing only in attributes read
+    '0 dataset(s) differ'."""
+    a, b = _keras(tmp_path / "a.h5"), _keras(tmp_path / "b.h5", version="2.15.0", names=(b"dense", b"extra"))
+    assert main(["h5diff", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("0 dataset(s) differ, 2 identical; attributes differ: "
+                                                        "/ (keras_version), /model_weights (layer_names)")
+    assert A.diff(a, b)["attributes_differ"] == {"/": ["keras_version"], "/model_weights": ["layer_names"]}
+    with h5py.File(b, "a") as f:
+        del f.attrs["backend"]
+        f["model_weights/dense/dense/kernel:0"].attrs["bounds"] = np.array([[0.0, np.nan], [1.0, 3.0]])
+    assert A.diff(a, b)["attributes_differ"] == {"/": ["backend", "keras_version"], "/model_weights": ["layer_names"],
+                                                 "/model_weights/dense/dense/kernel:0": ["bounds"]}
+
+
+def test_h5diff_finds_no_attribute_changes_in_a_copy_or_an_altered_file(tmp_path):
+    """Equal NaNs and references (a dimension scale's) in two files are the same attribute values."""
+    src = _keras(tmp_path / "in.h5")
+    run_alter(src, tmp_path / "o.h5", fraction=1.0)
+    result = A.diff(src, tmp_path / "o.h5")
+    assert result["attributes_differ"] == {}
+    assert {r["dataset"]: r["differing"] for r in result["datasets"]} == {"/model_weights/dense/dense/kernel:0": 12,
+                                                                          "/model_weights/dense/dense/units": 4}

@@ -1050,10 +1050,52 @@ def diff(a, b, *, positions: bool = False) -> dict:
     sa.close()
     sb.close()
     out = {"a": str(a), "b": str(b), "bit_numbering": BIT_NUMBERING, "datasets": rows,
-           "only_in_a": sorted(na - nb), "only_in_b": sorted(nb - na), "not_compared": not_compared}
+           "only_in_a": sorted(na - nb), "only_in_b": sorted(nb - na), "not_compared": not_compared,
+           "attributes_differ": attribute_changes(a, b)}
     if positions:
         out["positions"] = listing
     return out
+
+
+def attribute_changes(a, b) -> dict[str, list[str]]:
+    """Per object (group or dataset) in both files, the attributes that differ or are in one file only."""
+    changes = {}
+    with open_h5(a) as fa, open_h5(b) as fb:
+        def compare(name, obj):
+            other = fb.get(name) if name else fb
+            if other is None or type(other) is not type(obj):  # only in A: h5diff lists its datasets already
+                return
+            names = set(obj.attrs) | set(other.attrs)
+            differ = sorted(k for k in names if _attr_value(obj, k) != _attr_value(other, k))
+            if differ:
+                changes["/" + name] = differ
+        compare("", fa)
+        fa.visititems(compare)
+    return changes
+
+
+def _attr_value(obj, key: str):
+    """An attribute's value in a form equal between files for equal values (None: absent)."""
+    if key not in obj.attrs:
+        return None
+    try:
+        return _comparable(obj.attrs[key], obj.file)
+    except (OSError, TypeError, ValueError, KeyError) as err:  # a type h5py cannot read: equal if it fails alike
+        return ("unreadable", _h5_reason(err))
+
+
+def _comparable(value, f: h5py.File):
+    # Bytes for numbers (equal NaNs are equal, as h5diff compares datasets); references by their targets.
+    if isinstance(value, h5py.Reference):
+        return _targets(f, np.array([value], object))[0]
+    if isinstance(value, (np.ndarray, np.void)) and value.dtype.hasobject:  # vlen arrays, references, in fields
+        items = value.reshape(-1) if isinstance(value, np.ndarray) else value
+        return (value.dtype.str, np.shape(value), tuple(_comparable(v, f) for v in items))
+    if isinstance(value, (np.ndarray, np.generic)):
+        return (value.dtype.str, value.shape, np.ascontiguousarray(value).tobytes())
+    if isinstance(value, h5py.Empty):
+        return ("empty", str(value.dtype))
+    return value
 
 
 def _typed(entry: Entry) -> str:
@@ -1156,11 +1198,13 @@ def format_table(result: dict, all_rows: bool = False) -> str:
         lines.append(f"{r['dataset']:48s} {r['dtype']:8s} {r['differing']:>10d} {_fmt(r['max_rel'])} "
                      f"{_fmt(r['mean_rel'])} {_fmt(r['euclidean'])} {r['nonfinite_new']:>10d}  {bits}")
     same = sum(1 for r in result["datasets"] if r.get("differing") == 0)
+    attrs, sep = result.get("attributes_differ", {}), ", "
     lines.append(f"{len(result['datasets']) - same} dataset(s) differ, {same} identical"
                  + (f"; only in A: {', '.join(result['only_in_a'])}" if result["only_in_a"] else "")
                  + (f"; only in B: {', '.join(result['only_in_b'])}" if result["only_in_b"] else "")
                  + (f"; not compared: {', '.join(f'{k} ({v})' for k, v in result['not_compared'].items())}"
-                    if result["not_compared"] else ""))
+                    if result["not_compared"] else "")
+                 + (f"; attributes differ: {', '.join(f'{k} ({sep.join(v)})' for k, v in attrs.items())}" if attrs else ""))
     return "\n".join(lines)
 
 
