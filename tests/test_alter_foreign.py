@@ -158,3 +158,23 @@ def test_h5diff_finds_no_attribute_changes_in_a_copy_or_an_altered_file(tmp_path
     assert result["attributes_differ"] == {}
     assert {r["dataset"]: r["differing"] for r in result["datasets"]} == {"/model_weights/dense/dense/kernel:0": 12,
                                                                           "/model_weights/dense/dense/units": 4}
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--select", "re:iter", "--region", "exponent"], "--region exponent: they hold int64 (optimizer_weights/Adam/iter:0)"),
+    (["--select", "re:iter", "--scale", "2"], "--scale 2.0 (floats only): they hold int64 (optimizer_weights/Adam/iter:0)"),
+    (["--select", "re:(iter|bias)", "--bits", "40-63"],
+     "--bits 40-63: they hold float16 (model_weights/dense/dense/bias:0), int8 (optimizer_weights/Adam/iter:0)"),
+    (["--select", "re:(kernel|bias)", "--region", "sign", "--burst", "2"],
+     "--burst 2 in --region sign: they hold float16 (model_weights/dense/dense/bias:0 and 1 more)"),
+])
+def test_a_corruption_no_selected_dtype_can_take_names_what_they_hold(tmp_path, capsys, options, message):
+    """It read 'no selected dataset can take this corruption (dtype, --region/--bits width)': no dataset, no dtype."""
+    src = tmp_path / "k.h5"
+    with h5py.File(src, "w") as f:
+        f["model_weights/dense/dense/kernel:0"] = np.ones((3, 4), np.float16)
+        f["model_weights/dense/dense/bias:0"] = np.ones(4, np.float16)
+        f["optimizer_weights/Adam/iter:0"] = np.int64(10) if "--bits" not in options else np.int8(10)
+    assert main(["alter", str(src), str(tmp_path / "o.h5"), *options]) == 2
+    assert capsys.readouterr().err == f"peat alter: error: {src}: no selected dataset can take {message}\n"
+    assert not (tmp_path / "o.h5").exists()

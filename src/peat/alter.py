@@ -667,6 +667,7 @@ def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> tuple[li
     which is what "altered in N of M datasets" should count.
     """
     rng = np.random.default_rng(plan.seed)
+    selected = entries
     if plan.scale is not None:
         entries = [e for e in entries if e.layout.is_float]
         masks_of = {e.path: np.zeros(1, np.uint64) for e in entries}
@@ -674,7 +675,7 @@ def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> tuple[li
         masks_of = {e.path: plan.candidates(e.layout) for e in entries}
         entries = [e for e in entries if len(masks_of[e.path])]
     if not entries:
-        raise PeatError(f"{source}: no selected dataset can take this corruption (dtype, --region/--bits width)")
+        raise PeatError(f"{source}: no selected dataset can take {_asked(plan)}: they hold {_held(selected)}")
     # Flips change every value they are given: only --no-nonfinite needs to read values to know.
     read = plan.scale is not None or not plan.nonfinite
     eligible = {e.path: _eligible(e, storage.raw(e), plan, masks_of[e.path]) if read else None for e in entries}
@@ -698,6 +699,24 @@ def draw(entries: list[Entry], storage: Storage, plan: Plan, source) -> tuple[li
         else:
             edits.append(Edit(entry, positions, xor=_choose_masks(entry, storage, plan, masks_of[entry.path], positions, rng)))
     return edits, len(entries)
+
+
+def _asked(plan: Plan) -> str:
+    """The corruption options that decide which dtypes can take it, as the user gave them."""
+    if plan.scale is not None:
+        return f"--scale {plan.scale} (floats only)"
+    where = f"--bits {plan.bits[0]}-{plan.bits[1]}" if plan.bits else f"--region {plan.region or 'any'}"
+    width = f"--mask {plan.mask} in " if plan.mask else f"--burst {plan.burst} in " if plan.burst > 1 else ""
+    return width + where + ("" if plan.sign_change else " with --no-sign-change")
+
+
+def _held(entries: list[Entry]) -> str:
+    """What the selected datasets hold: each dtype with a dataset of it ('int64 (step and 2 more)')."""
+    by_kind: dict[str, list[str]] = {}
+    for e in entries:
+        by_kind.setdefault(e.layout.name, []).append(e.path.lstrip("/"))
+    return ", ".join(f"{kind} ({names[0]}" + (f" and {len(names) - 1} more)" if len(names) > 1 else ")")
+                     for kind, names in sorted(by_kind.items()))
 
 
 def _amount(plan: Plan, total: int, rng: np.random.Generator) -> int:
