@@ -29,16 +29,26 @@ def winograd_f4x4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.permute(0, 1, 2, 4, 3, 5).reshape(x.shape[0], weight.shape[0], x.shape[2], x.shape[3])
 
 
-def conv_case(seed: int, shape=(8, 32, 8, 8)):
-    """A ReLU'd activation through a square 3x3 conv: golden, its envelopes and F(4x4, 3x3)'s result."""
+def conv_sample(seed: int, shape=(8, 32, 8, 8)) -> dict:
+    """A ReLU'd activation through a square 3x3 conv, with an output gradient."""
     g = torch.Generator().manual_seed(seed)
-    sample = {"A": torch.randn(*shape, generator=g).relu(),
-              "W": torch.randn(shape[1], shape[1], 3, 3, generator=g) * 0.1, "B": None}
+    return {"A": torch.randn(*shape, generator=g).relu(), "W": torch.randn(shape[1], shape[1], 3, 3, generator=g) * 0.1,
+            "B": None, "dO": torch.randn(*shape, generator=g) * 1e-3, "input_grad": True}
+
+
+def references(sample: dict, computation: str = "forward"):
+    """Golden's result of ``computation`` and its envelopes (fp64 and the rounded references)."""
     gold = kernels.golden("conv2d")
-    golden = kernels.call(gold, "forward", sample, ATTRS)
-    ref = kernels.call(gold, "forward", sample, ATTRS, torch.float64)
-    rounded = {p: kernels.call(errors.faulty(gold, p), "forward", sample, ATTRS) for p in evidence.PRECISIONS}
-    return golden, evidence.envelopes(golden, ref, rounded), winograd_f4x4(sample["A"], sample["W"])
+    golden = kernels.call(gold, computation, sample, ATTRS)
+    ref = kernels.call(gold, computation, sample, ATTRS, torch.float64)
+    rounded = {p: kernels.call(errors.faulty(gold, p), computation, sample, ATTRS) for p in evidence.PRECISIONS}
+    return golden, evidence.envelopes(golden, ref, rounded)
+
+
+def conv_case(seed: int):
+    """Golden's forward, its envelopes and F(4x4, 3x3)'s result."""
+    sample = conv_sample(seed)
+    return (*references(sample), winograd_f4x4(sample["A"], sample["W"]))
 
 
 def classify(candidate, golden, env, rules=detect.Rules()):
@@ -72,3 +82,37 @@ def test_a_few_wrong_values_on_a_kernel_without_such_a_spread_stay_faults():
     assert detect.classify(f)[0] in ("bit_flip", "random_value")
     gross = errors.parse("rv:1").apply(candidate, torch.Generator().manual_seed(0))
     assert classify(gross, golden, env) == "random_value"
+
+
+def _border(sample):
+    x = sample["A"].clone()
+    x[..., -1] = 0  # bounds check `iw < W - 1`: the last input column read as padding
+    return F.conv2d(x, sample["W"], None, 1, 1)
+
+
+def _race(sample):
+    out = F.conv2d(sample["A"], sample["W"], None, 1, 1)
+    out[-1, 16:32, 0:4, 0:4] = 0  # the last sample's workgroup exits before its store
+    return out
+
+
+BUGS = {  # hand-written bugs: the computation, the buggy result, the class
+    "border column read as padding": ("forward", _border, "block_structured"),
+    "one tile of the last sample left zero": ("forward", _race, "block_structured"),
+    "batch loop misses the last sample": ("weight_grad", lambda s: torch.nn.grad.conv2d_weight(
+        s["A"][:-1], s["W"].shape, s["dO"][:-1], 1, 1), "block_structured"),
+    "input gradient without the channel transpose": ("input_grad", lambda s: torch.nn.grad.conv2d_input(
+        s["A"].shape, s["W"].transpose(0, 1), s["dO"], 1, 1), "block_structured"),
+    "every 32nd channel stores lane 30": ("forward", lambda s: F.conv2d(s["A"], s["W"], None, 1, 1)[
+        :, [c - 1 if c % 32 == 31 else c for c in range(32)]], "periodic_lane"),
+}
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_hand_written_bugs_fail(bug):
+    """The tail of a spread (above) needs one everywhere: these bugs keep failing, as what they are."""
+    computation, buggy, expect = BUGS[bug]
+    sample = conv_sample(0)
+    golden, env = references(sample, computation)
+    got = classify(buggy(sample), golden, env)
+    assert got == expect and not detect.passes(got)
