@@ -11,7 +11,7 @@ from peat import detect, errors, evidence, kernels
 
 ATTRS = {"op": "conv2d", "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
 
-# Winograd F(4x4, 3x3) (Lavin & Gray), as cuDNN's and MIOpen's float32 nonfused algorithms use it.
+# Winograd F(4x4, 3x3) (Lavin & Gray, 2016): a correct convolution that rounds worse than the direct one.
 BT = torch.tensor([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
                    [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], dtype=torch.float32)
 G = torch.tensor([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
