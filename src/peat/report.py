@@ -77,8 +77,10 @@ SECTIONS = {
         "Each drill injects one fault into distributed data-parallel training and checks that "
         "the SDC checks catch it: <b>detected</b> says whether an alarm came at or after the injection, "
         "<b>detection_step</b> at which step, <b>localized</b> whether that alarm named suspect ranks and "
-        "<b>right_rank</b> whether it named the faulty rank alone; <b>false_alarms</b> counts alarms naming a "
-        "healthy rank or raised before the injection. The drill without an injected fault (clean) is the "
+        "<b>right_rank</b> whether it named the faulty rank alone; <b>false_alarms</b> counts alarms raised "
+        "before the injection, not naming the faulty rank, or localized to a healthy rank too (an unlocalized "
+        "alarm naming the faulty rank among others, as both of two replicas, is a detection). The drill "
+        "without an injected fault (clean) is the "
         "false-alarm control: its <b>false_alarms</b> must be 0; with no faulty rank to find, its "
         "<b>detected</b> and <b>right_rank</b> are False, as they should be.")),
     "benchmarks": ("Benchmarks", (

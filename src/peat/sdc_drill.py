@@ -678,7 +678,7 @@ def summarize(drill: str, model: str, world: int, injected: int | None, cfg: dic
     """The drill's verdict: first alarm at or after the injection, its latency, false alarms, costs."""
     step0 = cfg["injection_step"] if injected is not None else None
     alarms = [{k: v for k, v in e.__dict__.items() if k != "time"} for e in guard.alarms]
-    false = [a for a in alarms if injected is None or a["step"] < step0 or set(a["suspect_ranks"]) - {injected}]
+    false = [a for a in alarms if _false_alarm(a, injected, step0)]
     hits = [a for a in alarms if injected is not None and a["step"] >= step0]
     first = hits[0] if hits else None
     return drill_fields(drill, model, world, injected, cfg) | {
@@ -690,6 +690,14 @@ def summarize(drill: str, model: str, world: int, injected: int | None, cfg: dic
         "right_rank": bool(first) and first["suspect_ranks"] == [injected],
         "false_alarms": len(false), "alarms": alarms, "cost": costs(guard, plain_steps, cfg["audit_every"]),
     }
+
+
+def _false_alarm(alarm: dict, injected: int | None, step0: int | None) -> bool:
+    """No fault to find, too early, or not the faulty rank: an unlocalized alarm names every rank it
+    cannot tell apart (both of two replicas), the faulty one among them, and is a detection, not a false alarm."""
+    if injected is None or alarm["step"] < step0 or injected not in alarm["suspect_ranks"]:
+        return True
+    return alarm["localized"] and set(alarm["suspect_ranks"]) != {injected}
 
 
 def drill_fields(drill: str, model: str, world: int, injected: int | None, cfg: dict) -> dict:
