@@ -9,6 +9,7 @@ import h5py
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from peat import analyze
 from peat.io import PeatError
@@ -116,3 +117,29 @@ def test_propagation_keeps_an_observing_point_reached_without_a_finite_error(tmp
     assert got["bit_flip:exponent"] == {"case": "bit_flip:exponent", "layer": "conv", "output": 1.4, "next:fc": None,
                                         "loss": None}
     assert got["ref:fp64"] == {"case": "ref:fp64", "layer": "conv", "output": 1.0}
+
+
+def test_summary_numbers_agree_with_a_recomputation_by_hand(tmp_path):
+    """The test config replays one layer at one step per kernel, so its summary.json holds no Spearman
+    coefficient and no repeated block: nothing checked those numbers against scipy and numpy directly.
+    A NaN score (an all-NaN result) is left out of each, an infinite one ranks highest."""
+    names, steps = ["layer1.0.conv1", "layer1.1.conv1", "fc"], [0, 2, 4, 6]
+    rng = np.random.default_rng(0)
+    errors = {(layer, step): rng.lognormal(-15, 2) for layer in names for step in steps}
+    errors["fc", 2], errors["fc", 4] = np.nan, np.inf
+    table = pd.DataFrame([_row("kernel", "forward", layer, step, err) for (layer, step), err in errors.items()])
+    context = _context(tmp_path / "c.h5", names, steps, w_mean=lambda i, step: float(np.sin(3 * i + step)))
+    analyze.analyze(table, context, tmp_path / "out")
+    got = _strict(tmp_path / "out" / "summary.json")
+
+    scored = [(err, np.sin(3 * names.index(layer) + step)) for (layer, step), err in errors.items() if not np.isnan(err)]
+    rho, p = stats.spearmanr(*zip(*scored))
+    (w_mean,) = [r for r in got["spearman"] if r["against"] == "W_mean"]
+    assert (w_mean["rho"], w_mean["p"], w_mean["points"]) == (pytest.approx(rho, rel=1e-12), pytest.approx(p, rel=1e-12), 11)
+    means = {layer: np.nanmean([errors[layer, step] for step in steps]) for layer in names}
+    (ranges,) = got["ranges"]  # xmax: fc's mean, infinite
+    assert (ranges["xmin"], ranges["rmin"], ranges["rmax"]) == (pytest.approx(min(means.values()), rel=1e-12), 1.0, 1.0)
+    blocks = np.array([means["layer1.0.conv1"], means["layer1.1.conv1"]])
+    (role,) = got["repeated_blocks"]
+    assert role["role"] == "layer*.*.conv1"
+    assert role["cv"] == pytest.approx(blocks.std(ddof=1) / blocks.mean(), rel=1e-12)
