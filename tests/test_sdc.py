@@ -82,6 +82,15 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
+def healthy_step(guard, model, x, step: int) -> None:
+    """One guarded step of a one-rank model on ``x`` (loss: the output's sum) that every check passes."""
+    guard.begin_step(step)
+    model.zero_grad(set_to_none=True)
+    guard.ddp(x).sum().backward()
+    assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
+    guard.check_weights()
+
+
 def _guarded_step(after_check=None, **guard_options):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -1393,11 +1402,7 @@ def test_audit_after_freezing_a_layer_once_the_guard_was_built(one_rank):
     x = torch.randn(5, 4)
     for step in range(2):
         model[0].requires_grad_(step == 0)
-        guard.begin_step(step)
-        model.zero_grad(set_to_none=True)
-        guard.ddp(x).sum().backward()
-        assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
-        guard.check_weights()
+        healthy_step(guard, model, x, step)
     assert guard.alarms == []
 
 
@@ -1511,11 +1516,7 @@ def test_guard_rebuilt_after_unfreezing_replaces_the_last_one(one_rank):
     for step in range(2):
         model[0].requires_grad_(step == 1)
         guard = sdc.Guard(DistributedDataParallel(model), audit_every=1)
-        guard.begin_step(step)
-        model.zero_grad(set_to_none=True)
-        guard.ddp(x).sum().backward()
-        assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
-        guard.check_weights()
+        healthy_step(guard, model, x, step)
         guard.finish()
         assert guard.alarms == []
 

@@ -7,7 +7,7 @@ import time
 import torch
 
 from peat import sdc
-from test_sdc import one_rank  # noqa: F401  (a fixture: a one-rank gloo group in this process)
+from test_sdc import healthy_step, one_rank  # noqa: F401  (one_rank: a fixture, a one-rank gloo group here)
 
 REPORT_S = 0.02  # an audit report's fingerprint of one gradient, slowed down to be seen in the timers
 
@@ -30,11 +30,7 @@ def test_audit_reports_are_charged_to_the_audit_not_the_nonfinite_check(one_rank
     guard = sdc.Guard(DistributedDataParallel(model), policy="raise", audit_every=1)
     x = torch.randn(5, 4)
     for step in range(3):
-        guard.begin_step(step)
-        model.zero_grad(set_to_none=True)
-        guard.ddp(x).sum().backward()
-        assert guard.check_gradients(replay=lambda r: guard.module(x).sum())
-        guard.check_weights()
+        healthy_step(guard, model, x, step)
     guard.finish()
     costs, params = guard.costs(), len(guard.params)
     assert costs["nonfinite"] < REPORT_S, costs  # what the check itself costs: no report
