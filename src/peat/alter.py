@@ -226,7 +226,6 @@ class Entry:
 
 def scan(path: str | os.PathLike) -> list[Entry]:
     """Every numeric dataset in the file, sorted by path."""
-    _check_regular(path)
     entries = []
     with open_h5(path) as f:
         def visit(name, obj):
@@ -244,13 +243,6 @@ def scan(path: str | os.PathLike) -> list[Entry]:
         except (OSError, RuntimeError, KeyError) as err:  # h5py: KeyError for an object header it cannot read
             raise PeatError(f"{path}: damaged HDF5 file ({_h5_reason(err)})") from None
     return sorted(entries, key=lambda e: e.path)
-
-
-def _check_regular(path) -> None:
-    """A FIFO with no writer yet blocks h5py's open forever (and HDF5 cannot seek in a pipe or socket)."""
-    p = Path(path)
-    if p.exists() and not p.is_file() and not p.is_dir():  # a folder: h5py's own 'Is a directory'
-        raise PeatError(f"{p}: not a regular file (a pipe, socket or device); name an HDF5 file")
 
 
 def _h5_reason(err: Exception) -> str:

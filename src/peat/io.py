@@ -192,6 +192,9 @@ def open_h5(path: str | os.PathLike, mode: str = "r") -> h5py.File:
     path = Path(path)
     if mode == "r" and not path.exists():
         raise PeatError(f"{path}: no such file")
+    # A FIFO with no writer yet blocks h5py's open forever (and HDF5 cannot seek in a pipe or socket).
+    if path.exists() and not path.is_file() and not path.is_dir():  # a folder: h5py's own 'Is a directory'
+        raise PeatError(f"{path}: not a regular file (a pipe, socket or device); name an HDF5 file")
     try:
         return h5py.File(path, mode)
     except OSError as err:
