@@ -241,10 +241,25 @@ def _weight(module: nn.Module) -> torch.Tensor | None:
             m.training = mode
 
 
+def _hook_computed(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is a plain tensor that a forward pre-hook computes (torch.nn.utils.prune,
+    the older weight_norm and spectral_norm): between forwards it holds the last one's, made from the
+    weights before the last optimizer step, so it is read when the forward has made this step's."""
+    if parametrize.is_parametrized(module, name):
+        return False
+    return torch.is_tensor(getattr(module, name, None)) and name not in module._parameters \
+        and name not in module._buffers
+
+
+def _grad(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's gradient; None for a computed weight (no leaf: reading its .grad warns)."""
+    return tensor.grad if tensor is not None and tensor.is_leaf else None
+
+
 def _holds_grad(module: nn.Module) -> bool:
     """Whether the weight or bias of ``module`` has a gradient (read before the step's backward:
     one that earlier steps left, which this step's adds to)."""
-    return any(getattr(p, "grad", None) is not None for p in (_weight(module), getattr(module, "bias", None)))
+    return any(_grad(p) is not None for p in (_weight(module), getattr(module, "bias", None)))
 
 
 def layer_input(label: str, op: str, args: tuple, kwargs: dict, how: str) -> torch.Tensor | None:
@@ -453,7 +468,7 @@ class Profiler:
             weight = _weight(module)
             if weight is not None:
                 self._held[name, "W"] = weight
-                if weight.grad is not None:
+                if _grad(weight) is not None:
                     self._held[name, "dW"] = weight.grad
         self._summarise_held()
         self._collect_summaries()
@@ -616,8 +631,10 @@ class Profiler:
                 self._step_attrs[name] = {"input_grad": bool(x.requires_grad)} | _cumulative_momentum(module)
                 if self.derived:
                     cap["O"] = out.detach().clone()
-                if parametrize.is_parametrized(module, "weight"):  # the weight this forward computed
-                    cap["W"] = _as_linear(module, _weight(module).clone())
+                if parametrize.is_parametrized(module, "weight") or _hook_computed(module, "weight"):
+                    cap["W"] = _as_linear(module, _weight(module).detach().clone())  # the weight this forward computed
+                if _hook_computed(module, "bias"):
+                    cap["B"] = module.bias.detach().clone()
                 # A hook registered before an in-place change of `out` still sees the
                 # gradient of the value this layer produced. A frozen layer behind a frozen
                 # prefix has no gradient: only its forward is recorded.
@@ -678,10 +695,10 @@ class Profiler:
         attrs = hyper_params(module) | {"op": op_of(module)}
         weight, bias = _weight(module), getattr(module, "bias", None)
         if self.derived and weight is not None and "dO" in cap:
-            own = weight.grad is not None and name not in self._tied | self._repeated | self._carried
+            own = _grad(weight) is not None and name not in self._tied | self._repeated | self._carried
             cap["dW"] = _as_linear(module, weight.grad) if own else _golden("weight_grad", cap, attrs)
         if self.derived and bias is not None and "dO" in cap:
-            own = bias.grad is not None and name not in self._repeated | self._carried
+            own = _grad(bias) is not None and name not in self._repeated | self._carried
             cap["dB"] = bias.grad if own else _bias_grad(attrs["op"], cap["dO"], attrs)
         if cap.get("A") is not None:
             self._ran.add(name)

@@ -1,0 +1,141 @@
+"""The recorded context against what each layer saw, taken by hooks of this file's own (not the
+Profiler's) in a training loop of its own: A, W, B, running statistics and dO bit for bit, W and
+running statistics as they were before the step's optimizer update."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune as pruning
+
+from peat.profiler import Profiler, derive_outputs, read_layer
+
+
+class Witness:
+    """Every training-mode call of the named modules in a step: its input, output, output gradient,
+    and the weight and bias the forward used (read in the forward hook, after any pre-hook made them)."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        self.model, self.steps = model, {}
+        for name in names:
+            getattr_path(model, name).register_forward_hook(self._hook(name))
+
+    def begin(self, step: int) -> None:
+        self.now = self.steps[step] = {}
+        for name, module in self.model.named_modules():
+            if getattr(module, "running_mean", None) is not None:
+                self.now[name, "stats"] = (module.running_mean.clone(), module.running_var.clone())
+
+    def _hook(self, name: str):
+        def hook(module, args, out):
+            call = {"A": args[0].detach().clone(), "O": out.detach().clone()}
+            for key in ("weight", "bias"):
+                if getattr(module, key, None) is not None:
+                    call[key[0].upper()] = getattr(module, key).detach().clone()
+            self.now.setdefault(name, []).append(call)
+            if out.requires_grad:
+                out.register_hook(lambda grad: call.__setitem__("dO", grad.clone()))
+        return hook
+
+
+def getattr_path(model: nn.Module, name: str) -> nn.Module:
+    return dict(model.named_modules())[name]
+
+
+def train(model: nn.Module, batches, profiler: Profiler | None = None, witness: Witness | None = None) -> dict:
+    """SGD with momentum over ``batches``, one step each; the final weights."""
+    if profiler is not None:
+        profiler.attach(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, x in enumerate(batches):
+        if profiler is not None:
+            profiler.begin_step(step, 1)
+        if witness is not None:
+            witness.begin(step)
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        if profiler is not None:
+            profiler.end_step()
+        optimizer.step()
+    if profiler is not None:
+        profiler.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_recorded_as_seen(path, witness: Witness, names: list[str]) -> None:
+    for name in names:
+        attrs, samples = read_layer(path, name, derive=False)
+        assert [s["step"] for s in samples] == sorted(witness.steps), name
+        for sample in samples:
+            first = witness.steps[sample["step"]][name][0]  # a layer called twice: its first call
+            seen = {k: first[k] for k in ("A", "W", "B", "dO") if k in first}
+            if attrs.get("transposed"):  # GPT-2's Conv1D, stored as nn.Linear's weight
+                seen["W"] = seen["W"].t()
+            if (name, "stats") in witness.steps[sample["step"]]:
+                seen["running_mean"], seen["running_var"] = witness.steps[sample["step"]][name, "stats"]
+            for key, tensor in seen.items():
+                assert torch.equal(sample[key], tensor), (name, sample["step"], key)
+            assert torch.equal(derive_outputs(sample, attrs)["O"], first["O"]), (name, sample["step"])
+
+
+class Mixed(nn.Module):
+    """Grouped, depthwise, strided, dilated and 'same' convs, batch and layer norm, a transposed
+    GPT-2 Conv1D, two linears fed one input (llama's gate and up), a linear called twice."""
+
+    def __init__(self):
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.convs = nn.Sequential(nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=2), nn.BatchNorm2d(8), nn.ReLU(),
+                                   nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8),
+                                   nn.Conv2d(8, 6, 3, padding="same", dilation=(1, 2), bias=False))
+        self.proj, self.norm = Conv1D(12, 6), nn.LayerNorm(12)
+        self.gate, self.up, self.down = nn.Linear(12, 10), nn.Linear(12, 10), nn.Linear(10, 10)
+
+    def forward(self, x):
+        h = self.convs(x).mean((2, 3))
+        h = self.norm(self.proj(h))
+        h = self.down(torch.relu(self.gate(h)) * self.up(h))
+        return self.down(torch.tanh(h))
+
+
+def test_recorded_tensors_are_what_each_layer_saw_and_recording_changes_no_weight(tmp_path):
+    names = ["convs.0", "convs.1", "convs.3", "convs.4", "proj", "norm", "gate", "up", "down"]
+    batches = [torch.randn(3, 4, 9, 9, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    torch.manual_seed(0)
+    plain = train(Mixed(), batches)
+    torch.manual_seed(0)
+    model = Mixed()
+    witness = Witness(model, names)
+    recorded = train(model, batches, Profiler(tmp_path / "context.h5", names), witness)
+    assert all(torch.equal(plain[k], recorded[k]) for k in plain)
+    assert len(witness.steps[0]["down"]) == 2
+    assert_recorded_as_seen(tmp_path / "context.h5", witness, names)
+
+
+def prune(module: nn.Module) -> None:
+    pruning.l1_unstructured(module, "weight", amount=0.3)
+    pruning.l1_unstructured(module, "bias", amount=0.3)
+
+
+@pytest.mark.parametrize("compute", [prune, torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm],
+                         ids=["prune", "weight_norm", "spectral_norm"])
+def test_a_weight_a_forward_pre_hook_computes_is_recorded_as_that_forward_used_it(tmp_path, compute):
+    """torch.nn.utils.prune and the older weight_norm and spectral_norm set ``module.weight`` in a
+    forward pre-hook: read at begin_step it was the last step's, from the weights before the last
+    optimizer update (spectral_norm's even at step 0), and golden's O differed from training's by up to
+    0.6; reading its .grad (none: it is no leaf) warned every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm's deprecation
+        compute(model[2])
+    witness = Witness(model, ["2"])
+    batches = [torch.randn(4, 5, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, batches, Profiler(tmp_path / "context.h5", ["2"]), witness)
+    assert_recorded_as_seen(tmp_path / "context.h5", witness, ["2"])
