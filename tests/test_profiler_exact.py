@@ -139,3 +139,29 @@ def test_a_weight_a_forward_pre_hook_computes_is_recorded_as_that_forward_used_i
         warnings.simplefilter("error")
         train(model, batches, Profiler(tmp_path / "context.h5", ["2"]), witness)
     assert_recorded_as_seen(tmp_path / "context.h5", witness, ["2"])
+
+
+def test_storage_counts_the_steps_a_run_started_from_a_checkpoint_ran(tmp_path):
+    """fit's ``start``: a run from step 2 to 6 counted a naive dump of steps 0-5, six steps where it
+    ran four, so storage.json's ratio read a third smaller than the context's."""
+    from peat import data
+    from peat.io import read_json
+    from peat.train import Run, fit
+
+    g = torch.Generator().manual_seed(0)
+    ds = data.Dataset("image", *(data.Split(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
+                                 for n in (16, 4)), {})
+
+    def train(out, epochs, start=None):
+        torch.manual_seed(0)
+        run = Run(epochs=epochs, batch_size=8, optimizer={"name": "sgd", "lr": 0.1}, checkpoint_epochs=[1])
+        fit(nn.Sequential(nn.Linear(4, 3)), ds, run, out, progress=False, start=start,
+            profiler=Profiler(out / "context.h5", ["*"]))
+        return read_json(out / "storage.json")
+
+    whole = train(tmp_path / "base", 3)
+    started = train(tmp_path / "started", 3, start=tmp_path / "base" / "checkpoints" / "epoch001.h5")
+    assert (whole["steps"], started["steps"]) == (6, 4)
+    per_step = whole["naive_bytes_per_step"]
+    assert started["naive_bytes_per_step"] == per_step and started["naive_bytes"] == 4 * per_step
+    assert started["context_bytes"] == (tmp_path / "started" / "context.h5").stat().st_size

@@ -577,6 +577,8 @@ class Profiler:
         os.replace(self.partial, self.path)
         self._drop_empty_partial_folder()
         context = self.path.stat().st_size
+        # The steps this context covers: a run started from a checkpoint (fit's start) ran none before it.
+        steps -= self.origin
         naive = self.naive_bytes_per_step * steps
         not_run = [name for name in self.targets if name not in self._ran]
         write_json(self.path.with_name("storage.json"), {
