@@ -165,3 +165,27 @@ def test_storage_counts_the_steps_a_run_started_from_a_checkpoint_ran(tmp_path):
     per_step = whole["naive_bytes_per_step"]
     assert started["naive_bytes_per_step"] == per_step and started["naive_bytes"] == 4 * per_step
     assert started["context_bytes"] == (tmp_path / "started" / "context.h5").stat().st_size
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_a_call_under_inference_mode_gives_way_to_the_graded_one(tmp_path, derived):
+    """A target computed under torch.inference_mode in a training step (a teacher's pass of the same
+    model): its input has no version counter, and the Profiler's hook stopped training with
+    'Inference tensors do not track version counter', naming no layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    witness = Witness(model, ["0", "2"])
+    profiler = Profiler(tmp_path / "context.h5", ["0", "2"], derived=derived)
+    profiler.attach(model)
+    profiler.begin_step(0, 1)
+    witness.begin(0)
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        target = model(x)
+    (model(x) - target.clone()).square().sum().backward()
+    profiler.end_step()
+    profiler.close()
+    for name in ("0", "2"):
+        [_, graded] = witness.steps[0][name]
+        _, [sample] = read_layer(tmp_path / "context.h5", name, derive=False)
+        assert all(torch.equal(sample[k], graded[k]) for k in ("A", "dO")), name

@@ -625,8 +625,9 @@ class Profiler:
                     return                    # the recorded call's
                 if self.derived and "A" not in cap and _holds_grad(module):  # accumulating over steps
                     self._carried.add(name)
-                # Clones: later in-place code (ResNet's `out += identity`) may change these.
-                same = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
+                # Clones: later in-place code (ResNet's `out += identity`) may change these. An input made
+                # under torch.inference_mode has no version counter to tell such a change by: never shared.
+                same = object() if x.is_inference() else (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
                 if same not in self._inputs:  # x is kept too, so no other tensor gets its memory this step
                     self._inputs[same] = (x, x.detach().clone())
                 cap["A"] = self._inputs[same][1]
