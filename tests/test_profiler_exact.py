@@ -189,3 +189,19 @@ def test_a_call_under_inference_mode_gives_way_to_the_graded_one(tmp_path, deriv
         [_, graded] = witness.steps[0][name]
         _, [sample] = read_layer(tmp_path / "context.h5", name, derive=False)
         assert all(torch.equal(sample[k], graded[k]) for k in ("A", "dO")), name
+
+
+def test_a_users_forward_hook_that_replaces_the_output_leaves_the_layers_own_recorded(tmp_path):
+    """A forward hook registered before attach that returns another output (here twice the layer's):
+    the Profiler's hook saw that one, and stored it as O with the gradient of it as dO, which no op
+    on the recorded A and W gives (O off by 1.1, training's dW twice the one A and dO give)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    model[0].register_forward_hook(lambda module, args, out: out * 2)
+    witness = Witness(model, [])
+    model[0].register_forward_hook(witness._hook("0"), prepend=True)  # the layer's own output
+    train(model, [torch.randn(3, 4)], Profiler(tmp_path / "context.h5", ["0"], derived=True), witness)
+    assert_recorded_as_seen(tmp_path / "context.h5", witness, ["0"])
+    attrs, [sample] = read_layer(tmp_path / "context.h5", "0", derive=False)
+    assert torch.equal(sample["O"], witness.steps[0]["0"][0]["O"])
+    torch.testing.assert_close(derive_outputs(sample, attrs)["dW"], sample["dW"], rtol=1e-6, atol=1e-7)

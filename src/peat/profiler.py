@@ -366,7 +366,10 @@ class Profiler:
         self.recording = False
         self._input_hooks = []
         self._open(resuming)  # first: a refused file leaves no hook behind
-        self._hooks = [m.register_forward_hook(self._forward_hook(n), with_kwargs=True) for n, m in self.all_layers.items()]
+        # First of the forward hooks: one registered before that returns another output (out * 2) would
+        # have it recorded as the layer's, with its gradient as dO, which no op on A and W gives.
+        self._hooks = [m.register_forward_hook(self._forward_hook(n), with_kwargs=True, prepend=True)
+                       for n, m in self.all_layers.items()]
         self._phase = "attached"
 
     def _open(self, resuming: bool) -> None:
