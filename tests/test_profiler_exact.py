@@ -205,3 +205,20 @@ def test_a_users_forward_hook_that_replaces_the_output_leaves_the_layers_own_rec
     attrs, [sample] = read_layer(tmp_path / "context.h5", "0", derive=False)
     assert torch.equal(sample["O"], witness.steps[0]["0"][0]["O"])
     torch.testing.assert_close(derive_outputs(sample, attrs)["dW"], sample["dW"], rtol=1e-6, atol=1e-7)
+
+
+def test_weights_that_functional_call_swaps_in_are_recorded(tmp_path):
+    """torch.func.functional_call (MAML's adapted weights): the Profiler took the module's own
+    weights at begin_step, not those the forward used (O off by 0.5)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    witness = Witness(model, ["0", "2"])
+    profiler = Profiler(tmp_path / "context.h5", ["0", "2"])
+    profiler.attach(model)
+    profiler.begin_step(0, 1)
+    witness.begin(0)
+    adapted = {name: p * 0.5 for name, p in model.named_parameters()}
+    torch.func.functional_call(model, adapted, (torch.randn(3, 4),)).square().sum().backward()
+    profiler.end_step()
+    profiler.close()
+    assert_recorded_as_seen(tmp_path / "context.h5", witness, ["0", "2"])

@@ -241,14 +241,14 @@ def _weight(module: nn.Module) -> torch.Tensor | None:
             m.training = mode
 
 
-def _hook_computed(module: nn.Module, name: str) -> bool:
-    """Whether ``module.<name>`` is a plain tensor that a forward pre-hook computes (torch.nn.utils.prune,
-    the older weight_norm and spectral_norm): between forwards it holds the last one's, made from the
-    weights before the last optimizer step, so it is read when the forward has made this step's."""
-    if parametrize.is_parametrized(module, name):
-        return False
-    return torch.is_tensor(getattr(module, name, None)) and name not in module._parameters \
-        and name not in module._buffers
+def _parameters(module: nn.Module) -> dict:
+    """The weight (in nn.Linear's layout) and bias of ``module`` as its forward uses them, read in its
+    forward hook: one that a forward pre-hook computes (torch.nn.utils.prune, the older weight_norm and
+    spectral_norm) or that torch.func.functional_call swaps in (MAML's adapted weights) is not the
+    module's own between forwards."""
+    weight, bias = _weight(module), getattr(module, "bias", None)
+    return {"W": None if weight is None else _as_linear(module, weight.detach().clone()),
+            "B": None if bias is None else bias.detach().clone()}
 
 
 def _grad(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -637,10 +637,7 @@ class Profiler:
                 self._step_attrs[name] = {"input_grad": bool(x.requires_grad)} | _cumulative_momentum(module)
                 if self.derived:
                     cap["O"] = out.detach().clone()
-                if parametrize.is_parametrized(module, "weight") or _hook_computed(module, "weight"):
-                    cap["W"] = _as_linear(module, _weight(module).detach().clone())  # the weight this forward computed
-                if _hook_computed(module, "bias"):
-                    cap["B"] = module.bias.detach().clone()
+                cap.update(_parameters(module))
                 # A hook registered before an in-place change of `out` still sees the
                 # gradient of the value this layer produced. A frozen layer behind a frozen
                 # prefix has no gradient: only its forward is recorded.
@@ -686,9 +683,7 @@ class Profiler:
 
     @staticmethod
     def _before(module: nn.Module) -> dict:
-        weight = _weight(module)
-        cap = {"W": _as_linear(module, weight.detach().clone()) if weight is not None else None}
-        cap["B"] = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
+        cap = {}  # the weights are read as the recorded call used them (_parameters)
         if op_of(module) == "batch_norm" and module.running_mean is not None:
             cap["running_mean"] = module.running_mean.detach().clone()
             cap["running_var"] = module.running_var.detach().clone()
@@ -708,6 +703,8 @@ class Profiler:
             cap["dB"] = bias.grad if own else _bias_grad(attrs["op"], cap["dO"], attrs)
         if cap.get("A") is not None:
             self._ran.add(name)
+        else:  # not run at this step: its weights alone, as they are (no optimizer step since begin_step)
+            cap |= _parameters(module)
         group = self.file.create_group(f"layers/{name}/{self.step:07d}")
         # A batch norm without running statistics normalises with the batch's even in eval mode.
         training = module.training or (attrs["op"] == "batch_norm" and module.running_mean is None)
