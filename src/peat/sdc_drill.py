@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="model name in the config")
     parser.add_argument("--data", required=True, help="prepared dataset (results/data/<dataset>.h5)")
     parser.add_argument("--out", required=True, help="output folder (results/sdc/<model>)")
-    parser.add_argument("--drills", help="comma-separated subset of the configured drills")
+    parser.add_argument("--drills", help="comma-separated drills to run (default: the config's sdc.drills)")
     parser.add_argument("--bench", action="store_true", help="time plain vs guarded DDP steps instead")
     args = parser.parse_args(argv)
     try:
