@@ -538,3 +538,18 @@ def test_distributions_of_one_step_draw_each_layer_in_its_colour(table, tmp_path
     colours = [{tuple(m.get_color()) for m in c.medians} for c in ax.containers]
     assert colours == [{tuple(c.boxes[0].get_facecolor())} for c in ax.containers] and len(colours) == 2
     assert colours[0] != colours[1]
+
+
+def test_distributions_of_a_forward_only_table_with_long_layer_names_keep_the_legend_beside(table, tmp_path, drawn):
+    """playback.computations [forward] on BERT: one panel, narrowed by the case names, and a legend of
+    its long layer names. Seaborn's own legend outside it failed ("left cannot be >= right"), and the
+    analyze job, and the report, with it."""
+    names = {"a": "bert.encoder.layer.0.output.dense", "b": "bert.encoder.layer.1.attention.self.query"}
+    table = table[table["computation"] == "forward"].assign(layer=lambda t: t["layer"].map(names))
+    analyze.figures(table, tmp_path)
+    fig = drawn["distributions"]
+    fig.canvas.draw()
+    right = max(ax.get_tightbbox().x1 for ax in fig.axes)
+    legend = fig.legends[0]
+    assert {t.get_text() for t in legend.get_texts()} == set(names.values())
+    assert 0 < (legend.get_window_extent().x0 - right) / fig.dpi < 0.5

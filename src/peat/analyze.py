@@ -356,7 +356,9 @@ def _legend_beside(grid) -> None:
     between panels and legend, a third of a one-column figure."""
     fig = grid.figure
     renderer = fig.canvas.get_renderer()
-    right = max(ax.get_tightbbox(renderer).x1 for ax in grid.axes.flat) / (fig.get_figwidth() * fig.dpi)
+    # Without a legend drawn in a panel (legend_out=False), which would count as the panel's own width.
+    right = max(ax.get_tightbbox(renderer, bbox_extra_artists=[a for a in ax.get_children() if a is not ax.get_legend()]).x1
+                for ax in grid.axes.flat) / (fig.get_figwidth() * fig.dpi)
     sns.move_legend(grid, "upper left", bbox_to_anchor=(right + 0.02, 0.9))
 
 
@@ -374,7 +376,11 @@ def _distributions(named: pd.DataFrame, left: list[str], computations: list[str]
     height = max(DIST_HEIGHT, DIST_CASE * len(cases))
     grid = sns.catplot(named, x="log10_rel_top10", y="case", hue=None if left else "layer", col="computation",
                        order=cases, col_order=computations, kind="box", legend=not left and "auto", height=height,
-                       aspect=DIST_WIDTH / height, sharex=True, fliersize=2)
+                       aspect=DIST_WIDTH / height, sharex=True, fliersize=2,
+                       # Drawn in the panel, then moved beside them: seaborn's own place outside, beside
+                       # one panel narrowed by long case names, failed ("left cannot be >= right") for
+                       # BERT's layer names on a forward-only table, and the job with it.
+                       legend_out=False)
     grid.set_axis_labels(REL_LABEL, "")
     # The computation alone, as the other figures title it: seaborn's "computation = weight_grad" is wider
     # than a panel narrowed by long case names and a GPT-2 layer's legend, and ran into its neighbour's.
@@ -384,6 +390,8 @@ def _distributions(named: pd.DataFrame, left: list[str], computations: list[str]
         _colour_flat_boxes(grid)
     _cut_beyond(grid, named, cases)
     _one_decade_at_least(grid.axes.flat[0])
+    if grid.legend is not None:
+        _legend_beside(grid)
     if left:
         _note(grid.figure, f"all {layers} layers pooled (each layer's statistics: layers.csv)")
     _save(grid.figure, path, dpi, failed)
