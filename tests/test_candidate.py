@@ -485,11 +485,17 @@ def test_config_refuses_a_kernel_file_defining_none_of_the_computations(tmp_path
                # Named after the op, as load() does not read it: refused in the job, after golden training.
                "opname.py": "def linear(x, weight, bias):\n    return x @ weight.t() + bias\n",
                "namespace.py": "class linear:\n    def forward(x, weight, bias):\n        return x @ weight.t() + bias\n",
-               "other_op.py": "class conv2d:\n    def forward(x, weight, bias, **hp):\n        return x\n"}
+               "other_op.py": "class conv2d:\n    def forward(x, weight, bias, **hp):\n        return x\n",
+               # Another op's namespace as an object (the README's form; peat.alt_kernels.tf32's conv2d) passed.
+               "other_ns.py": "from types import SimpleNamespace\nconv2d = SimpleNamespace(forward=lambda x, w, b: x)\n",
+               "other_ns_str.py": 'conv2d = dict(**{c: None for c in ("forward", "input_grad")})\n',
+               "own_ns.py": "from types import SimpleNamespace\nlinear = SimpleNamespace(forward=lambda x, w, b: x)\n"}
     errors = {"typo.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
               "opname.py": "defines none of forward, input_grad, weight_grad for op 'linear' (def linear is not one "
                            "of them: name it after the computation)",
               "other_op.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
+              "other_ns.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
+              "other_ns_str.py": "defines none of forward, input_grad, weight_grad for op 'linear'",
               "unparsable.py": "SyntaxError: expected ':' (line 1)",
               "nul.py": "SyntaxError: source code string cannot contain null bytes"}
     for name, text in sources.items():

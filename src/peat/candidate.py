@@ -170,10 +170,11 @@ def _may_define(tree: ast.Module, op: str) -> bool:
     """Whether a Python kernel source may define one of the computations: False only where none
     of their names, the op's namespace or a way to bind names dynamically appears in it, as with a
     misspelt ``def fwd``, which load() refused in the job, after golden training. What another
-    op's namespace holds (``class conv2d: def forward``) is not looked at: load() never reads it for ``op``."""
+    op's namespace holds (``class conv2d: def forward``, ``conv2d = SimpleNamespace(forward=...)``)
+    is not looked at: load() never reads it for ``op``."""
     names = {*kernels.COMPUTATIONS, op, *_DYNAMIC}
     others = set(kernels.OPS) - {op}
-    outside = [top for top in tree.body if not (isinstance(top, ast.ClassDef) and top.name in others)]
+    outside = [top for top in tree.body if not _binds_only(top, others)]
     for node in (node for top in outside for node in ast.walk(top)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             # A function named like the op is no namespace (load reads a routine's module): def linear(...)
@@ -192,6 +193,14 @@ def _may_define(tree: ast.Module, op: str) -> bool:
         if found & names:
             return True
     return False
+
+
+def _binds_only(top: ast.stmt, names: set[str]) -> bool:
+    """Whether a top-level statement binds only some of ``names``: a class, or an assignment to plain names."""
+    if isinstance(top, ast.ClassDef):
+        return top.name in names
+    targets = top.targets if isinstance(top, ast.Assign) else [top.target] if isinstance(top, ast.AnnAssign) else []
+    return bool(targets) and all(isinstance(t, ast.Name) and t.id in names for t in targets)
 
 
 def _op_function(tree: ast.Module, op: str) -> bool:
