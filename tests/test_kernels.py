@@ -38,12 +38,13 @@ class Tiny(nn.Module):
         self.conv2 = nn.Conv2d(8, 8, 3)
         self.fc = nn.Linear(8 * 4 * 4, 48)
         self.ln = nn.LayerNorm(48)
+        self.rms = nn.RMSNorm(48)
         self.proj = Conv1D(10, 48)
 
     def forward(self, x):
         x = torch.relu(self.bn(self.conv1(x)))
         x = self.conv2(x).flatten(1)
-        return self.proj(self.ln(self.fc(x)))
+        return self.proj(self.rms(self.ln(self.fc(x))))
 
 
 def train_steps(model, steps=2, seed=0):
@@ -79,7 +80,7 @@ def context(tmp_path_factory) -> Path:
 def cases(context, op=None):
     """(layer, attrs, sample, computation) for every recorded computation of ``op``."""
     out = []
-    for layer in ("conv1", "bn", "conv2", "fc", "ln", "proj"):
+    for layer in ("conv1", "bn", "conv2", "fc", "ln", "rms", "proj"):
         attrs, samples = read_layer(context, layer)
         if op is None or attrs["op"] == op:
             out += [(layer, attrs, s, c) for s in samples for c in kernels.COMPUTATIONS
@@ -98,7 +99,7 @@ def test_golden_replays_the_recorded_context_bit_exactly(context):
         got = kernels.call(kernels.golden(attrs["op"], attrs), computation, sample, attrs)
         assert torch.equal(got, kernels.expected(computation, sample)), (layer, computation)
         seen.add((attrs["op"], computation))
-    assert len(seen) == 12  # 4 ops x 3 computations
+    assert len(seen) == 15  # 5 ops x 3 computations
     assert read_layer(context, "proj")[0]["transposed"] is True
 
 
@@ -161,7 +162,7 @@ def test_golden_routing_is_bit_identical_to_pytorch(variant):
         variant(plain)
     routed = copy.deepcopy(plain)
     names = sum((kernels.route(routed, kernels.golden(op)) for op in kernels.OPS), [])
-    assert sorted(names) == ["bn", "conv1", "conv2", "fc", "ln", "proj"]
+    assert sorted(names) == ["bn", "conv1", "conv2", "fc", "ln", "proj", "rms"]
     train_steps(plain)
     train_steps(routed)
     for (name, a), b in zip(plain.state_dict().items(), routed.state_dict().values()):
@@ -600,6 +601,7 @@ ALTERNATIVES = [  # impl, op, max relative error to float64, min relative error 
     ("kernels/my_gemm.py", "linear", EXACT, 0),
     ("peat.alt_kernels.onepass_norm", "batch_norm", EXACT, 0), ("peat.alt_kernels.onepass_norm", "layer_norm", EXACT, 0),
     ("peat.alt_kernels.welford_norm", "batch_norm", EXACT, 0), ("peat.alt_kernels.welford_norm", "layer_norm", EXACT, 0),
+    ("peat.alt_kernels.rms_norm", "rms_norm", EXACT, 0),
     ("peat.alt_kernels.tf32", "linear", 3e-3, 2e-5), ("peat.alt_kernels.tf32", "conv2d", 3e-3, 2e-5),
     ("peat.alt_kernels.fp16_gemm", "linear", 3e-3, 2e-5), ("peat.alt_kernels.bf16_gemm", "linear", 3e-2, 2e-4),
 ]
@@ -691,7 +693,7 @@ def test_load_file_namespace_and_golden_fallback(tmp_path):
      f"kernel impl 'kernels/does_not_exist.py': no such file (relative to {kernels.REPO})"),
     ("peat.alt_kernels.nope", "linear",
      "kernel impl 'peat.alt_kernels.nope': cannot import (No module named 'peat.alt_kernels.nope')"),
-    ("golden", "softmax", "op: unknown op 'softmax'; allowed: linear, conv2d, batch_norm, layer_norm"),
+    ("golden", "softmax", "op: unknown op 'softmax'; allowed: linear, conv2d, batch_norm, layer_norm, rms_norm"),
     ("peat.alt_kernels.im2col", "linear", "peat.alt_kernels.im2col: is a conv2d kernel (OP = 'conv2d'), not linear"),
     ("peat.alt_kernels.onepass_norm", "conv2d",
      "peat.alt_kernels.onepass_norm: defines none of forward, input_grad, weight_grad for op 'conv2d'")])

@@ -33,10 +33,10 @@ from .io import PeatError, read_csv, write_csv, write_json
 from .models import layer_ops
 from .profiler import hyper_params, layer_input, match_names
 
-# Ops each architecture contains (llama normalises with RMSNorm, which is none of PEAT's ops).
+# Ops each architecture contains (llama normalises with LlamaRMSNorm: rms_norm).
 ARCH_OPS = {"resnet18": {"conv2d", "batch_norm", "linear"}, "resnet34": {"conv2d", "batch_norm", "linear"},
             "resnet50": {"conv2d", "batch_norm", "linear"}, "mobilenet_v2": {"conv2d", "batch_norm", "linear"},
-            "efficientnet_b0": {"conv2d", "batch_norm", "linear"}, "llama": {"linear"},
+            "efficientnet_b0": {"conv2d", "batch_norm", "linear"}, "llama": {"linear", "rms_norm"},
             "gpt2": {"linear", "layer_norm"}, "bert": {"linear", "layer_norm"}}
 CURVES = ("loss", "accuracy", "perplexity")
 

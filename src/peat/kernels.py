@@ -20,6 +20,17 @@ Signatures (all tensors; weights in ``nn.Linear`` / ``nn.Conv2d`` convention):
     layer_norm  forward(x, weight, bias, *, normalized_shape, eps)
                 input_grad(grad_out, x, weight, *, normalized_shape, eps)
                 weight_grad(grad_out, x, *, normalized_shape, eps)
+    rms_norm    forward(x, weight, bias, *, normalized_shape, eps)
+                    (bias is always None: RMSNorm has none; it is passed so that every forward is
+                    called as ``forward(x, weight, bias, ...)``. weight is None without affine)
+                input_grad(grad_out, x, weight, *, normalized_shape, eps)
+                weight_grad(grad_out, x, *, normalized_shape, eps)
+
+rms_norm is ``y = weight * x / sqrt(mean(x^2 over normalized_shape) + eps)``: ``torch.nn.RMSNorm``
+(``F.rms_norm``; its eps None is recorded as float32's epsilon, as it uses) and transformers'
+``LlamaRMSNorm`` (recorded with ``variant: llama``, whose golden repeats its ops one by one: float32
+statistics, the weight applied after rounding back to the input's dtype). Golden's gradients are
+autograd's through that same forward.
 
 The bias gradient is always golden (a plain reduction of ``grad_out``). A module with
 top-level functions should say which op it serves (``OP = "conv2d"``); a module serving
@@ -57,7 +68,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .io import PeatError, os_error_line
 from .profiler import layer_input
 
-OPS = ("linear", "conv2d", "batch_norm", "layer_norm")
+OPS = ("linear", "conv2d", "batch_norm", "layer_norm", "rms_norm")
 COMPUTATIONS = ("forward", "input_grad", "weight_grad")
 # The recorded tensor each computation reproduces (see the context file in docs/design.md).
 TARGET = {"forward": "O", "input_grad": "dA", "weight_grad": "dW"}
@@ -161,6 +172,59 @@ def _ln_weight_grad(grad_out, x, *, normalized_shape, eps):
     return _ln_backward(grad_out, x, None, normalized_shape, eps, [False, True, False])[1]
 
 
+def _rms_torch(x, weight, bias=None, *, normalized_shape, eps):
+    """torch.nn.RMSNorm's forward (``bias``: always None, see the signatures above)."""
+    return F.rms_norm(x, list(normalized_shape), weight, eps)
+
+
+def _rms_llama(x, weight, bias=None, *, normalized_shape, eps):
+    """transformers' LlamaRMSNorm.forward op for op (its normalized shape is the last dimension):
+    statistics in float32, or in float64 for the reference (a float64 input stays float64)."""
+    dtype = x.dtype
+    h = x.to(torch.promote_types(dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h.to(dtype)
+    return h if weight is None else weight * h
+
+
+RMS_VARIANTS = {"torch": _rms_torch, "llama": _rms_llama}  # hyper_params' "variant" of an rms_norm layer
+
+
+def _rms_backward(forward, grad_out, x, weight, normalized_shape, eps, mask):
+    """(input, weight, bias) gradients where ``mask`` says: autograd's backward through ``forward``,
+    so a routed layer's gradients are bit-identical to the module's own. A weight grad asked without
+    a weight (playback's weight_grad has none) uses ones: the weight does not enter its own gradient."""
+    with torch.inference_mode(False), torch.enable_grad():
+        if weight is None and mask[1]:
+            weight = torch.ones(list(normalized_shape), dtype=x.dtype, device=x.device)
+        x, weight, grad_out = (_leaf(t, m) for t, m in zip((x, weight, grad_out), (mask[0], mask[1], False)))
+        out = forward(x, weight, None, normalized_shape=normalized_shape, eps=eps)
+        wanted = [t for t, m in zip((x, weight), mask) if m]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+    return next(grads) if mask[0] else None, next(grads) if mask[1] else None, None
+
+
+def _leaf(t, grad: bool):
+    """``t`` as a new autograd leaf; a copy where it was made under inference_mode (playback's
+    operands), which autograd cannot save for the backward."""
+    if t is None:
+        return None
+    return (t.clone() if t.is_inference() else t).detach().requires_grad_(grad)
+
+
+def _rms_computations(forward) -> dict:
+    def input_grad(grad_out, x, weight, *, normalized_shape, eps):
+        return _rms_backward(forward, grad_out, x, weight, normalized_shape, eps, [True, False, False])[0]
+
+    def weight_grad(grad_out, x, *, normalized_shape, eps):
+        return _rms_backward(forward, grad_out, x, None, normalized_shape, eps, [False, True, False])[1]
+
+    return dict(forward=forward, input_grad=input_grad, weight_grad=weight_grad)
+
+
+_RMS_GOLDEN = {variant: _rms_computations(forward) for variant, forward in RMS_VARIANTS.items()}
+
+
 GOLDEN = {
     "linear": dict(forward=F.linear, input_grad=lambda grad_out, weight: grad_out @ weight,
                    weight_grad=_linear_weight_grad),
@@ -168,7 +232,15 @@ GOLDEN = {
                    input_grad=_conv_input_grad, weight_grad=_conv_weight_grad),
     "batch_norm": dict(forward=_bn_forward, input_grad=_bn_input_grad, weight_grad=_bn_weight_grad),
     "layer_norm": dict(forward=_ln_forward, input_grad=_ln_input_grad, weight_grad=_ln_weight_grad),
+    "rms_norm": _RMS_GOLDEN["torch"],
 }
+
+
+def _rms_variant(attrs: dict | None) -> str:
+    variant = (attrs or {}).get("variant", "torch")
+    if variant not in RMS_VARIANTS:
+        raise PeatError(f"rms_norm layer: unknown variant {variant!r}; known: {', '.join(RMS_VARIANTS)}")
+    return variant
 
 
 def _check_op(op: str, key: str = "op") -> None:
@@ -178,9 +250,11 @@ def _check_op(op: str, key: str = "op") -> None:
 
 def golden(op: str, attrs: dict | None = None) -> Kernel:
     """PyTorch's own op (float32 inputs give the golden result, float64 the reference); ``attrs``:
-    the layer's (recorded or routed), for a layer storing its weight transposed."""
+    the layer's (recorded or routed), for a layer storing its weight transposed or an rms_norm's variant."""
     _check_op(op)
     own = {"weight_grad": _transposed_weight_grad} if op == "linear" and (attrs or {}).get("transposed") else {}
+    if op == "rms_norm":
+        own = _RMS_GOLDEN[_rms_variant(attrs)]
     return Kernel(name="golden", op=op, **(GOLDEN[op] | own))
 
 
@@ -478,7 +552,7 @@ def _conv_hp(attrs: dict) -> dict:
 
 
 def _norm_hp(op: str, sample: dict, attrs: dict, computation: str) -> dict:
-    if op == "layer_norm":
+    if op in ("layer_norm", "rms_norm"):
         return {"normalized_shape": tuple(attrs["normalized_shape"]), "eps": float(attrs["eps"])}
     hp = {"running_mean": sample.get("running_mean"), "running_var": sample.get("running_var"),
           "training": bool(sample.get("training", True)), "eps": float(attrs["eps"])}
@@ -1055,6 +1129,9 @@ def _golden_hp(op: str, attrs: dict) -> dict:
         return {"eps": float(attrs["eps"])}
     if op == "layer_norm":
         return {"normalized_shape": list(attrs["normalized_shape"]), "eps": float(attrs["eps"])}
+    if op == "rms_norm":
+        return {"normalized_shape": list(attrs["normalized_shape"]), "eps": float(attrs["eps"]),
+                "forward": RMS_VARIANTS[_rms_variant(attrs)]}
     return {}
 
 
@@ -1123,6 +1200,8 @@ def _golden_forward(op: str, hp: dict, state: dict, x, weight, bias) -> tuple[to
         out, *stats = torch.ops.aten.native_batch_norm(x, weight, bias, state["running_mean"], state["running_var"],
                                                        state["training"], state["momentum"], hp["eps"])
         return out, stats
+    if op == "rms_norm":  # the backward runs autograd through it again: nothing saved
+        return hp["forward"](x, weight, bias, normalized_shape=hp["normalized_shape"], eps=hp["eps"]), ()
     out, *stats = torch.ops.aten.native_layer_norm(x, hp["normalized_shape"], weight, bias, hp["eps"])
     return out, stats
 
@@ -1223,6 +1302,8 @@ def _golden_grads(plan: _Plan, state: dict, dO, x, w, stats, mask: list[bool]) -
     if op == "batch_norm":
         return _bn_backward(dO, x, w, state["running_mean"], state["running_var"], state["training"], hp["eps"], mask,
                             stats)
+    if op == "rms_norm":
+        return _rms_backward(hp["forward"], dO, x, w, hp["normalized_shape"], hp["eps"], mask)
     return _ln_backward(dO, x, w, hp["normalized_shape"], hp["eps"], mask, stats)
 
 
@@ -1235,6 +1316,10 @@ class _RoutedForward:
         self.module, self.plan, self.active, self.original = module, plan, active, original
         self.transposed = bool(plan.attrs.get("transposed"))
         self.batch_norm = plan.kernel.op == "batch_norm"
+        # An rms_norm is several ops whose input gradients autograd sums into the input's with the
+        # residual's, one by one: golden's ops run under autograd, bit-identical to the module (one
+        # Function's summed input gradient would round differently).
+        self.autograd = plan.kernel.op == "rms_norm" and plan.golden_forward and not plan.own
         self.routed = plan.kernel
 
     def __call__(self, *args, **kw):
@@ -1243,7 +1328,12 @@ class _RoutedForward:
         x = layer_input(f"layer {self.plan.layer!r}", self.routed.op, args, kw, "routed")
         module = self.module
         weight = module.weight.t() if self.transposed else module.weight
-        return _Routed.apply(self.plan, _bn_state(module) if self.batch_norm else {}, x, weight, module.bias)
+        if self.autograd:
+            hp = self.plan.hp
+            return hp["forward"](x, weight, None, normalized_shape=hp["normalized_shape"], eps=hp["eps"])
+        # getattr: an RMSNorm has no bias attribute
+        return _Routed.apply(self.plan, _bn_state(module) if self.batch_norm else {}, x, weight,
+                             getattr(module, "bias", None))
 
     def __deepcopy__(self, memo) -> _RoutedForward:
         # The memo maps the module being copied (and its tracker) to their copies.

@@ -67,9 +67,21 @@ def op_of(module: nn.Module) -> str | None:
         return "batch_norm"
     if isinstance(module, nn.LayerNorm):
         return "layer_norm"
+    if isinstance(module, nn.RMSNorm) or _llama_rms_norm(module):
+        return "rms_norm"
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers GPT-2
         return "linear"
     return None
+
+
+# transformers' RMSNorms that compute LlamaRMSNorm's forward op for op (Gemma's scales by 1 + weight,
+# T5's rounds elsewhere: those are other computations and stay unrecordable).
+LLAMA_RMS_NORMS = ("LlamaRMSNorm",)
+
+
+def _llama_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__ in LLAMA_RMS_NORMS and hasattr(module, "variance_epsilon") \
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
 
 
 def hyper_params(module: nn.Module) -> dict:
@@ -82,6 +94,12 @@ def hyper_params(module: nn.Module) -> dict:
         return {"eps": module.eps, "momentum": module.momentum if module.momentum is not None else -1.0}
     if op == "layer_norm":
         return {"eps": module.eps, "normalized_shape": list(module.normalized_shape)}
+    if op == "rms_norm" and isinstance(module, nn.RMSNorm):
+        # eps None: F.rms_norm uses the epsilon of float32 (its compute type for the float32 layers recorded)
+        eps = torch.finfo(torch.float32).eps if module.eps is None else module.eps
+        return {"eps": eps, "normalized_shape": list(module.normalized_shape), "variant": "torch"}
+    if op == "rms_norm":
+        return {"eps": module.variance_epsilon, "normalized_shape": [module.weight.shape[-1]], "variant": "llama"}
     return {"transposed": op == "linear" and not isinstance(module, nn.Linear)}
 
 
@@ -461,7 +479,10 @@ class Profiler:
         if self.recording:
             for name, module in self.targets.items():
                 self._captured[name] = self._before(module)
-                if self.derived:  # dA is only stored then
+                # dA is only stored then. An rms_norm's input feeds two of its ops: an alias would sum
+                # their gradients before the residual's is added, which changes training's last bits;
+                # its dA is derived in _write instead (autograd's sum of those two, see kernels).
+                if self.derived and op_of(module) != "rms_norm":
                     self._input_hooks.append(module.register_forward_pre_hook(self._input_hook(name), with_kwargs=True))
 
     def end_step(self) -> None:
@@ -698,6 +719,8 @@ class Profiler:
         if self.derived and weight is not None and "dO" in cap:
             own = _grad(weight) is not None and name not in self._tied | self._repeated | self._carried
             cap["dW"] = _as_linear(module, weight.grad) if own else _golden("weight_grad", cap, attrs)
+        if self.derived and attrs["op"] == "rms_norm" and "dO" in cap and self._step_attrs.get(name, {}).get("input_grad"):
+            cap["dA"] = _golden("input_grad", cap, attrs)
         if self.derived and bias is not None and "dO" in cap:
             own = _grad(bias) is not None and name not in self._repeated | self._carried
             cap["dB"] = bias.grad if own else _bias_grad(attrs["op"], cap["dO"], attrs)
@@ -823,7 +846,7 @@ def _bias_grad(op: str, grad_out: torch.Tensor, attrs: dict) -> torch.Tensor:
     """The bias gradient: ``grad_out`` summed over every dimension but the bias's own."""
     if op in ("conv2d", "batch_norm"):  # channels are dimension 1
         return grad_out.sum([d for d in range(grad_out.dim()) if d != 1])
-    kept = len(attrs["normalized_shape"]) if op == "layer_norm" else 1
+    kept = len(attrs["normalized_shape"]) if op in ("layer_norm", "rms_norm") else 1
     return grad_out.reshape(-1, *grad_out.shape[grad_out.dim() - kept:]).sum(0)
 
 

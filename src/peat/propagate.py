@@ -242,7 +242,7 @@ class Propagator:
                 return self.observe(model, layer, nxt, x, y, replace=lambda a: call(kernel, live, a).contiguous(),
                                     prefix=prefix, seed=seed)
 
-            golden_kernel = kernels.golden(attrs["op"])
+            golden_kernel = kernels.golden(attrs["op"], attrs)
             rounded = {p: through(errors.faulty(golden_kernel, p, "forward")) for p in PRECISIONS}
             runs, failed = {}, {}
             for case, kernel in variants.items():

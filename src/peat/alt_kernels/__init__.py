@@ -14,6 +14,8 @@ where it serves several):
     tf32           linear, conv2d           operands rounded to TF32 (10 mantissa bits), fp32 accumulation
     onepass_norm   batch_norm, layer_norm   variance as E[x^2] - E[x]^2 in one pass
     welford_norm   batch_norm, layer_norm   Welford / Chan running mean and M2
-    compiled       all four                 the golden op compiled by torch.compile (Inductor); eager
+    rms_norm       rms_norm                 mean square in float64 rounded once, weight folded into the
+                                            scale, textbook gradients
+    compiled       all five                 the golden op compiled by torch.compile (Inductor); eager
                                             golden with a warning where compilation is unavailable
 """
