@@ -1,4 +1,4 @@
-"""RMSNorm as a fused GPU kernel computes it: the mean square accumulated in float64 and rounded
+"""RMSNorm as a fused kernel may compute it: the mean square accumulated in float64 and rounded
 once, the weight folded into the scale, and the textbook gradients.
 
 ``forward``: ``y = x * (weight * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``, where golden (PyTorch,
