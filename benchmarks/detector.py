@@ -61,6 +61,7 @@ ALTERNATIVES = {
     "linear": ("blocked_gemm", "splitk_gemm", "bf16_gemm", "fp16_gemm", "tf32"),
     "batch_norm": ("onepass_norm", "welford_norm"),
     "layer_norm": ("onepass_norm", "welford_norm"),
+    "rms_norm": ("rms_norm",),
 }
 # A priori class of each correct alternative: operands rounded below fp32 -> reduced_precision.
 REDUCED = {"tf32", "bf16_gemm", "fp16_gemm"}
