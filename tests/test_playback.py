@@ -1790,6 +1790,25 @@ def test_the_next_observing_point_reads_the_layers_output():
     assert all(p.requires_grad for p in model.parameters())  # left as found
 
 
+def test_the_next_observing_point_is_next_in_the_order_of_calls():
+    """Llama defines its norms after the attention and MLP they feed: "next in model order" observed
+    input_layernorm after the residual add (at post_attention_layernorm), not at q_proj, which reads it."""
+    from peat import models
+    from peat.profiler import op_of
+    from peat.propagate import next_readers
+
+    model = models.build({"arch": "llama", "size": {"hidden": 16, "layers": 1, "heads": 2}},
+                         {"vocab_size": 64, "seq_len": 8}, seed=0).train()
+    order = [n for n, m in model.named_modules() if op_of(m) is not None]
+    assert order.index("model.layers.0.input_layernorm") > order.index("model.layers.0.mlp.down_proj")
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    readers = next_readers(model, order, "text", tokens[:, :-1], tokens[:, 1:], seed=0)
+    assert readers["model.layers.0.input_layernorm"] == "model.layers.0.self_attn.q_proj"
+    assert readers["model.layers.0.post_attention_layernorm"] == "model.layers.0.mlp.gate_proj"
+    assert readers["model.layers.0.self_attn.o_proj"] == "model.layers.0.post_attention_layernorm"
+    assert readers["model.norm"] == "lm_head" and readers["lm_head"] is None
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 127, 128, 129, 136, 1000, 8193, 100_003])
 def test_squared_deviation_sum_is_numpys_sum_bit_for_bit(n):
     """tensor_stats.squared_deviation_sum adds (x - mean) ** 2 in np.sum's pairwise order

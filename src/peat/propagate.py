@@ -650,9 +650,12 @@ def next_readers(model, order: list[str], kind: str, x, y, seed: int) -> dict[st
     model without data-dependent control flow is the same at every step.
     """
     modules, parents, leaves = dict(model.named_modules()), {name: set() for name in order}, {}
+    ran = []  # the recorded layers in the order of their first calls
 
     def cut(name):
         def hook(module, inputs, output):
+            if name not in ran:
+                ran.append(name)
             out = output if torch.is_tensor(output) else output[0]
             parents[name] |= _leaves_behind(out, leaves)
             leaf = out.detach().requires_grad_()
@@ -669,8 +672,11 @@ def next_readers(model, order: list[str], kind: str, x, y, seed: int) -> dict[st
     finally:
         for p, flag in frozen:
             p.requires_grad_(flag)
+    # "Next" in the order of calls, not of the model's definition: llama defines its norms after the
+    # attention and MLP they feed, and input_layernorm was observed after the residual add, not at q_proj.
+    calls = ran + [name for name in order if name not in ran]
     readers = {}
-    for i, layer in enumerate(order):
+    for layer in order:
         reached, grown = {layer}, True
         while grown:  # to a fixed point: registration order need not be the order of calls
             grown = False
@@ -678,7 +684,7 @@ def next_readers(model, order: list[str], kind: str, x, y, seed: int) -> dict[st
                 if later not in reached and parents[later] & reached:
                     reached.add(later)
                     grown = True
-        readers[layer] = next((n for n in order[i + 1:] if n in reached), None)
+        readers[layer] = next((n for n in calls[calls.index(layer) + 1:] if n in reached), None)
     return readers
 
 
