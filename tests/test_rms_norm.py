@@ -225,3 +225,34 @@ def test_golden_rms_norm_is_torchs_op_on_its_module():
     hp = {k: v for k, v in hyper_params(norm).items() if k != "variant"}
     assert torch.equal(kernels.golden("rms_norm", hyper_params(norm)).forward(x, norm.weight, None, **hp), norm(x))
     assert torch.equal(F.rms_norm(x, [4, 8], norm.weight, 1e-5), norm(x))
+
+
+def test_transformers_copies_of_llamas_norm_are_rms_norm_and_others_are_not():
+    """Mistral's and Qwen2's RMSNorms are LlamaRMSNorm's forward under other names: recorded as
+    ``variant: llama``, whose golden replays them bit for bit; Gemma's (1 + weight) and a forward of
+    one's own are other computations."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    class Scaled(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    gen = torch.Generator().manual_seed(0)
+    for cls in (MistralRMSNorm, Qwen2RMSNorm):
+        norm = cls(16, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(16, generator=gen))
+        assert op_of(norm) == "rms_norm"
+        attrs = hyper_params(norm)
+        assert attrs == {"eps": 1e-5, "normalized_shape": [16], "variant": "llama"}
+        x, g = torch.randn(2, 5, 16, generator=gen, requires_grad=True), torch.randn(2, 5, 16, generator=gen)
+        out = norm(x)
+        out.backward(g)
+        gold, hp = kernels.golden("rms_norm", attrs), {k: attrs[k] for k in ("normalized_shape", "eps")}
+        assert torch.equal(gold.forward(x.detach(), norm.weight.detach(), None, **hp), out.detach())
+        assert torch.equal(gold.input_grad(g, x.detach(), norm.weight.detach(), **hp), x.grad)
+        assert torch.equal(gold.weight_grad(g, x.detach(), **hp), norm.weight.grad)
+    assert op_of(GemmaRMSNorm(16)) is None and op_of(Scaled(16)) is None

@@ -26,6 +26,8 @@ import collections
 import collections.abc
 import contextlib
 import fnmatch
+import functools
+import inspect
 import operator
 import os
 import warnings
@@ -74,14 +76,22 @@ def op_of(module: nn.Module) -> str | None:
     return None
 
 
-# transformers' RMSNorms that compute LlamaRMSNorm's forward op for op (Gemma's scales by 1 + weight,
-# T5's rounds elsewhere: those are other computations and stay unrecordable).
-LLAMA_RMS_NORMS = ("LlamaRMSNorm",)
-
-
 def _llama_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__ in LLAMA_RMS_NORMS and hasattr(module, "variance_epsilon") \
-        and isinstance(getattr(module, "weight", None), torch.Tensor)
+    return hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.Tensor) \
+        and _llama_forward(type(module))
+
+
+@functools.cache
+def _llama_forward(cls: type) -> bool:
+    """Whether ``cls.forward`` is LlamaRMSNorm's, source for source. transformers copies it into most
+    of its models (Mistral's, Qwen2's, ...; "Copied from" in its sources), under their own names;
+    Gemma's scales by 1 + weight and T5's rounds elsewhere: other computations, left unrecordable."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
+    except (ImportError, OSError, TypeError):  # no transformers, or no source to compare (a REPL class)
+        return False
 
 
 def hyper_params(module: nn.Module) -> dict:
