@@ -13,6 +13,7 @@ process (``kernels.run_isolated``): a kernel that raises, segfaults or hangs giv
 from __future__ import annotations
 
 import ast
+import copy
 import csv
 import io
 import fnmatch
@@ -96,6 +97,8 @@ def check(config: dict) -> None:
                 if _op_function(tree, spec["op"]) else ""
             raise PeatError(f"config key 'kernels.{name}.impl': {spec['impl']} defines none of "
                             f"{', '.join(kernels.COMPUTATIONS)} for op {spec['op']!r}{named}")
+        if tree is not None:
+            _check_signatures(tree, spec["op"], sources[0], f"kernels.{name}.impl")
         for model in models_for(config, name):
             _check_recorded(config, name, model)
             _check_layers(config, name, model)
@@ -206,6 +209,106 @@ def _binds_only(top: ast.stmt, names: set[str]) -> bool:
 def _op_function(tree: ast.Module, op: str) -> bool:
     """Whether a kernel source defines a top-level function named like its op (``def linear``)."""
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == op for n in tree.body)
+
+
+def _check_signatures(tree: ast.Module, op: str, path: str, key: str) -> None:
+    """Each computation a kernel source surely defines can take the arguments peat passes
+    (``kernels.CALLS``): a forward without ``bias``, or with a misspelt hyper-parameter, was each of
+    its calls' TypeError, a ``crash`` found only after golden training."""
+    package = Path(path).parent
+    if Path(path).name == "__init__.py" and ((package / f"{op}.py").exists() or (package / op).is_dir()):
+        return  # importing its submodule named like the op binds that as the namespace load reads
+    for computation, func in _computations(tree, op).items():
+        positional, keywords = kernels.CALLS[op][computation]
+        if why := _unbindable(func.args, positional, keywords):
+            call = ", ".join([*positional, *(["*", *keywords] if keywords else [])])
+            raise PeatError(f"config key '{key}': {path}:{func.lineno}: def {computation}({_params(func.args)}) {why}; "
+                            f"peat calls {computation}({call})")
+
+
+def _computations(tree: ast.Module, op: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The computations of ``op`` that ``kernels.load`` surely takes from these plain ``def``s: in the
+    module, or in a plain class named like the op. Whatever else could bind them (a decorator, an
+    assignment, a base class, a conditional or dynamic binding) is left out: it may well work."""
+    if _binds_dynamically(tree):
+        return {}
+    namespace, in_class = _last_binding(tree.body, op), False
+    if isinstance(namespace, ast.ClassDef):
+        if namespace.bases or namespace.keywords or namespace.decorator_list:
+            return {}
+        body, in_class = namespace.body, True
+    elif namespace is None or isinstance(namespace, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+            and not namespace.decorator_list:
+        body = tree.body  # load reads a function named like the op as no namespace (a decorator's object may be one)
+    else:
+        return {}
+    found = {c: _last_binding(body, c) for c in kernels.COMPUTATIONS}
+    # As a class attribute a staticmethod is its function; a plain method is too (no instance binds it).
+    plain = [[], ["staticmethod"]] if in_class else [[]]
+    return {c: f for c, f in found.items() if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and [ast.unparse(d) for d in f.decorator_list] in plain and not _declared_global(tree, c)}
+
+
+def _last_binding(body: list[ast.stmt], name: str) -> ast.stmt | None:
+    """The last statement of a module's or class's body that binds ``name`` (one holding a nested
+    binding, an ``if`` or ``try``, stands for it whole: which one runs is unknown here)."""
+    return next((stmt for stmt in reversed(body) if name in _names_bound(stmt)), None)
+
+
+def _names_bound(stmt: ast.stmt) -> set[str]:
+    """Names a statement may bind in its scope (more where unsure: a nested function's locals)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {stmt.name}
+    names = set()
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        else:  # a nested def or class, except E as name, match's captures
+            names |= {getattr(node, attr) for attr in ("name", "rest") if isinstance(getattr(node, attr, None), str)}
+    return names
+
+
+def _binds_dynamically(tree: ast.Module) -> bool:
+    """Whether the source may bind names it does not spell (``_DYNAMIC``; ``locals()`` in a class body)."""
+    spelled = ({getattr(node, attr, None) for attr in ("id", "attr", "name")} for node in ast.walk(tree))
+    return any(names & (_DYNAMIC | {"locals"}) for names in spelled)
+
+
+def _declared_global(tree: ast.Module, name: str) -> bool:
+    """Whether some function may rebind the module's ``name`` when it runs (``global name``)."""
+    return any(isinstance(node, ast.Global) and name in node.names for node in ast.walk(tree))
+
+
+def _unbindable(params: ast.arguments, positional: tuple[str, ...], keywords: tuple[str, ...]) -> str | None:
+    """Why a function of ``params`` cannot take ``positional`` by position and ``keywords`` by name,
+    bound as Python binds a call; None where it can."""
+    ordered = [a.arg for a in params.posonlyargs + params.args]
+    if len(positional) > len(ordered) and params.vararg is None:
+        return f"cannot take the {positional[len(ordered)]} argument peat passes"
+    filled = dict(zip(ordered, positional))  # parameter: what peat passes there
+    by_name = {a.arg for a in params.args + params.kwonlyargs}  # not positional-only
+    for keyword in keywords:
+        if keyword in filled and keyword not in {a.arg for a in params.posonlyargs}:
+            return f"gets two values for {keyword}: peat passes {filled[keyword]} in its place and {keyword} by name"
+        if keyword in by_name - filled.keys():
+            filled[keyword] = keyword
+        elif params.kwarg is None:
+            return f"cannot take the {keyword} argument peat passes (by name)"
+    defaulted = ordered[len(ordered) - len(params.defaults):] + \
+        [a.arg for a, d in zip(params.kwonlyargs, params.kw_defaults) if d is not None]
+    missing = [p for p in ordered + [a.arg for a in params.kwonlyargs] if p not in filled and p not in defaulted]
+    return f"requires {missing[0]}, which peat does not pass" if missing else None
+
+
+def _params(params: ast.arguments) -> str:
+    """A signature as written, without its annotations (one line)."""
+    bare = copy.deepcopy(params)
+    for arg in (*bare.posonlyargs, *bare.args, *bare.kwonlyargs, bare.vararg, bare.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    return ast.unparse(bare)
 
 
 def _bound_names(node: ast.stmt) -> set[str]:

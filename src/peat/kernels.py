@@ -564,19 +564,33 @@ def _norm_hp(op: str, sample: dict, attrs: dict, computation: str) -> dict:
     return hp
 
 
+# How peat calls each computation of each op, (positional, keyword): the tensors by position, named as
+# in the README's table, then the hyper-parameters by name. ``arguments`` builds every call from it and
+# the config check (``candidate``) reads a kernel file's signatures against it, so the two cannot drift.
+_CONV, _BN, _NORM = ("stride", "padding", "dilation", "groups"), ("running_mean", "running_var", "training", "eps"), \
+    ("normalized_shape", "eps")
+CALLS = {
+    "linear": {"forward": (("x", "weight", "bias"), ()), "input_grad": (("grad_out", "weight"), ()),
+               "weight_grad": (("grad_out", "x"), ())},
+    "conv2d": {"forward": (("x", "weight", "bias"), _CONV), "input_grad": (("grad_out", "weight"), (*_CONV, "input_shape")),
+               "weight_grad": (("grad_out", "x"), (*_CONV, "weight_shape"))},
+    "batch_norm": {"forward": (("x", "weight", "bias"), (*_BN, "momentum")),
+                   "input_grad": (("grad_out", "x", "weight"), _BN), "weight_grad": (("grad_out", "x"), _BN)},
+    **{op: {"forward": (("x", "weight", "bias"), _NORM), "input_grad": (("grad_out", "x", "weight"), _NORM),
+            "weight_grad": (("grad_out", "x"), _NORM)} for op in ("layer_norm", "rms_norm")},
+}
+
+
 def arguments(op: str, computation: str, sample: dict, attrs: dict) -> tuple[list, dict]:
-    """Positional and keyword arguments of ``computation`` for one recorded sample."""
-    x, w, b, dO = sample.get("A"), sample.get("W"), sample.get("B"), sample.get("dO")
+    """Positional and keyword arguments of ``computation`` for one recorded sample (``CALLS``)."""
+    positional, keywords = CALLS[op][computation]
+    tensors = {name: sample.get(key) for key, name in _INPUT_NAMES.items()}
     hp = _conv_hp(attrs) if op == "conv2d" else _norm_hp(op, sample, attrs, computation) if op != "linear" else {}
-    if computation == "forward":
-        return [x, w, b], hp
-    if op == "linear":
-        return ([dO, w] if computation == "input_grad" else [dO, x]), {}
-    if op == "conv2d":
-        shape = {"input_shape": tuple(x.shape)} if computation == "input_grad" else {"weight_shape": tuple(w.shape)}
-        return ([dO, w] if computation == "input_grad" else [dO, x]), hp | shape
-    hp.pop("momentum", None)
-    return ([dO, x, w] if computation == "input_grad" else [dO, x]), hp
+    if "input_shape" in keywords:
+        hp["input_shape"] = tuple(tensors["x"].shape)
+    if "weight_shape" in keywords:
+        hp["weight_shape"] = tuple(tensors["weight"].shape)
+    return [tensors[name] for name in positional], {name: hp[name] for name in keywords}
 
 
 def _cast(value, dtype, transposed: bool = False):
