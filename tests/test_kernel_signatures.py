@@ -62,6 +62,11 @@ ACCEPTED = {
                  "forward = lambda x, weight, bias: _forward(x, weight)\n"),
     "rebound": ("linear", "def forward(x, weight):\n    return x\n\n\ndef _with_bias(x, weight, bias):\n    return x\n\n\n"
                 "forward = _with_bias\n"),
+    "defaults_set_later": ("linear", "def forward(x, weight, bias, scale):\n    return x\n\n\n"
+                           "forward.__defaults__ = (1.0,)\n"),
+    "set_on_the_module": ("linear", "import sys\n\n\ndef forward(x, weight):\n    return x\n\n\n"
+                          "def _install():\n    sys.modules[__name__].forward = lambda x, weight, bias: x\n\n\n"
+                          "_install()\n"),
     "conditional": ("linear", "import os\n\nif os.environ.get('PEAT_NO_SUCH_VARIABLE'):\n    def forward(x, weight):\n"
                     "        return x\nelse:\n    def forward(x, weight, bias):\n        return x\n"),
     "plain_method": ("linear", "class linear:\n    def forward(x, weight, bias):\n        return x\n"),

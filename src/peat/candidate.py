@@ -265,15 +265,20 @@ def _names_bound(stmt: ast.stmt) -> set[str]:
             names.add(node.id)
         elif isinstance(node, ast.alias):
             names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            # forward.__defaults__ = (...) changes what it takes; module.forward = ... binds it
+            names |= {node.attr, getattr(node.value, "id", None)}
         else:  # a nested def or class, except E as name, match's captures
             names |= {getattr(node, attr) for attr in ("name", "rest") if isinstance(getattr(node, attr, None), str)}
     return names
 
 
 def _binds_dynamically(tree: ast.Module) -> bool:
-    """Whether the source may bind names it does not spell (``_DYNAMIC``; ``locals()`` in a class body)."""
+    """Whether the source may bind names it does not spell (``_DYNAMIC``; ``locals()`` in a class
+    body; ``sys.modules[__name__]``, the module itself, from inside a function)."""
     spelled = ({getattr(node, attr, None) for attr in ("id", "attr", "name")} for node in ast.walk(tree))
-    return any(names & (_DYNAMIC | {"locals"}) for names in spelled)
+    return any(names & (_DYNAMIC | {"locals"}) for names in spelled) or \
+        any(isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.modules" for node in ast.walk(tree))
 
 
 def _declared_global(tree: ast.Module, name: str) -> bool:
