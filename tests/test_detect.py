@@ -710,3 +710,21 @@ def test_judge_with_its_arguments_swapped_says_which_is_which():
     with pytest.raises(PeatError, match=re.escape(
             "detect.judge(table, record): table is replay's DataFrame, record its dict; given dict, DataFrame")):
         detect.judge({"outcome": {"status": "ok"}}, pd.DataFrame())
+
+
+def test_a_golden_overflow_leaves_the_fp32_envelope_finite():
+    """golden Inf where fp64 is finite (float32 overflowed): abs_error makes that difference the
+    largest float64, which is finite, so tau32 was 8 x 1.8e308 = inf and a gross error elsewhere in
+    the tensor read as none (a pass)."""
+    from peat import playback
+
+    g = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    fp64 = g.double()
+    g[0, 0], fp64[0, 0] = math.inf, 3.5e38
+    gold = scores.Golden.of(g)
+    env = evidence.envelopes(g, fp64, {p: g for p in evidence.PRECISIONS}, gold=gold)
+    assert env["noise32_max"] == 0.0 and env["tau32"] == detect.Rules().k32 * evidence.EPS32 * float(g[g.isfinite()].abs().max())
+    wrong = g.clone()
+    wrong[5, 5] += 100.0
+    assert playback.score_row(wrong, g, fp64, env, detect.Rules(), gold=gold)["error_model"] == "random_value"
+    assert playback.score_row(g.clone(), g, fp64, env, detect.Rules(), gold=gold)["error_model"] == "none"

@@ -75,7 +75,9 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     absmax = max(abs(gold.lo), abs(gold.hi)) if math.isfinite(gold.lo) else 0.0
     noise = abs_error(ref, golden, gold)
     noise32 = float(noise.max(initial=0.0))
-    if not math.isfinite(noise32):  # abs_error's NaN as inf and inf as the largest float: counted from scratch
+    # abs_error's NaN as inf and inf as the largest float64 (no float32 difference comes near it):
+    # counted from scratch, else one golden overflow made tau32 infinite and every error in the tensor none.
+    if not noise32 < np.finfo(np.float64).max:
         noise32 = _finite_max(_distance(gold.matrix, ref))
     noise = summary(noise)
     tau32 = rules.k32 * max(noise32, EPS32 * absmax, floor, 1e-38)
