@@ -51,10 +51,16 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     kept = [v for v in values if not math.isnan(v)]
     if not kept:
         return math.nan, math.nan
+    if any(math.isinf(v) for v in kept):
+        return math.fsum(kept) / len(kept), math.nan
+    # Finite values near the largest float64 (an Inf element's score) have a finite mean and std,
+    # which their plain sum and squares overflow: scaled by their largest then.
+    scale = max(abs(v) for v in kept) if max(abs(v) for v in kept) > 1e150 else 1.0
+    kept = [v / scale for v in kept]
     mean = math.fsum(kept) / len(kept)
-    if len(kept) < 2 or math.isinf(mean):
-        return mean, math.nan
-    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in kept) / (len(kept) - 1))
+    if len(kept) < 2:
+        return mean * scale, math.nan
+    return mean * scale, math.sqrt(math.fsum((v - mean) ** 2 for v in kept) / (len(kept) - 1)) * scale
 
 
 def expected_layers(table: pd.DataFrame) -> dict[tuple, dict]:
@@ -191,7 +197,7 @@ def strict_json(path) -> dict:
 def mismatches(table: pd.DataFrame, context, out) -> list[str]:
     """Every difference between the Analyzer's tables in ``out`` and the recomputation, one line each."""
     bad = []
-    csv = pd.read_csv(out / "layers.csv", keep_default_na=False, na_values=[""])
+    csv = pd.read_csv(out / "layers.csv", keep_default_na=False, na_values=[""], dtype=dict.fromkeys(KEYS, str))
     layers = expected_layers(table)
     written = {tuple(r[k] for k in KEYS): r for r in csv.to_dict("records")}
     if set(written) != set(layers):
@@ -244,7 +250,7 @@ def flatten(entry: dict, prefix: str = "") -> dict:
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     """A tiny GPT-2 trained 6 steps (both blocks' c_fc recorded at each), replayed with a split-K GEMM and
-    two pseudo-errors, 2 steps a layer followed downstream, and analysed (without figures): table,
+    three pseudo-errors, 2 steps a layer followed downstream, and analysed (without figures): table,
     context, Analyzer's folder."""
     from peat.data import prepare
     from peat.propagate import Propagator
@@ -260,7 +266,7 @@ def gpt2(tmp_path_factory):
     context = root / "run" / "context.h5"
     follow = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints", samples=2)
     plan = playback.Plan(context=context, kernel=kernels.load("peat.alt_kernels.splitk_gemm", "linear"),
-                         errors=["lane:4", "nan:1"], meta={"model": "gpt2", "vendor": "cpu", "kernel": "splitk"},
+                         errors=["lane:4", "nan:1", "inf:1"], meta={"model": "gpt2", "vendor": "cpu", "kernel": "splitk"},
                          propagate=follow)
     table, _ = playback.replay(plan)
     with pytest.MonkeyPatch.context() as mp:
@@ -282,7 +288,7 @@ def test_a_real_tables_every_column_and_summary_match_their_definitions(gpt2):
     layers = pd.read_csv(out / "layers.csv")
     assert dict(layers.groupby("fop")["iterations"].unique().map(list)) == {
         "output": [6], f"next:{LAYERS[1]}": [2], "loss": [2]}
-    assert set(layers["case"]) == {"kernel", "lane:4", "nan:1", "ref:fp16", "ref:bf16", "ref:tf32", "ref:fp64"}
+    assert set(layers["case"]) == {"kernel", "lane:4", "nan:1", "inf:1", "ref:fp16", "ref:bf16", "ref:tf32", "ref:fp64"}
 
 
 def test_the_output_beside_later_points_is_the_median_of_the_steps_followed(gpt2):
@@ -373,3 +379,19 @@ def test_a_layer_replayed_forward_only_and_a_forward_only_kernel(analysed):
     forward = [r for r in rows if r["computation"] == "forward"]
     layers, summary, bad = analysed(forward, ["a", "b"], range(3))
     assert bad == [] and summary["forward_backward"][0]["forward_over_backward"] is None
+
+
+def test_scores_at_the_largest_float_have_it_as_their_mean_not_an_empty_cell(analysed):
+    """An Inf element's error counts as the largest float64, so inf:1 made every step's err_max that
+    finite value: their sum overflowed, and layers.csv wrote an empty err_max_mean (pandas' compensated
+    sum turned NaN; inf here) beside an err_max_std of 0, at 4 iterations, none unscored; a layer norm's
+    weight gradient (top-10 % errors of 6e307) had an empty err_top10_mean, and ranges' xmin/xmax null."""
+    top = [2.0 ** e for e in (1020, 1021, 1022, 1023)]
+    rows = [_row("kernel", "forward", "a", s, top[s], err_max=np.finfo(float).max) for s in range(4)]
+    layers, summary, bad = analysed(rows, ["a"], range(4))
+    assert bad == []
+    a = layers.iloc[0]
+    assert (a["err_max_mean"], a["err_max_std"], a["iterations"], a["unscored"]) == (np.finfo(float).max, 0, 4, 0)
+    assert a["err_top10_mean"] == 15 * 2.0 ** 1018  # (1/8 + 1/4 + 1/2 + 1) / 4 of 2^1023
+    assert a["err_top10_std"] == pytest.approx(2.0 ** 1023 * np.std([1 / 8, 1 / 4, 1 / 2, 1], ddof=1), rel=1e-15)
+    assert summary["ranges"][0]["xmin"] == summary["ranges"][0]["xmax"] == 15 * 2.0 ** 1018

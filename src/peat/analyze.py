@@ -86,14 +86,33 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     leave out, so they are counted apart from ``iterations``. Layers in the network's order (the
     table's), as in the figures: by name, MobileNetV2's features.10-17 came before features.2."""
     own = _ok(table)
-    depth = pd.Categorical(own["layer"], categories=list(dict.fromkeys(own["layer"])))
-    grouped = own.assign(layer=depth).groupby(KEYS, sort=True, observed=True)[list(SCORES)]
-    out = grouped.agg(["mean", "std"])
-    out.columns = [f"{score}_{stat}" for score, stat in out.columns]
+    own = own.assign(layer=pd.Categorical(own["layer"], categories=list(dict.fromkeys(own["layer"]))))
+    scale = _scales(own)
+    scaled = own[KEYS].join(own[list(SCORES)] / scale).join(scale.add_suffix("_scale"))
+    grouped = scaled.groupby(KEYS, sort=True, observed=True)
+    moments = grouped[list(SCORES)].agg(["mean", "std"])
+    factor = grouped[[f"{score}_scale" for score in SCORES]].first()
+    out = pd.DataFrame({f"{score}_{stat}": moments[(score, stat)] * factor[f"{score}_scale"]
+                        for score in SCORES for stat in ("mean", "std")})
     out["iterations"] = grouped.size()
-    out["unscored"] = out["iterations"] - grouped.count()["err_top10"]
+    out["unscored"] = out["iterations"] - grouped["err_top10"].count()
     out = out.reset_index()
     return out.assign(layer=out["layer"].astype(str))
+
+
+# Scores beyond this are summed over iterations as fractions of their layer's largest (see _scales).
+HUGE_SCORE = 2.0 ** 500
+
+
+def _scales(own: pd.DataFrame) -> pd.DataFrame:
+    """Per row and score: its layer's largest finite value of it where that is beyond HUGE_SCORE, else 1
+    (dividing by 1 leaves every other mean and std as it was, bit for bit). An Inf element's error counts
+    as the largest float64, so under inf:1 every step's err_max was that finite value: their sum
+    overflowed, and layers.csv wrote an empty err_max_mean (pandas' compensated sum turned NaN) beside
+    an err_max_std of 0, at 4 iterations, none unscored."""
+    scores = own[list(SCORES)]
+    top = scores.abs().where(np.isfinite(scores)).groupby([own[key] for key in KEYS], observed=True).transform("max")
+    return top.where(top > HUGE_SCORE, 1.0)
 
 
 def ranges(layers: pd.DataFrame) -> list[dict]:
