@@ -395,3 +395,12 @@ def test_scores_at_the_largest_float_have_it_as_their_mean_not_an_empty_cell(ana
     assert a["err_top10_mean"] == 15 * 2.0 ** 1018  # (1/8 + 1/4 + 1/2 + 1) / 4 of 2^1023
     assert a["err_top10_std"] == pytest.approx(2.0 ** 1023 * np.std([1 / 8, 1 / 4, 1 / 2, 1], ddof=1), rel=1e-15)
     assert summary["ranges"][0]["xmin"] == summary["ranges"][0]["xmax"] == 15 * 2.0 ** 1018
+
+
+def test_repeated_blocks_of_errors_near_the_largest_float_have_their_spread(analysed):
+    """A kernel whose own errors reach the largest float64 (a few Inf elements) in two blocks, 2^1022 and
+    2^1023: their std overflowed, and the blocks' cv was null (infinite), where it is sqrt(2)/3."""
+    rows = [_row("kernel", "forward", f"h.{i}.fc", 0, 2.0 ** (1022 + i)) for i in range(2)]
+    _, summary, bad = analysed(rows, ["h.0.fc", "h.1.fc"], [0])
+    assert bad == []
+    assert summary["repeated_blocks"][0]["cv"] == pytest.approx(np.sqrt(2) / 3, rel=1e-15)

@@ -188,9 +188,16 @@ def repeated_blocks(layers: pd.DataFrame) -> list[dict]:
         if rows["layer"].nunique() < 2:
             continue
         values = rows.set_index("layer")["err_top10_mean"]
-        out.append({"role": role, "computation": comp, "blocks": values.to_dict(),
-                    "cv": float(values.std() / values.mean()) if values.mean() else 0.0})
+        out.append({"role": role, "computation": comp, "blocks": values.to_dict(), "cv": _cv(values)})
     return out
+
+
+def _cv(values: pd.Series) -> float:
+    """Sample std over mean; 0 where all are exact. Of values near the largest float64 (a kernel's own
+    Inf elements) as fractions of their largest: their squares overflowed, and the cv was null."""
+    top = values[np.isfinite(values)].max()
+    values = values / top if top > HUGE_SCORE else values
+    return float(values.std() / values.mean()) if values.mean() else 0.0
 
 
 def forward_backward(layers: pd.DataFrame) -> list[dict]:
