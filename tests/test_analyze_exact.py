@@ -404,3 +404,14 @@ def test_repeated_blocks_of_errors_near_the_largest_float_have_their_spread(anal
     _, summary, bad = analysed(rows, ["h.0.fc", "h.1.fc"], [0])
     assert bad == []
     assert summary["repeated_blocks"][0]["cv"] == pytest.approx(np.sqrt(2) / 3, rel=1e-15)
+
+
+@pytest.mark.parametrize("layer, expected", [
+    ("layer1.0.conv2", "layer*.*.conv2"), ("layer4.1.downsample.0", "layer*.*.downsample.0"),
+    ("transformer.h.11.mlp.c_fc", "transformer.h.*.mlp.c_fc"), ("model.layers.3.self_attn.q_proj", "model.layers.*.self_attn.q_proj"),
+    ("features.2.0.block.0.1", "features.*.*.block.0.1"), ("features.3.conv.1.0", "features.*.conv.1.0"),
+    # MobileNetV2's stem and head convolutions share a role by name; a list's own elements have none.
+    ("features.0.0", "features.*.0"), ("features.18.0", "features.*.0"), ("blocks.1", "blocks.1"), ("fc", "fc"),
+])
+def test_block_roles_are_the_names_with_their_first_run_of_indices_as_stars(layer, expected):
+    assert role(layer) == analyze.block_role(layer) == expected
