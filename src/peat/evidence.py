@@ -46,10 +46,14 @@ class Envelopes(dict):
     for each of fp16/bf16/tf32 the elements where rounding to it moves the result beyond
     ``tau32 / BAND`` (may) and beyond ``tau32 * BAND`` (must). Both are in the matrix view. And
     ``noise``, the ``peat.scores.summary`` of |golden - reference| that every candidate's
-    ``rel_*`` scores divide by (the envelope measures that same difference)."""
+    ``rel_*`` scores divide by (the envelope measures that same difference). And ``overflowed``
+    (None where there is none), the elements where golden is NaN or Inf and the reference
+    rounds to a finite float32: float32's own overflow (partial sums past its largest value,
+    Inf - Inf), no result to judge a candidate by."""
 
     local: TileBound | None = None
     noise: dict | None = None
+    overflowed: np.ndarray | None = None
     footprints: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}  # may, must and their sizes
 
 
@@ -80,6 +84,7 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     if not noise32 < np.finfo(np.float64).max:
         noise32 = _finite_max(_distance(gold.matrix, ref))
     noise = summary(noise)
+    overflowed = None if gold.finite else ~np.isfinite(gold.matrix) & np.isfinite(ref.astype(np.float32))
     tau32 = rules.k32 * max(noise32, EPS32 * absmax, floor, 1e-38)
     rp, tiles, prints = {}, [], {}
     for p, t in rounded.items():  # one matrix view (an NCHW tensor's is a copy) and float64 difference at a time
@@ -95,12 +100,13 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
                                   np.maximum))
             del d  # before the footprint's arrays are made
             if footprints:
-                prints[p] = footprint(abs_error(m, golden, gold), tau32, rules)
+                prints[p] = footprint(judged(abs_error(m, golden, gold), overflowed), tau32, rules)
         del m
     taurp = rules.krp * max([*rp.values(), tau32 / rules.krp])
     env = Envelopes({"noise32_max": noise32, **{f"noise_{p}_max": v for p, v in rp.items()}, "tau32": tau32,
                      "taurp": taurp})
     env.noise, env.footprints = noise, prints
+    env.overflowed = overflowed if overflowed is not None and overflowed.any() else None
     if tiles:
         env.local = TileBound(np.maximum(rules.krp * functools.reduce(np.maximum, tiles), tau32), rules.tile,
                               gold.matrix.shape)
@@ -121,9 +127,20 @@ def scored_references(env: Envelopes, rounded: dict[str, torch.Tensor], gold: Go
     it would find among all three."""
     for p in PRECISIONS:
         diff = difference(rounded[p], gold)
-        env.footprints[p] = footprint(diff.err, env["tau32"], rules)
+        env.footprints[p] = footprint(judged(diff.err, env.overflowed), env["tau32"], rules)
         yield p, diff
         del diff  # before the next one is made (the caller lets go of it too)
+
+
+def judged(err: np.ndarray, overflowed: np.ndarray | None) -> np.ndarray:
+    """``err`` (``abs_error``'s) with 0 where golden overflowed (``Envelopes.overflowed``): there a
+    correct kernel summing in another order gives golden's Inf, a NaN (Inf - Inf) or a finite value
+    near the reference alike, and each read as an infinite error: the fp64 reference itself failed."""
+    if overflowed is None:
+        return err
+    err = err.copy()
+    err[overflowed] = 0
+    return err
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -176,6 +193,8 @@ def evidence(candidate: torch.Tensor, golden: torch.Tensor, env: dict, rules: Ru
     """
     gold = Golden.of(golden) if gold is None else gold
     diff = abs_error(candidate, golden, gold) if diff is None else diff
+    if (overflowed := getattr(env, "overflowed", None)) is not None:
+        diff, top = judged(diff, overflowed), None
     if nonfinite is None:
         nonfinite = int(np.count_nonzero(~np.isfinite(as_matrix(candidate)) & np.isfinite(gold.matrix)))
     bound = getattr(env, "local", None)

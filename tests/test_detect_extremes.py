@@ -1,0 +1,61 @@
+"""The Detector on extreme but real tensors: golden's own overflow, NaN and Inf, values near
+float32's largest, all-zero and subnormal outputs (see README, Playback FI's Detector)."""
+
+from __future__ import annotations
+
+
+import torch
+
+from peat import detect, errors, evidence, kernels, playback, scores
+
+torch.set_num_threads(1)
+RULES = detect.Rules()
+
+
+def linear(a: torch.Tensor, w: torch.Tensor, computation: str = "forward") -> dict:
+    """Golden, fp64 and the rounded references of one linear computation (bias 0, dO random)."""
+    g = torch.Generator().manual_seed(1)
+    sample = {"A": a, "W": w, "B": torch.zeros(w.shape[0]), "dO": torch.randn(a.shape[0], w.shape[0], generator=g),
+              "input_grad": True}
+    gold = kernels.golden("linear")
+    out = {"golden": kernels.call(gold, computation, sample, {"op": "linear"}),
+           "fp64": kernels.call(gold, computation, sample, {"op": "linear"}, torch.float64)}
+    return out | {p: kernels.call(errors.faulty(gold, p, computation), computation, sample, {"op": "linear"})
+                  for p in evidence.PRECISIONS}
+
+
+def judge(ref: dict, candidates: dict) -> dict:
+    """Each candidate's class as playback gives it: the envelopes, the references' footprints one
+    at a time, then the candidates (and the references' own classes, as ``ref:p``)."""
+    gold = scores.Golden.of(ref["golden"])
+    env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS}, RULES, gold,
+                             footprints=False)
+    found = {}
+    for p, diff in evidence.scored_references(env, ref, gold, RULES):
+        found[f"ref:{p}"] = playback.score_row(ref[p], ref["golden"], None, env, RULES, env.noise, gold, diff)
+    for name, candidate in candidates.items():
+        found[name] = playback.score_row(candidate, ref["golden"], None, env, RULES, env.noise, gold)
+    return {name: row["error_model"] for name, row in found.items()}
+
+
+def test_golden_overflowing_in_its_partial_sums_leaves_those_elements_unjudged():
+    """One row's terms of +-3e38 overflow golden's float32 partial sums (Inf) while the sum, about
+    1e37, fits: the fp64 reference rounded to float32 (finite there) read as periodic_lane, and a
+    blocked GEMM (NaN there: Inf - Inf) too. Those elements are float32's overflow, not a result."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 48, generator=g)
+    a[2, :24], a[2, 24:] = 3e38, -3e38
+    w = 0.5 + 0.1 * torch.rand(40, 48, generator=g)
+    ref = linear(a, w)
+    assert not torch.isfinite(ref["golden"][2]).any() and torch.isfinite(ref["fp64"].float()).all()
+    blocked = kernels.call(kernels.load("peat.alt_kernels.blocked_gemm", "linear"), "forward",
+                           {"A": a, "W": w, "B": torch.zeros(40)}, {"op": "linear"})
+    assert torch.isnan(blocked[2]).all()
+    wrong = ref["golden"].clone()
+    wrong[10, 3], wrong[20, 30] = 5.0, -7.0
+    got = judge(ref, {"fp64": ref["fp64"].float(), "blocked": blocked, "golden": ref["golden"].clone(),
+                      "wrong": wrong, "nan": errors.parse("nan:1").apply(ref["golden"], torch.Generator())})
+    assert got == {"ref:fp16": "reduced_precision", "ref:bf16": "reduced_precision", "ref:tf32": "reduced_precision",
+                   "fp64": "none", "blocked": "none", "golden": "none", "wrong": "random_value", "nan": "non_finite"}
+    env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS})
+    assert env.overflowed.nonzero()[0].tolist() == [2] * 40
