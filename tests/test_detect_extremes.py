@@ -3,7 +3,9 @@ float32's largest, all-zero and subnormal outputs (see README, Playback FI's Det
 
 from __future__ import annotations
 
+import math
 
+import pytest
 import torch
 
 from peat import detect, errors, evidence, kernels, playback, scores
@@ -59,3 +61,20 @@ def test_golden_overflowing_in_its_partial_sums_leaves_those_elements_unjudged()
                    "fp64": "none", "blocked": "none", "golden": "none", "wrong": "random_value", "nan": "non_finite"}
     env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS})
     assert env.overflowed.nonzero()[0].tolist() == [2] * 40
+
+
+@pytest.mark.parametrize("spec", ["lane:16", "lane:8:stuck"])
+def test_a_lane_through_goldens_nan_column_is_a_lane(spec):
+    """A NaN input feature (A[3, 5]) makes the weight gradient's column 5 NaN throughout; a lane fault
+    leaves it NaN (offset or stuck at its first value), as reproduced NaN is no error, so the
+    progression 5, 21, 37 held S in 2 of 3 lanes and read as block_structured. Such a lane counts
+    neither way, as a dead channel does."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 48, generator=g)
+    a[3, 5] = math.nan
+    ref = linear(a, 0.1 * torch.randn(40, 48, generator=g), "weight_grad")
+    assert torch.isnan(ref["golden"][:, 5]).all() and int(torch.isnan(ref["golden"]).sum()) == 40
+    faulty = errors.parse(spec).apply(ref["golden"], torch.Generator().manual_seed(1))
+    changed = (~errors._kept(ref["golden"], faulty)).any(0).nonzero().view(-1).tolist()
+    assert 5 not in changed and changed[0] % int(spec.split(":")[1]) == 5
+    assert judge(ref, {"lane": faulty})["lane"] == "periodic_lane"

@@ -357,11 +357,13 @@ def _stuck_at_first(index: np.ndarray, held: np.ndarray, golden: np.ndarray | No
 
 @QUIET  # a span of golden's infinities is NaN (never within noise), of float32's extremes inf
 def _flat(golden: np.ndarray, axis: str, index: np.ndarray, noise: float) -> int:
-    """How many of the columns (``axis`` "col") or rows ``index`` of ``golden`` span no more than ``noise``."""
+    """How many of the columns (``axis`` "col") or rows ``index`` of ``golden`` span no more than
+    ``noise``, or are NaN throughout (golden's own: a NaN input feature's weight-gradient column,
+    which a lane offset or stuck at its first value leaves NaN, as reproduced NaN is no error)."""
     if index.size == 0:
         return 0
     lanes = golden[:, index] if axis == "col" else golden[index].T
-    return int(np.count_nonzero(lanes.max(axis=0) - lanes.min(axis=0) <= noise))
+    return int(np.count_nonzero((lanes.max(axis=0) - lanes.min(axis=0) <= noise) | np.isnan(lanes).all(axis=0)))
 
 
 def _divisors(n: int) -> list[int]:
