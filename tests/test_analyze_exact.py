@@ -37,8 +37,9 @@ LAYERS = ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
 
 # -- the README's definitions, written here without peat.analyze ----------------------------------
 def scored(table: pd.DataFrame) -> pd.DataFrame:
-    """Rows of calls that returned (a failed call has an ``error``)."""
-    return table[table["error"].isna()] if "error" in table else table
+    """Rows of calls that returned (a failed call has an ``error``), their scores as floats (None: NaN)."""
+    own = table[table["error"].isna()] if "error" in table else table
+    return own.astype(dict.fromkeys(SCORES, float))
 
 
 def own_result(table: pd.DataFrame) -> pd.DataFrame:
@@ -415,3 +416,13 @@ def test_repeated_blocks_of_errors_near_the_largest_float_have_their_spread(anal
 ])
 def test_block_roles_are_the_names_with_their_first_run_of_indices_as_stars(layer, expected):
     assert role(layer) == analyze.block_role(layer) == expected
+
+
+def test_rows_holding_none_as_scores_are_unscored_iterations(analysed):
+    """Score columns of None (object dtype, as pandas makes them of rows holding no score) are NaN
+    scores: the scaling against overflow ended such a table's job in a TypeError (no isfinite)."""
+    rows = [_row("kernel", "forward", "a", s, None) | dict.fromkeys(SCORES) for s in range(2)]
+    layers, summary, bad = analysed(rows, ["a"], range(2))
+    assert bad == []
+    assert layers[["iterations", "unscored"]].values.tolist() == [[2, 2]]
+    assert layers[[f"{score}_{stat}" for score in SCORES for stat in ("mean", "std")]].isna().all().all()

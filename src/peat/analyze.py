@@ -87,8 +87,10 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     table's), as in the figures: by name, MobileNetV2's features.10-17 came before features.2."""
     own = _ok(table)
     own = own.assign(layer=pd.Categorical(own["layer"], categories=list(dict.fromkeys(own["layer"]))))
-    scale = _scales(own)
-    scaled = own[KEYS].join(own[list(SCORES)] / scale).join(scale.add_suffix("_scale"))
+    # As floats: a column of None (rows holding no score) has no isfinite.
+    scores = own[list(SCORES)].astype(float)
+    scale = _scales(scores, own[KEYS])
+    scaled = own[KEYS].join(scores / scale).join(scale.add_suffix("_scale"))
     grouped = scaled.groupby(KEYS, sort=True, observed=True)
     moments = grouped[list(SCORES)].agg(["mean", "std"])
     factor = grouped[[f"{score}_scale" for score in SCORES]].first()
@@ -104,14 +106,13 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
 HUGE_SCORE = 2.0 ** 500
 
 
-def _scales(own: pd.DataFrame) -> pd.DataFrame:
+def _scales(scores: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:
     """Per row and score: its layer's largest finite value of it where that is beyond HUGE_SCORE, else 1
     (dividing by 1 leaves every other mean and std as it was, bit for bit). An Inf element's error counts
     as the largest float64, so under inf:1 every step's err_max was that finite value: their sum
     overflowed, and layers.csv wrote an empty err_max_mean (pandas' compensated sum turned NaN) beside
     an err_max_std of 0, at 4 iterations, none unscored."""
-    scores = own[list(SCORES)]
-    top = scores.abs().where(np.isfinite(scores)).groupby([own[key] for key in KEYS], observed=True).transform("max")
+    top = scores.abs().where(np.isfinite(scores)).groupby([keys[key] for key in KEYS], observed=True).transform("max")
     return top.where(top > HUGE_SCORE, 1.0)
 
 
