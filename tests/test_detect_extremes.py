@@ -78,3 +78,30 @@ def test_a_lane_through_goldens_nan_column_is_a_lane(spec):
     changed = (~errors._kept(ref["golden"], faulty)).any(0).nonzero().view(-1).tolist()
     assert 5 not in changed and changed[0] % int(spec.split(":")[1]) == 5
     assert judge(ref, {"lane": faulty})["lane"] == "periodic_lane"
+
+
+def flipped(t: torch.Tensor, where: list[tuple[int, int]], bits: list[int]) -> torch.Tensor:
+    """``t`` (float32) with bit ``bits[i]`` of element ``where[i]`` flipped."""
+    out = t.clone()
+    for (i, j), bit in zip(where, bits):
+        out.view(torch.int32)[i, j] ^= -(1 << 31) if bit == 31 else 1 << bit
+    return out
+
+
+def test_flips_of_goldens_own_inf_are_bit_flips():
+    """An Inf input (A[3, 5]) makes the forward's row 3 +-Inf, in fp64 too, beside values of 1e7
+    (a diverging step). Flipping a bit of one (-Inf for +Inf, NaN, 2^127) read as random_value:
+    frexp gives Inf the exponent 0, as 0.5's, so a noise of 0.5 or more (here 8) seemed to reach
+    all its bits. No other value rounds to Inf: each bit counts."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 48, generator=g)
+    a[3, 5] = math.inf
+    ref = linear(a, 1e6 * torch.randn(40, 48, generator=g))
+    assert torch.isinf(ref["golden"][3]).all() and torch.isinf(ref["fp64"][3]).all()
+    assert evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS})["tau32"] > 1
+    where = [(3, 0), (3, 7), (3, 11)]
+    faulty = flipped(ref["golden"], where, [31, 22, 23])
+    assert float(faulty[3, 0]) == -float(ref["golden"][3, 0]) and math.isnan(faulty[3, 7])
+    assert float(faulty[3, 11].abs()) == 2.0 ** 127
+    got = judge(ref, {"flips": faulty, "golden": ref["golden"].clone()})
+    assert (got["flips"], got["golden"]) == ("bit_flip", "none")

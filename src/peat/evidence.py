@@ -391,6 +391,9 @@ def _few_bits(c: np.ndarray, g: np.ndarray, noise) -> np.ndarray:
     _, exponent = np.frexp(g)
     ulp = np.ldexp(1.0, exponent.astype(np.int64) - 24)  # g = m 2^e, m in [0.5, 1); float32 keeps 24 bits of m
     reach = np.floor(np.log2(noise / ulp))  # how many low bits of g the noise reaches (23 or more: its exponent)
+    # None of golden's own Inf or NaN (frexp's exponent 0 put the noise above all of it): no other
+    # value rounds to it, so every bit counts (a flip of +Inf: -Inf, NaN, 2^127).
+    reach = np.where(np.isfinite(g), reach, 0)
     bits = np.bitwise_count(xor & ~((np.int64(1) << np.clip(reach, 0, 23).astype(np.int64)) - 1))
     found = (bits >= 1) & (bits <= 2) & (reach < 23)
     rest = np.flatnonzero(~found)
