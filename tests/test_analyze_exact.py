@@ -56,7 +56,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
         return math.fsum(kept) / len(kept), math.nan
     # Finite values near the largest float64 (an Inf element's score) have a finite mean and std,
     # which their plain sum and squares overflow: scaled by their largest then.
-    scale = max(abs(v) for v in kept) if max(abs(v) for v in kept) > 1e150 else 1.0
+    top = max(abs(v) for v in kept)
+    scale = top if top > 1e150 else 1.0
     kept = [v / scale for v in kept]
     mean = math.fsum(kept) / len(kept)
     if len(kept) < 2:
