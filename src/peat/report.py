@@ -418,6 +418,8 @@ def _table_html(name: str, table: pd.DataFrame, analyzed: set[tuple[str, ...]]) 
     table = table.drop(columns=prov)  # one line under the table instead of ten columns; all in the CSV
     if name == "verdicts.csv":
         return _verdict_html(table, analyzed) + provenance_note
+    if name == "benchmarks.csv" and {"median", "goal_value"} <= set(table.columns):
+        table = table.assign(median=list(map(_apart_from, table["median"], table["goal_value"])))
     note = ""
     if len(table) > MAX_ROWS:  # tidy tables of whole studies: the CSV has them all
         note = f'<p class="meta">First {MAX_ROWS} of {len(table)} rows; all in <a href="{name}">{name}</a>.</p>'
@@ -444,6 +446,18 @@ def _cell(value) -> str:
         # A count in a column with blanks is read as floats: 123456 flipped values showed as "1.235e+05".
         return str(int(value))
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _apart_from(value, goal) -> str:
+    """``value`` as a cell, with the further digits it takes not to read as ``goal`` where it is not that:
+    a median of 1.10004 showed "1.1" beside its goal "<= 1.10" and met False, as if met were wrong."""
+    text = _cell(value)
+    if isinstance(value, float) and value == value and pd.api.types.is_number(goal):
+        for digits in range(5, 18):
+            if float(text) != goal or value == goal:
+                break
+            text = f"{value:.{digits}g}"
+    return text
 
 
 def _anchor(key: str, group: tuple[str, ...]) -> str:
