@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -240,8 +241,30 @@ def test_transformers_copies_of_llamas_norm_are_rms_norm_and_others_are_not():
         def forward(self, hidden_states):
             return 2 * super().forward(hidden_states)
 
+    def doubled(forward):
+        @functools.wraps(forward)  # inspect.getsource would show LlamaRMSNorm's own text
+        def run(self, hidden_states):
+            return 2 * forward(self, hidden_states)
+        return run
+
+    class Wrapped(LlamaRMSNorm):
+        forward = doubled(LlamaRMSNorm.forward)
+
+    class Unannotated(nn.Module):  # a checkpoint's own modeling file: an older text, the same code
+        def __init__(self, hidden_size, eps=1e-6):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+            self.variance_epsilon = eps
+
+        def forward(self, hidden_states):
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            return self.weight * hidden_states.to(input_dtype)
+
     gen = torch.Generator().manual_seed(0)
-    for cls in (MistralRMSNorm, Qwen2RMSNorm):
+    for cls in (MistralRMSNorm, Qwen2RMSNorm, Unannotated):
         norm = cls(16, eps=1e-5)
         with torch.no_grad():
             norm.weight.copy_(torch.randn(16, generator=gen))
@@ -255,4 +278,4 @@ def test_transformers_copies_of_llamas_norm_are_rms_norm_and_others_are_not():
         assert torch.equal(gold.forward(x.detach(), norm.weight.detach(), None, **hp), out.detach())
         assert torch.equal(gold.input_grad(g, x.detach(), norm.weight.detach(), **hp), x.grad)
         assert torch.equal(gold.weight_grad(g, x.detach(), **hp), norm.weight.grad)
-    assert op_of(GemmaRMSNorm(16)) is None and op_of(Scaled(16)) is None
+    assert op_of(GemmaRMSNorm(16)) is None and op_of(Scaled(16)) is None and op_of(Wrapped(16)) is None

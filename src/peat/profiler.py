@@ -27,7 +27,6 @@ import collections.abc
 import contextlib
 import fnmatch
 import functools
-import inspect
 import operator
 import os
 import warnings
@@ -83,15 +82,18 @@ def _llama_rms_norm(module: nn.Module) -> bool:
 
 @functools.cache
 def _llama_forward(cls: type) -> bool:
-    """Whether ``cls.forward`` is LlamaRMSNorm's, source for source. transformers copies it into most
-    of its models (Mistral's, Qwen2's, ...; "Copied from" in its sources), under their own names;
-    Gemma's scales by 1 + weight and T5's rounds elsewhere: other computations, left unrecordable."""
+    """Whether ``cls.forward`` runs LlamaRMSNorm.forward's bytecode. transformers copies it into most
+    of its models (Mistral's, Qwen2's, ...: "Copied from" in its sources) under their own names, and a
+    checkpoint's own modeling file may hold an older text of it (no annotations: the same code);
+    Gemma's scales by 1 + weight, T5's rounds elsewhere, and a wrapper runs code of its own: other
+    computations, left unrecordable."""
     try:
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
-    except (ImportError, OSError, TypeError):  # no transformers, or no source to compare (a REPL class)
+    except ImportError:
         return False
+    code, llama = getattr(cls.forward, "__code__", None), LlamaRMSNorm.forward.__code__
+    return code is not None and \
+        (code.co_code, code.co_names, code.co_consts) == (llama.co_code, llama.co_names, llama.co_consts)
 
 
 def hyper_params(module: nn.Module) -> dict:
