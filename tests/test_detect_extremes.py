@@ -61,6 +61,12 @@ def test_golden_overflowing_in_its_partial_sums_leaves_those_elements_unjudged()
                    "fp64": "none", "blocked": "none", "golden": "none", "wrong": "random_value", "nan": "non_finite"}
     env = evidence.envelopes(ref["golden"], ref["fp64"], {p: ref[p] for p in evidence.PRECISIONS})
     assert env.overflowed.nonzero()[0].tolist() == [2] * 40
+    # rel_*'s divisor is float32's rounding on the other elements (it was the largest float64: every rel_* 0 or NaN)
+    finite = torch.isfinite(ref["golden"])
+    rounding = (ref["golden"][finite].double() - ref["fp64"][finite]).abs()
+    assert env.noise["max"] == float(rounding.max())
+    row = playback.score_row(wrong, ref["golden"], None, env, RULES, env.noise, gold=scores.Golden.of(ref["golden"]))
+    assert row["rel_max"] == row["err_max"] / env.noise["max"] and row["rel_max"] > 1e5
 
 
 @pytest.mark.parametrize("spec", ["lane:16", "lane:8:stuck"])

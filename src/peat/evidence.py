@@ -83,7 +83,9 @@ def envelopes(golden: torch.Tensor, reference: torch.Tensor, rounded: dict[str, 
     # counted from scratch, else one golden overflow made tau32 infinite and every error in the tensor none.
     if not noise32 < np.finfo(np.float64).max:
         noise32 = _finite_max(_distance(gold.matrix, ref))
-    noise = summary(noise)
+    # rel_*'s divisor, float32's rounding where golden holds a value: one overflowed element made it
+    # the largest float64, and every candidate's rel_* 0 or NaN.
+    noise = summary(noise if gold.finite else judged(noise, ~np.isfinite(gold.matrix)))
     overflowed = None if gold.finite else ~np.isfinite(gold.matrix) & np.isfinite(ref.astype(np.float32))
     tau32 = rules.k32 * max(noise32, EPS32 * absmax, floor, 1e-38)
     rp, tiles, prints = {}, [], {}
