@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import glob
-import inspect
 
 import pytest
 import torch
@@ -67,6 +66,19 @@ ACCEPTED = {
     "set_on_the_module": ("linear", "import sys\n\n\ndef forward(x, weight):\n    return x\n\n\n"
                           "def _install():\n    sys.modules[__name__].forward = lambda x, weight, bias: x\n\n\n"
                           "_install()\n"),
+    # The module's forward rebound from inside a function, however it is spelt (helper-v's review).
+    **{f"set_on_the_module_{how}": ("linear", f"{imports}\n\n\ndef forward(x, weight):\n    return x\n\n\n"
+                                    f"def _install():\n    {module}.forward = lambda x, weight, bias: x\n\n\n_install()\n")
+       for how, imports, module in (("sys_alias", "import sys as _sys", "_sys.modules[__name__]"),
+                                    ("from_sys", "from sys import modules", "modules[__name__]"),
+                                    ("import_module", "import importlib", "importlib.import_module(__name__)"))},
+    "namespace_patched_by_a_function": ("linear", "class linear:\n    def forward(x, weight):\n        return x\n\n\n"
+                                        "def _finish(ns):\n    ns.forward = staticmethod(lambda x, weight, bias: x)\n\n\n"
+                                        "_finish(linear)\n"),
+    "namespace_replaced_through_global": ("linear", "import types\n\n\nclass linear:\n    @staticmethod\n"
+                                          "    def forward(x, weight):\n        return x\n\n\ndef _setup():\n"
+                                          "    global linear\n    linear = types.SimpleNamespace(forward=lambda x, weight, "
+                                          "bias: x)\n\n\n_setup()\n"),
     "conditional": ("linear", "import os\n\nif os.environ.get('PEAT_NO_SUCH_VARIABLE'):\n    def forward(x, weight):\n"
                     "        return x\nelse:\n    def forward(x, weight, bias):\n        return x\n"),
     "plain_method": ("linear", "class linear:\n    def forward(x, weight, bias):\n        return x\n"),
@@ -88,8 +100,9 @@ def naming(config: dict, op: str, path) -> dict:
 
 
 def binding_error(path, op: str) -> str | None:
-    """What Python says binding peat's real call (``kernels.arguments``) to each computation the
-    kernel defines, run as the job runs it; None where every one binds."""
+    """What Python says calling each computation the kernel defines as the job calls it
+    (``kernels.arguments``; the kernels here return an input); None where every call runs.
+    (``inspect.signature().bind`` is not Python's own binding: positional-only defaults with ``**kw``.)"""
     kernel = kernels.load(str(path), op)
     x, w = torch.zeros(2, 3, 4, 4), torch.zeros(3, 3, 1, 1)
     sample = {"A": x, "W": w, "B": torch.zeros(3), "dO": torch.zeros(2, 3, 4, 4), "running_mean": torch.zeros(3),
@@ -99,7 +112,7 @@ def binding_error(path, op: str) -> str | None:
     for computation in kernel.custom:
         args, kwargs = kernels.arguments(op, computation, sample, attrs)
         try:
-            inspect.signature(kernel.computation(computation)).bind(*args, **kwargs)
+            kernel.computation(computation)(*args, **kwargs)
         except TypeError as err:
             return str(err)
     return None

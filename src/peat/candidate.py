@@ -228,62 +228,53 @@ def _check_signatures(tree: ast.Module, op: str, path: str, key: str) -> None:
 
 def _computations(tree: ast.Module, op: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
     """The computations of ``op`` that ``kernels.load`` surely takes from these plain ``def``s: in the
-    module, or in a plain class named like the op. Whatever else could bind them (a decorator, an
-    assignment, a base class, a conditional or dynamic binding) is left out: it may well work."""
+    module, or in a plain class named like the op, each name bound there and nowhere else in the
+    source. Whatever else could bind them or change what they take (a decorator, an assignment or
+    import, an attribute store such as ``ns.forward = ...`` or ``forward.__defaults__ = ...`` anywhere,
+    ``global``, a base class, a dynamic binding) leaves them unread: the kernel may well work."""
     if _binds_dynamically(tree):
         return {}
-    namespace, in_class = _last_binding(tree.body, op), False
-    if isinstance(namespace, ast.ClassDef):
-        if namespace.bases or namespace.keywords or namespace.decorator_list:
+    others = set(kernels.OPS) - {op}  # what another op's namespace binds inside it is not this op's
+    scope = [top for top in tree.body if not _binds_only(top, others)]
+    body, plain = tree.body, [[]]
+    if holder := _bindings(scope, op):
+        namespace = holder[0]
+        if len(holder) > 1 or namespace not in tree.body or not isinstance(namespace, _DEFS) \
+                or namespace.decorator_list:
             return {}
-        body, in_class = namespace.body, True
-    elif namespace is None or isinstance(namespace, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-            and not namespace.decorator_list:
-        body = tree.body  # load reads a function named like the op as no namespace (a decorator's object may be one)
-    else:
-        return {}
-    found = {c: _last_binding(body, c) for c in kernels.COMPUTATIONS}
-    # As a class attribute a staticmethod is its function; a plain method is too (no instance binds it).
-    plain = [[], ["staticmethod"]] if in_class else [[]]
-    return {c: f for c, f in found.items() if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and [ast.unparse(d) for d in f.decorator_list] in plain and not _declared_global(tree, c)}
+        if isinstance(namespace, ast.ClassDef):  # else a function named like the op: load reads the module
+            if namespace.bases or namespace.keywords:
+                return {}
+            # As a class attribute a staticmethod is its function; a plain method is too (no instance binds it).
+            body, plain = namespace.body, [[], ["staticmethod"]]
+    read = {}
+    for computation in kernels.COMPUTATIONS:
+        found = _bindings(scope, computation)
+        if len(found) == 1 and found[0] in body and isinstance(found[0], _FUNCS) \
+                and [ast.unparse(d) for d in found[0].decorator_list] in plain:
+            read[computation] = found[0]
+    return read
 
 
-def _last_binding(body: list[ast.stmt], name: str) -> ast.stmt | None:
-    """The last statement of a module's or class's body that binds ``name`` (one holding a nested
-    binding, an ``if`` or ``try``, stands for it whole: which one runs is unknown here)."""
-    return next((stmt for stmt in reversed(body) if name in _names_bound(stmt)), None)
+_FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_DEFS = (*_FUNCS, ast.ClassDef)
 
 
-def _names_bound(stmt: ast.stmt) -> set[str]:
-    """Names a statement may bind in its scope (more where unsure: a nested function's locals)."""
-    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return {stmt.name}
-    names = set()
-    for node in ast.walk(stmt):
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            names.add(node.id)
-        elif isinstance(node, ast.alias):
-            names.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            # forward.__defaults__ = (...) changes what it takes; module.forward = ... binds it
-            names |= {node.attr, getattr(node.value, "id", None)}
-        else:  # a nested def or class, except E as name, match's captures
-            names |= {getattr(node, attr) for attr in ("name", "rest") if isinstance(getattr(node, attr, None), str)}
-    return names
+def _bindings(scope: list[ast.stmt], name: str) -> list[ast.AST]:
+    """Every node under these statements that may bind ``name`` or change what it holds."""
+    return [node for top in scope for node in ast.walk(top)
+            if isinstance(node, _DEFS) and node.name == name
+            or isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load)
+            or isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+            and name in (node.attr, getattr(node.value, "id", None))
+            or isinstance(node, ast.alias) and (node.asname or node.name).split(".")[0] == name
+            or isinstance(node, ast.Global) and name in node.names]
 
 
 def _binds_dynamically(tree: ast.Module) -> bool:
-    """Whether the source may bind names it does not spell (``_DYNAMIC``; ``locals()`` in a class
-    body; ``sys.modules[__name__]``, the module itself, from inside a function)."""
+    """Whether the source may bind names it does not spell (``_DYNAMIC``; ``locals()`` in a class body)."""
     spelled = ({getattr(node, attr, None) for attr in ("id", "attr", "name")} for node in ast.walk(tree))
-    return any(names & (_DYNAMIC | {"locals"}) for names in spelled) or \
-        any(isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.modules" for node in ast.walk(tree))
-
-
-def _declared_global(tree: ast.Module, name: str) -> bool:
-    """Whether some function may rebind the module's ``name`` when it runs (``global name``)."""
-    return any(isinstance(node, ast.Global) and name in node.names for node in ast.walk(tree))
+    return any(names & (_DYNAMIC | {"locals"}) for names in spelled)
 
 
 def _unbindable(params: ast.arguments, positional: tuple[str, ...], keywords: tuple[str, ...]) -> str | None:
