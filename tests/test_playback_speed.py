@@ -108,3 +108,17 @@ def test_the_largest_ten_percent_found_sorted_are_top_sorted(n):
     signed = base.copy()
     signed[3] = -0.0
     assert tensor_stats.top_ascending(signed, n // 10) is None
+
+
+def test_seeding_a_cpu_forward_draws_what_torch_manual_seed_draws():
+    """_seed seeds the CPU generator alone where CUDA has not started: the same dropout masks as
+    torch.manual_seed, and the same generator state after them."""
+    from peat.propagate import _seed
+
+    x = torch.ones(1000)
+    torch.manual_seed(7)
+    want = (torch.nn.functional.dropout(x, 0.5, training=True), torch.get_rng_state())
+    torch.manual_seed(0)
+    _seed(7, x)
+    got = (torch.nn.functional.dropout(x, 0.5, training=True), torch.get_rng_state())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
