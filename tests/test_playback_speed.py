@@ -110,6 +110,36 @@ def test_the_largest_ten_percent_found_sorted_are_top_sorted(n):
     assert tensor_stats.top_ascending(signed, n // 10) is None
 
 
+@pytest.mark.parametrize("arch", ["resnet18", "llama"])
+def test_one_traced_forward_finds_the_call_order_a_plain_forward_has(arch):
+    """call_graph's one forward with autograd (its recorded outputs cut into leaves) starts the modules
+    in the order a plain forward without gradients does: started_before needs no forward of its own."""
+    from peat import models
+    from peat.propagate import call_graph
+
+    if arch == "resnet18":
+        model = models.build({"arch": arch}, {"num_classes": 10}, seed=0).train()
+        kind, gen = "image", torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        order = ["conv1", "layer1.0.conv1", "layer2.0.conv2", "layer2.0.downsample.0", "fc"]
+    else:
+        model = models.build({"arch": arch, "size": {"hidden": 16, "layers": 2, "heads": 2}},
+                             {"vocab_size": 64, "seq_len": 8}, seed=0).train()
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+        kind, x, y = "text", tokens[:, :-1], tokens[:, 1:]
+        order = [n for n, m in model.named_modules() if n.endswith(("input_layernorm", "q_proj", "up_proj"))]
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda module, inputs, name=name: calls.append(name))
+             for name, m in model.named_modules() if name]
+    with torch.no_grad():
+        models.loss_and_metrics(model, kind, x, y)
+    for h in hooks:
+        h.remove()
+    readers, before = call_graph(model, order, kind, x, y, seed=0)
+    assert before == {layer: set(calls[:calls.index(layer)]) for layer in order}
+    assert set(readers) == set(order) and any(readers.values())
+
+
 def test_seeding_a_cpu_forward_draws_what_torch_manual_seed_draws():
     """_seed seeds the CPU generator alone where CUDA has not started: the same dropout masks as
     torch.manual_seed, and the same generator state after them."""
