@@ -152,3 +152,23 @@ def test_seeding_a_cpu_forward_draws_what_torch_manual_seed_draws():
     _seed(7, x)
     got = (torch.nn.functional.dropout(x, 0.5, training=True), torch.get_rng_state())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_what_downstream_keeps_computes_what_it_remade_each_time():
+    """_downstream's kept caches (small-map matrices, cropped taps, channels-last weights) give the
+    forwards after L the outputs that remaking them at every layer followed gave, bit for bit, are
+    made once, and leave the weights as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1, stride=2),
+                          nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 4, 3, padding=1, bias=False))
+    fast = _fast_modules(model)
+    x = torch.randn(5, 3, 4, 4)  # 4 x 4, then 2 x 2 maps: cropped taps, then one matrix product
+    with _downstream(model, "0", set(), channels_last=True, fast=fast), torch.no_grad():
+        fresh = model(x)
+    kept, laid = {}, []
+    for _ in range(2):
+        with _downstream(model, "0", set(), channels_last=True, fast=fast, kept=kept), torch.no_grad():
+            assert torch.equal(model(x), fresh)
+            laid.append([m.weight.data.data_ptr() for m in model[1:]])
+    assert laid[0] == laid[1] and all(any(isinstance(k, tuple) for k in kept[m][0]) for m in model[1:])
+    assert all(m.weight.is_contiguous() and "forward" not in m.__dict__ for m in model)

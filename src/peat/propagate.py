@@ -55,7 +55,7 @@ class Propagator:
     seed: int = 0
     samples: int | None = 2          # propagated steps per layer (evenly spaced); None = all replayed
     device: torch.device = torch.device("cpu")
-    # step -> (model, its float64 copy, the names of its _fast modules)
+    # step -> (model, its float64 copy, the names of its _fast modules, what _downstream keeps for the model)
     _models: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def __post_init__(self):
@@ -93,7 +93,7 @@ class Propagator:
         if step not in self._models:
             model = self.model_at(step)
             fast = _fast_modules(model)
-            self._models[step] = (model, _float64(model, fast), fast)
+            self._models[step] = (model, _float64(model, fast), fast, {})
             while len(self._models) > KEEP_MODELS:
                 self._models.popitem(last=False)
         self._models.move_to_end(step)
@@ -212,7 +212,8 @@ class Propagator:
                     return forward(a)
             return run
 
-        with _downstream(model, layer, self.before[layer], channels_last=x.device.type == "cpu", fast=self.fast_at(step)):
+        with _downstream(model, layer, self.before[layer], channels_last=x.device.type == "cpu", fast=self.fast_at(step),
+                         kept=self._models[step][3]):
             gold = self.observe(model, layer, nxt, x, y, itself(model), prefix=prefix, seed=seed)
             ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
                                  itself(model64), prefix=prefix.on(model64, torch.float64), seed=seed)
@@ -577,11 +578,16 @@ class Prefix:
 
 
 @contextmanager
-def _downstream(model: torch.nn.Module, layer: str, before: set[str], channels_last: bool, fast: set[str]):
+def _downstream(model: torch.nn.Module, layer: str, before: set[str], channels_last: bool, fast: set[str],
+                kept: dict | None = None):
     """``model``'s float32 convolutions after ``layer`` (L) computing faster while inside: without
     the products with zero padding (``_conv``), and where ``channels_last``, in channels-last
     memory (L's 4-d output laid out so, and their weights). L and the modules whose forward
     starts before it (``before``) are untouched. ``fast``: ``_fast_modules(model)``.
+    ``kept``: per module, its ``_conv`` cache and channels-last weight, kept from one use to the
+    next (``model``'s weights must not change meanwhile): remade at every layer followed, they
+    were 60-90 ms of a benchmark campaign (ResNet-18's small-map matrices, 45 MB of weights relaid);
+    kept, the weights take that much more memory per network kept (KEEP_MODELS).
 
     On the CPU these forwards are most of what the later observing points cost. oneDNN's float32
     convolution can be much faster in channels-last memory: ResNet-18's forward on a batch of 64
@@ -598,10 +604,14 @@ def _downstream(model: torch.nn.Module, layer: str, before: set[str], channels_l
              and name in fast
              and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
     weights = [m.weight.data for m in after]
+    kept = {} if kept is None else kept
     for module in after:
-        module.forward = functools.partial(_conv, module, {})
+        mine = kept.setdefault(module, [{}, None])  # its _conv cache, its channels-last weight
+        module.forward = functools.partial(_conv, module, mine[0])
         if channels_last:
-            module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
+            if mine[1] is None:
+                mine[1] = module.weight.data.contiguous(memory_format=torch.channels_last)
+            module.weight.data = mine[1]
 
     def relaid(module, inputs, output):
         if torch.is_tensor(output) and output.dim() == 4:
