@@ -899,6 +899,27 @@ def golden_run(tmp_path_factory):
     return root, spec, data
 
 
+def test_the_rebuilt_network_reads_the_recorded_weights_alone(golden_run):
+    """model_at reads a recorded step's weights (and bias) without its input and output gradient, which
+    were most of what it read: the same tensors as the whole sample's, in the network as recorded."""
+    from peat.profiler import read_layer, recorded_steps
+    from peat.propagate import WEIGHTS, Propagator
+
+    root, spec, data = golden_run
+    context = root / "run" / "context.h5"
+    prop = Propagator(context=context, spec=spec, data=data, checkpoints=root / "run" / "checkpoints")
+    for layer in prop.order:
+        step = recorded_steps(context, layer, ran=True)[-1]
+        attrs, (whole,) = read_layer(context, layer, [step], derive=False)
+        _, (weights,) = read_layer(context, layer, [step], derive=False, tensors=WEIGHTS)
+        assert set(weights) == set(whole) - {"A", "dO"} and {"A", "dO"} <= set(whole)
+        assert all(torch.equal(weights[k], whole[k]) if torch.is_tensor(whole[k]) else weights[k] == whole[k]
+                   for k in weights)
+        module = prop.model_at(step).get_submodule(layer)
+        assert torch.equal(module.weight, whole["W"].t() if attrs.get("transposed") else whole["W"])
+        assert torch.equal(module.bias, whole["B"])
+
+
 def test_propagation_to_next_layer_and_loss(golden_run):
     from peat.propagate import Propagator
 

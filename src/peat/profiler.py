@@ -798,9 +798,11 @@ def _copy_steps(src: h5py.File, dst: h5py.File, layers, before: int, since: int 
                                                             chunks=dataset.chunks)
 
 
-def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True) -> tuple[dict, list[dict]]:
+def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True,
+               tensors: tuple[str, ...] | None = None) -> tuple[dict, list[dict]]:
     """Layer attributes and its recorded samples (dicts of tensors plus step/epoch), in step order;
-    only those of ``steps`` when given. With ``derive``, golden outputs the file does not hold
+    only those of ``steps`` when given, and only the tensors named in ``tensors`` when given (those a
+    sample holds). With ``derive``, golden outputs the file does not hold
     (recorded with ``derived=False``) are computed from the recorded inputs (``derive_outputs``)."""
     with open_h5(path) as f:
         group = _layer_group(f, path, layer)
@@ -812,7 +814,7 @@ def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True) ->
             raise PeatError(f"{path}: layer {layer!r} has no recorded step {missing[0]} "
                             f"(recorded: {', '.join(str(k) for k in sorted(map(int, group))) or 'none'})")
         for key in keys:
-            sample = {k: torch.from_numpy(v[()]) for k, v in group[key].items()}
+            sample = {k: torch.from_numpy(v[()]) for k, v in group[key].items() if tensors is None or k in tensors}
             sample.update({k: _plain(v) for k, v in group[key].attrs.items()})
             if derive and "O" not in sample and "A" in sample:  # no A: the layer did not run at that step
                 sample.update(derive_outputs(sample, attrs))

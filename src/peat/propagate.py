@@ -42,6 +42,7 @@ from .profiler import match_layers, read_layer, recorded_steps
 from .train import Run, _subset, epoch_batches, epoch_seed
 
 KEEP_MODELS = 4  # steps whose rebuilt networks (a float32 and float64 pair each) are kept: steps recur across layers
+WEIGHTS = ("W", "B", "running_mean", "running_var")  # what model_at reads of a recorded step
 GEMM_MAP = 16  # float64 convolutions with output maps this small run as one GEMM (see _conv)
 
 
@@ -119,7 +120,9 @@ class Propagator:
         for name, module in modules.items():
             if step not in self._steps(name):
                 continue
-            attrs, (sample,) = read_layer(self.context, name, [step], derive=False)  # weights only
+            # The weights alone: with the step's input and output gradient, ResNet-18's 8 recorded layers took 43 ms
+            # to read, against 3.5.
+            attrs, (sample,) = read_layer(self.context, name, [step], derive=False, tensors=WEIGHTS)
             with torch.no_grad():
                 w = sample["W"].t() if attrs.get("transposed") else sample["W"]
                 module.weight.copy_(w)
