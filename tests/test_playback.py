@@ -1248,6 +1248,21 @@ def test_timer_categories_are_exclusive(monkeypatch):
     assert (t["kernel_fraction"], t["compute_fraction"]) == (0.2, 0.35)
 
 
+def test_the_probes_time_inside_the_kernel_counts_as_kernel_time():
+    """A probe's call runs in a child while the parent waits inside ``probe``: Outcome.called is the
+    call alone (a sleep of 0.3 s: at least 0.3, less than the wait with the child's start and the
+    result's way back), for a call that raises too, and the Timer counts it in ``kernel``."""
+    slept = kernels.run_isolated(time.sleep, 0.3)
+    assert slept.ok and 0.3 <= slept.called < slept.seconds
+    failed = kernels.run_isolated(lambda: time.sleep(0.2) or 1 / 0)
+    assert failed.status == "crash" and 0.2 <= failed.called < failed.seconds
+    timer = playback.Timer()
+    with timer("probe"):
+        time.sleep(0.05)
+    timer.spent_in("kernel", 0.03, within="probe")
+    assert timer.seconds["kernel"] == 0.03 and 0.02 <= timer.seconds["probe"] < 0.05
+
+
 @needs_gpu
 def test_timer_counts_queued_gpu_work_in_the_category_that_queued_it():
     # Unsynchronized, the matmuls' run time would land in "score", whose copy to the host waits for them.

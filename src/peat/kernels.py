@@ -681,12 +681,14 @@ OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "M
 @dataclass
 class Outcome:
     """What happened when a kernel ran: status (ok, crash, oom, timeout or shape_mismatch), message,
-    result, seconds."""
+    result, seconds (the caller's wait: in a child, its start and the result's way back too) and
+    ``called``, the seconds inside the call itself (0 where it never returned or raised: a hang, a death)."""
 
     status: str
     message: str = ""
     value: object = None
     seconds: float = 0.0
+    called: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -717,8 +719,10 @@ def _child(conn, calls, memory_mb, parent):
             hard = resource.getrlimit(resource.RLIMIT_AS)[1]
             limit = _address_space() + memory_mb * 2**20
             resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+        start, called = time.perf_counter(), None
         try:
             value = func(*args, **kwargs)
+            called = time.perf_counter() - start  # the call alone, not the result's way back (Outcome.called)
             if expect is not None and (wrong := wrong_result(value, expect.shape, expect.dtype, expect.device)):
                 # Judged here: a NumPy array would not travel back (torch.load with weights_only
                 # refuses it), and became a crash with torch's message instead of this one; a CUDA
@@ -729,9 +733,9 @@ def _child(conn, calls, memory_mb, parent):
                 torch.save(value, buf)
                 payload = ("ok", buf.getvalue())
         except BaseException as err:  # anything the kernel raises is its outcome
-            payload = _failure(err)
+            payload, called = _failure(err), time.perf_counter() - start if called is None else called
         _flush_output()
-        conn.send(payload)
+        conn.send((*payload, called))
     conn.close()
 
 
@@ -950,14 +954,15 @@ def _receive(conn, proc, timeout: float) -> tuple[object, str]:
 
 
 def _read_back(payload: tuple, expect, seconds: float) -> Outcome:
-    status, body = payload
+    status, body, called = payload
     if status != "ok":
-        return _failed(status, body, seconds)
+        return dataclasses.replace(_failed(status, body, seconds), called=called)
     try:
         value = torch.load(io.BytesIO(body), weights_only=True)
     except Exception as err:  # e.g. a kernel returning an arbitrary object
-        return Outcome("crash", f"result could not be read back: {str(err).splitlines()[0]}", seconds=seconds)
-    return _checked(value, expect, seconds)
+        return Outcome("crash", f"result could not be read back: {str(err).splitlines()[0]}", seconds=seconds,
+                       called=called)
+    return dataclasses.replace(_checked(value, expect, seconds), called=called)
 
 
 class CallTimeout(TimeoutError):
@@ -996,8 +1001,10 @@ def _run_inline(func, args, kwargs, timeout, expect) -> Outcome:
     except TimeoutError as err:
         return Outcome("timeout", str(err), seconds=time.perf_counter() - start)
     except Exception as err:  # the kernel's failure is its outcome
-        return _failed(*_failure(err), time.perf_counter() - start)
-    return _checked(value, expect, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return dataclasses.replace(_failed(*_failure(err), seconds), called=seconds)
+    seconds = time.perf_counter() - start
+    return dataclasses.replace(_checked(value, expect, seconds), called=seconds)
 
 
 def _died(exitcode: int | None, seconds: float) -> Outcome:
