@@ -43,6 +43,9 @@ REFUSED = {
                         "peat calls weight_grad(grad_out, x, *, running_mean, running_var, training, eps)"),
     "namespace": ("linear", "class linear:\n    @staticmethod\n    def weight_grad(grad_out):\n        return grad_out\n",
                   "3: def weight_grad(grad_out) cannot take the x argument peat passes; peat calls weight_grad(grad_out, x)"),
+    "method_with_self": ("linear", "class linear:\n    def forward(self, x, weight, bias):\n        return x\n",
+                         "2: def forward(self, x, weight, bias) requires bias, which peat does not pass; peat calls "
+                         "forward(x, weight, bias) (on the class, not an instance: a @staticmethod without self)"),
 }
 
 # name: (op, source), each of whose computations takes peat's call

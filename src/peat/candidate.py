@@ -222,8 +222,11 @@ def _check_signatures(tree: ast.Module, op: str, path: str, key: str) -> None:
         positional, keywords = kernels.CALLS[op][computation]
         if why := _unbindable(func.args, positional, keywords):
             call = ", ".join([*positional, *(["*", *keywords] if keywords else [])])
+            # A namespace class's function is called on the class: self gets peat's first tensor.
+            method = func not in tree.body and [a.arg for a in func.args.posonlyargs + func.args.args][:1] == ["self"]
+            hint = " (on the class, not an instance: a @staticmethod without self)" if method else ""
             raise PeatError(f"config key '{key}': {path}:{func.lineno}: def {computation}({_params(func.args)}) {why}; "
-                            f"peat calls {computation}({call})")
+                            f"peat calls {computation}({call}){hint}")
 
 
 def _computations(tree: ast.Module, op: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
