@@ -1602,6 +1602,24 @@ def _running(pid: str) -> bool:
         return False
 
 
+def test_a_terminating_signal_is_noted_and_acted_on_where_the_launcher_looks():
+    """The SIGTERM handler raised SystemExit, which could land in Popen.poll between taking its waitpid
+    lock and the try that releases it: killing the ranks then waited on that lock for good (a CI run,
+    the launcher and a rank still up minutes after the kill). It only notes the signal now."""
+    from peat.sdc_drill import Launch
+
+    ranks = Launch({"sdc": {"world_size": 1, "timeout_s": 5}}, "test", time.monotonic() + 60)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert ranks._terminated(signal.SIGTERM, None) is None  # nothing raised inside what it interrupted
+        with pytest.raises(SystemExit) as stop:
+            ranks._wait([rank])
+        assert stop.value.code == 128 + signal.SIGTERM and rank.poll() is None
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 @pytest.mark.parametrize("signum, exit_code, ranks_up", [
     (signal.SIGTERM, 128 + 15, 3),  # the launcher ends its ranks itself
     # As they start: the handler came after the last rank, so the launcher died of the signal (-15).

@@ -184,6 +184,7 @@ class Launch:
         procs, tees = [], []
         try:
             for r in range(self.world):
+                self._stop_if_terminated()
                 procs.append(subprocess.Popen([sys.executable, "-m", "peat.sdc_drill", *args], stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, preexec_fn=arm,
                                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
@@ -200,10 +201,14 @@ class Launch:
         return [RankEnd(None if h else proc.returncode, text) for proc, h, text in zip(procs, hung, outputs)]
 
     def _terminated(self, signum, frame):
+        # Only noted, and raised where run and _wait look: raised here, its SystemExit could land in
+        # Popen.poll between taking its waitpid lock and the try that releases it, and killing the
+        # ranks then waited on that lock for good (the launcher hung, a rank with it).
         self.terminated = signum
-        # The shell's code for a process the signal ended. Raised inside an at-fork hook (a rank
-        # starting), Python prints it as ignored and goes on: _wait raises it again.
-        raise SystemExit(128 + signum)
+
+    def _stop_if_terminated(self) -> None:
+        if self.terminated:  # the shell's code for a process the signal ended
+            raise SystemExit(128 + self.terminated)
 
     def _wait(self, procs: list) -> list[bool]:
         """Wait for the ranks; returns which are hung (to be killed)."""
@@ -211,8 +216,7 @@ class Launch:
         # running after that is hung.
         give_up = self.deadline
         while any(proc.poll() is None for proc in procs):
-            if self.terminated:  # the handler's own SystemExit was lost (see _terminated)
-                raise SystemExit(128 + self.terminated)
+            self._stop_if_terminated()
             now = time.monotonic()
             if now >= self.deadline:
                 raise PeatError(f"{self.what}: the ranks did not finish within the launcher's time limit")
@@ -221,6 +225,7 @@ class Launch:
             if any(proc.poll() is not None for proc in procs):
                 give_up = min(give_up, now + self.timeout_s + 10)  # 10 s to report the dead peer and exit
             time.sleep(0.1)
+        self._stop_if_terminated()  # as the last rank ended
         return [proc.poll() is None for proc in procs]
 
 
