@@ -551,17 +551,15 @@ def _conv_hp(attrs: dict) -> dict:
             "dilation": tuple(attrs["dilation"]), "groups": int(attrs["groups"])}
 
 
-def _norm_hp(op: str, sample: dict, attrs: dict, computation: str) -> dict:
+def _norm_hp(op: str, sample: dict, attrs: dict) -> dict:
+    """Every hyper-parameter of a norm op; ``CALLS`` says which each computation takes."""
     if op in ("layer_norm", "rms_norm"):
         return {"normalized_shape": tuple(attrs["normalized_shape"]), "eps": float(attrs["eps"])}
-    hp = {"running_mean": sample.get("running_mean"), "running_var": sample.get("running_var"),
-          "training": bool(sample.get("training", True)), "eps": float(attrs["eps"])}
-    if computation == "forward":
-        # A routed call's own momentum, or a cumulative average's factor at the recorded step;
-        # -1 (cumulative, from a context without that factor) updates no statistic: no output reads it.
-        momentum = float(sample.get("momentum", attrs.get("momentum", 0.1)))
-        hp["momentum"] = max(momentum, 0.0)
-    return hp
+    # momentum: a routed call's own, or a cumulative average's factor at the recorded step; -1
+    # (cumulative, from a context without that factor) updates no statistic: no output reads it.
+    return {"running_mean": sample.get("running_mean"), "running_var": sample.get("running_var"),
+            "training": bool(sample.get("training", True)), "eps": float(attrs["eps"]),
+            "momentum": max(float(sample.get("momentum", attrs.get("momentum", 0.1))), 0.0)}
 
 
 # How peat calls each computation of each op, (positional, keyword): the tensors by position, named as
@@ -585,7 +583,7 @@ def arguments(op: str, computation: str, sample: dict, attrs: dict) -> tuple[lis
     """Positional and keyword arguments of ``computation`` for one recorded sample (``CALLS``)."""
     positional, keywords = CALLS[op][computation]
     tensors = {name: sample.get(key) for key, name in _INPUT_NAMES.items()}
-    hp = _conv_hp(attrs) if op == "conv2d" else _norm_hp(op, sample, attrs, computation) if op != "linear" else {}
+    hp = _conv_hp(attrs) if op == "conv2d" else _norm_hp(op, sample, attrs) if op != "linear" else {}
     if "input_shape" in keywords:
         hp["input_shape"] = tuple(tensors["x"].shape)
     if "weight_shape" in keywords:
