@@ -321,7 +321,12 @@ def _offset(ds: h5py.Dataset) -> int | None:
         return _compact_offset(ds)
     if plist.get_layout() != h5py.h5d.CONTIGUOUS:
         return None
-    return ds.id.get_offset()  # None for unallocated data
+    # Unallocated data has no offset: HDF5's "undefined address", which h5py turns into None only
+    # where there is no user block (with one, it wraps around to userblock_size - 1, inside the
+    # superblock, which a flip then corrupted).
+    if ds.id.get_space_status() != h5py.h5d.SPACE_STATUS_ALLOCATED:
+        return None
+    return ds.id.get_offset()
 
 
 def _compact_offset(ds: h5py.Dataset) -> int | None:

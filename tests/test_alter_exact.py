@@ -1,0 +1,368 @@
+"""peat alter / h5diff checked against an independent reading of the README (h5py and numpy only).
+
+Every plan is applied to one small file holding every dtype and storage peat alters; the output is
+then compared with the input element by element, from the README's bit table, without peat's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from peat import alter as A
+
+# The README's table: (width, sign, exponent range, mantissa range) in peat's numbering (bit 0 = MSB).
+FIELDS = {
+    "float16": (16, (0, 0), (1, 5), (6, 15)),
+    "bfloat16": (16, (0, 0), (1, 8), (9, 15)),
+    "float32": (32, (0, 0), (1, 8), (9, 31)),
+    "float64": (64, (0, 0), (1, 11), (12, 63)),
+}
+CLASS_OF = {  # what the README's class list says of each dataset below
+    "/model/conv1.weight": "weight", "/model/bn1.weight": "norm_weight", "/model/bn1.running_var": "norm_stats",
+    "/model/emb.weight": "embedding", "/model/fc.bias": "bias", "/model/fc.weight_bf16": "weight",
+    "/optimizer/state/0/exp_avg": "optimizer", "/optimizer/state/0/step": "optimizer",
+}
+
+
+def _bf16(x) -> np.ndarray:
+    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def make_source(path: Path) -> Path:
+    """Every dtype and storage: contiguous, chunked+gzip, scalar, one element, nested, big-endian, specials."""
+    rng = np.random.default_rng(5)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 65504.0, 1.0, -2.5, 3e38], np.float32)
+    with h5py.File(path, "w") as f:
+        f.attrs["note"] = "root attr"
+        w = f.create_dataset("model/conv1.weight", data=rng.standard_normal((4, 3, 3, 3), np.float32))
+        w.attrs.update(module_type="Conv2d", kind="parameter")
+        bn = f.create_dataset("model/bn1.weight", data=np.concatenate([special, np.ones(6, np.float32)]))
+        bn.attrs.update(module_type="BatchNorm2d", kind="parameter")
+        rv = f.create_dataset("model/bn1.running_var", data=rng.random(16).astype(np.float32))
+        rv.attrs.update(module_type="BatchNorm2d", kind="buffer")
+        with np.errstate(over="ignore"):  # 3e38: inf in float16
+            half = special.astype(np.float16)
+        emb = f.create_dataset("model/emb.weight", data=np.concatenate([half, rng.standard_normal(30).astype(np.float16)]))
+        emb.attrs.update(module_type="Embedding", kind="parameter")
+        b = f.create_dataset("model/fc.bias", data=np.concatenate([special.astype(np.float64), rng.standard_normal(7)]))
+        b.attrs.update(module_type="Linear", kind="parameter")
+        bf = f.create_dataset("model/fc.weight_bf16", data=_bf16(np.concatenate([special, rng.standard_normal(20)])))
+        bf.attrs.update(module_type="Linear", kind="parameter")
+        f["model"].attrs["epoch"] = 3
+        f.create_dataset("optimizer/state/0/exp_avg", data=rng.standard_normal((32, 8)).astype(np.float32),
+                         chunks=(8, 8), compression="gzip", shuffle=True)
+        f.create_dataset("optimizer/state/0/step", data=np.int64(12))  # scalar
+        f.create_dataset("counters/i8", data=rng.integers(-128, 128, 9).astype(np.int8))
+        f.create_dataset("counters/u8", data=rng.integers(0, 256, 9).astype(np.uint8))
+        f.create_dataset("counters/i32be", data=rng.integers(-1000, 1000, 6).astype(">i4"))
+        f.create_dataset("counters/u16", data=rng.integers(0, 60000, 5).astype(np.uint16))
+        f.create_dataset("one", data=np.array([7.5], np.float32))
+        f.create_dataset("empty", data=np.zeros(0, np.float32))
+        f.create_dataset("deep/a/b/c/x", data=rng.standard_normal(5).astype(">f8"), chunks=(2,), compression="gzip")
+        f["deep/a"].attrs["tag"] = np.arange(3)
+        f.create_dataset("history", data=json.dumps([{"epoch": 1}]))
+    return path
+
+
+def _compact(f: h5py.File, name: str, data: np.ndarray) -> None:
+    """A compact dataset (its values in the object header), which h5py's high-level API cannot make."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.COMPACT)
+    space = h5py.h5s.create_simple(data.shape)
+    ds = h5py.h5d.create(f.id, name.encode(), h5py.h5t.py_create(data.dtype), space, dcpl=dcpl)
+    ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
+
+
+def make_storages(path: Path, **kw) -> Path:
+    """Storage peat edits otherwise: a user block, compact, partly written chunks, lossless filters."""
+    rng = np.random.default_rng(6)
+    with h5py.File(path, "w", **kw) as f:
+        f.attrs["made_by"] = "not peat"
+        _compact(f, "compact_f32", rng.standard_normal(12).astype(np.float32))
+        _compact(f, "compact_i16", rng.integers(-300, 300, 7).astype(np.int16))
+        part = f.create_dataset("partial", shape=(40, 6), maxshape=(None, 6), chunks=(8, 6), dtype=np.float32,
+                                fillvalue=0.5)
+        part[:8] = rng.standard_normal((8, 6))  # 4 of 5 chunks never written
+        f.create_dataset("so_int", data=rng.integers(0, 1000, 30).astype(np.int32), scaleoffset=0)
+        f.create_dataset("fletcher", data=rng.standard_normal(20), chunks=(5,), fletcher32=True)
+        f.create_dataset("never_written", shape=(6,), dtype=np.float32, fillvalue=2.0)
+        f.create_dataset("plain", data=rng.standard_normal((3, 5)).astype(np.float32))
+    return path
+
+
+STORAGE_PLANS = [dict(count=1), dict(count=30, seed=1), dict(count=60, seed=2, region="mantissa"),
+                 dict(fraction=0.25, seed=3, bits=(1, 1)), dict(count=10, burst=3, no_nonfinite=True, seed=4),
+                 dict(count=20, scale=-0.5, seed=5), dict(count=5, select=["partial"], seed=6),
+                 dict(count=4, select=["compact_f32", "compact_i16"], seed=7), dict(count=2, select=["never_written"])]
+KINDS = {"userblock": {"userblock_size": 512}, "latest": {"libver": "latest"}, "track_order": {"track_order": True}}
+
+
+@pytest.mark.parametrize("spec", STORAGE_PLANS, ids=[json.dumps(p, sort_keys=True) for p in STORAGE_PLANS])
+def test_plan_alters_every_storage_exactly(tmp_path, spec):
+    check_plan(make_storages(tmp_path / "in.h5"), tmp_path, spec)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", STORAGE_PLANS[:3], ids=[json.dumps(p, sort_keys=True) for p in STORAGE_PLANS[:3]])
+def test_plan_alters_files_of_every_layout_exactly(tmp_path, kind, spec):
+    check_plan(make_storages(tmp_path / "in.h5", **KINDS[kind]), tmp_path, spec)
+
+
+def test_a_never_written_dataset_of_a_file_with_a_user_block(tmp_path):
+    """HDF5's undefined address of unallocated data wraps around to userblock_size - 1 there: peat
+    took it for the values' offset and wrote the flip into the superblock (the output would not open)."""
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w", userblock_size=512) as f:
+        f.create_dataset("w", shape=(4,), dtype=np.float32, fillvalue=1.0)
+        f["v"] = np.arange(3, dtype=np.float32)
+    A.alter(src, tmp_path / "out.h5", A.Plan(count=1, select=["w"], bits=(0, 0)))
+    with h5py.File(tmp_path / "out.h5", "r") as f:
+        assert sorted(f["w"][()].tolist()) == [-1.0, 1.0, 1.0, 1.0] and f["v"][()].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_source(tmp_path_factory.mktemp("src") / "in.h5")
+
+
+def sha(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# --- an independent reading of a file ----------------------------------------------------------
+
+
+def kind_of(ds: h5py.Dataset) -> str | None:
+    """The README's layout name of a dataset, or None where peat never alters it."""
+    dt = ds.dtype
+    if ds.shape is None or ds.size == 0 or dt.kind not in "fiu":
+        return None
+    if dt.kind == "u" and dt.itemsize == 2 and (ds.attrs.get("dtype") in ("bfloat16", "bf16")
+                                                 or ds.name.lower().endswith(("bf16", "bfloat16"))):
+        return "bfloat16"
+    return f"{'float' if dt.kind == 'f' else dt.kind + 'nt' if dt.kind == 'i' else 'uint'}{8 * dt.itemsize}"
+
+
+def width_of(kind: str) -> int:
+    return FIELDS[kind][0] if kind in FIELDS else int(kind.lstrip("uint"))
+
+
+def region_bits(kind: str, region: str) -> tuple[int, int] | None:
+    w = width_of(kind)
+    if region == "any":
+        return 0, w - 1
+    if kind in FIELDS:
+        return dict(zip(("sign", "exponent", "mantissa"), FIELDS[kind][1:]))[region]
+    signed = kind.startswith("int")
+    return {"sign": (0, 0) if signed else None, "exponent": None, "mantissa": (1 if signed else 0, w - 1)}[region]
+
+
+def read_all(path) -> dict:
+    """Per numeric dataset: (kind, shape, flat unsigned bits in native order)."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset) and (kind := kind_of(obj)):
+                data = np.asarray(obj[()])
+                data = data.astype(data.dtype.newbyteorder("="))
+                out["/" + name] = (kind, obj.shape, data.reshape(-1).view(f"u{data.dtype.itemsize}").copy())
+        f.visititems(visit)
+    return out
+
+
+def everything_else(path) -> dict:
+    """Every attribute of every object and every non-numeric dataset, as bytes/values."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        def add(name, obj):
+            for k, v in obj.attrs.items():
+                out[f"{name}@{k}"] = repr(v)
+            if isinstance(obj, h5py.Dataset) and kind_of(obj) is None:
+                out[name] = repr(obj[()]) if obj.shape is not None else "null"
+            out[f"{name}#type"] = type(obj).__name__
+        add("/", f)
+        f.visititems(add)
+    return out
+
+
+def value(bits: int, kind: str) -> float | int:
+    """A stored element's value, from its bits (bfloat16 is the upper half of a float32)."""
+    w = width_of(kind)
+    if kind == "bfloat16":
+        return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
+    if kind in FIELDS:
+        return float(np.array([bits], f"u{w // 8}").view(f"f{w // 8}")[0])
+    return int(np.array([bits], f"u{w // 8}").view(kind)[0])
+
+
+def as_logged(x):
+    return x if not isinstance(x, float) or math.isfinite(x) else str(x)
+
+
+def flipped_bits(xor: int, width: int) -> list[int]:
+    return [b for b in range(width) if xor >> (width - 1 - b) & 1]
+
+
+def changes(a, b) -> dict:
+    """(dataset, index) -> (kind, old bits, new bits) for every element that differs bit for bit."""
+    ra, rb = read_all(a), read_all(b)
+    assert ra.keys() == rb.keys()
+    out = {}
+    for name, (kind, shape, x) in ra.items():
+        y = rb[name][2]
+        for pos in np.flatnonzero(x != y):
+            index = list(np.unravel_index(pos, shape)) if shape else []
+            out[(name, tuple(int(i) for i in index))] = (kind, int(x[pos]), int(y[pos]))
+    return out
+
+
+# --- what a plan should do, from the README ------------------------------------------------------
+
+
+def candidates(kind: str, plan: A.Plan) -> list[int]:
+    """Every XOR mask the plan may apply to a value of this kind (none: not eligible)."""
+    w = width_of(kind)
+    span = plan.bits if plan.bits else region_bits(kind, plan.region or "any")
+    if span is None or span[1] >= w:
+        return []
+    pattern = [i for i, c in enumerate(plan.mask) if c == "1"] if plan.mask else list(range(plan.burst))
+    size = len(plan.mask) if plan.mask else plan.burst
+    signed = kind in FIELDS or kind.startswith("int")
+    masks = []
+    for start in range(span[0], span[1] - size + 2):
+        bits = [start + o for o in pattern]
+        if not plan.sign_change and signed and 0 in bits:
+            continue
+        masks.append(sum(1 << (w - 1 - b) for b in bits))
+    return masks
+
+
+def finite(bits: int, kind: str) -> bool:
+    v = value(bits, kind)
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def eligible_values(path, plan: A.Plan, classes: dict) -> dict:
+    """(dataset, flat position) -> its candidate masks, for every value the plan may alter."""
+    out = {}
+    for name, (kind, _, bits) in read_all(path).items():
+        if plan.select and name not in {"/" + p.lstrip("/") for p in plan.select}:
+            continue
+        if plan.classes and classes.get(name, "other") not in plan.classes:
+            continue
+        masks = candidates(kind, plan)
+        for pos, x in enumerate(bits.tolist()):
+            ok = masks if plan.nonfinite else [m for m in masks if finite(int(x) ^ m, kind)]
+            if ok:
+                out[(name, pos)] = ok
+    return out
+
+
+def expected_count(plan: A.Plan, total: int) -> int | None:
+    if plan.fraction is not None:
+        return int((Decimal(str(plan.fraction)) * total).to_integral_value(ROUND_HALF_UP))
+    if plan.probability is not None:
+        return None  # a binomial draw: checked through the log
+    return plan.count or 1
+
+
+PLANS = [
+    dict(count=1), dict(count=40, seed=3), dict(count=5, region="sign"), dict(count=30, region="exponent", seed=1),
+    dict(count=30, region="mantissa", seed=2), dict(count=12, bits=(1, 1)), dict(count=9, bits=(2, 8), seed=4),
+    dict(count=8, bits=(9, 31)), dict(count=4, bits=(40, 63)), dict(count=20, burst=3, seed=5),
+    dict(count=20, mask="101", region="mantissa", seed=6), dict(count=10, mask="11", bits=(0, 3), seed=7),
+    dict(count=25, no_sign=True, seed=8), dict(count=25, burst=2, no_sign=True, region="any", seed=9),
+    dict(count=60, no_nonfinite=True, seed=10), dict(count=30, no_nonfinite=True, region="exponent", seed=11),
+    dict(count=15, no_nonfinite=True, bits=(1, 1), seed=12), dict(count=10, burst=4, no_nonfinite=True, seed=13),
+    dict(fraction=0.1, seed=14), dict(fraction=0.5, region="sign", seed=15), dict(fraction=1.0, bits=(0, 0)),
+    dict(probability=0.2, seed=16), dict(count=3, classes=["weight"], bits=(1, 1)),
+    dict(count=6, classes=["optimizer"], seed=17), dict(count=4, classes=["norm_weight", "bias"], seed=18),
+    dict(count=5, classes=["embedding"], region="exponent"), dict(count=2, classes=["norm_stats"]),
+    dict(count=7, select=["optimizer/state/0/exp_avg"], region="mantissa"), dict(count=1, select=["one"]),
+    dict(count=1, select=["optimizer/state/0/step"]), dict(count=3, select=["deep/a/b/c/x"], bits=(1, 1)),
+    dict(count=9, select=["counters/i8"], region="mantissa"), dict(count=6, select=["counters/i32be"], bits=(0, 31)),
+    dict(count=5, select=["counters/u16"], region="any", burst=16), dict(count=9, select=["counters/u8"], seed=19),
+    dict(count=12, select=["model/fc.bias"], region="exponent", no_nonfinite=True, seed=20),
+    dict(count=30, select=["model/fc.weight_bf16"], region="exponent", seed=21),
+    dict(count=30, select=["model/emb.weight"], no_nonfinite=True, region="any", burst=2, seed=22),
+    dict(count=8, scale=-3.0), dict(count=8, scale=1e30, select=["model/emb.weight"], seed=23),
+    dict(count=10, scale=1.01, select=["model/fc.weight_bf16"], seed=24),
+    dict(count=6, scale=1e300, no_nonfinite=True, seed=25),
+]
+
+
+def make_plan(spec: dict) -> A.Plan:
+    spec = dict(spec)
+    sign, nonfinite = not spec.pop("no_sign", False), not spec.pop("no_nonfinite", False)
+    return A.Plan(sign_change=sign, nonfinite=nonfinite, **spec)
+
+
+def check_plan(src: Path, tmp: Path, spec: dict) -> None:
+    plan = make_plan(spec)
+    out, log = tmp / "out.h5", tmp / "log.json"
+    before = sha(src)
+    result = A.alter(src, out, plan, log=log, keep_records=True)
+    assert sha(src) == before
+    injections = json.loads(log.read_text())["injections"]
+    eligible = eligible_values(src, plan, CLASS_OF)
+    want = expected_count(plan, len(eligible))
+    got = changes(src, out)
+    if plan.scale is None:
+        # Every injected value differs bit for bit; each once.
+        assert len(got) == len(injections) == result.flips
+        assert want is None or len(got) == want
+    assert everything_else(src) == everything_else(out)
+    logged = {}
+    for row in injections:
+        key = (row["dataset"], tuple(row["index"]))
+        assert key not in logged, f"{key} injected twice"
+        logged[key] = row
+    assert got.keys() <= logged.keys()
+    shapes = {name: shape for name, (_, shape, _) in read_all(src).items()}
+    for key, row in logged.items():
+        kind, old, new = got[key] if key in got else (None, None, None)
+        assert key in got, f"{key}: logged, yet identical in the output"
+        pos = int(np.ravel_multi_index(key[1], shapes[key[0]])) if key[1] else 0
+        assert row["old"] == as_logged(value(old, kind)) and row["new"] == as_logged(value(new, kind))
+        if plan.scale is not None:
+            assert row["bit"] is None
+            continue
+        assert (key[0], pos) in eligible and (old ^ new) in eligible[(key[0], pos)], (spec, row)
+        bits = flipped_bits(old ^ new, width_of(kind))
+        assert row["bit"] == (bits[0] if len(bits) == 1 else bits)
+        if not plan.nonfinite:
+            assert finite(new, kind)
+    # The same seed gives the same file; the log's replay too.
+    A.alter(src, tmp / "again.h5", plan)
+    assert sha(tmp / "again.h5") == sha(out)
+    A.alter(src, tmp / "replayed.h5", A.Plan(), replay=log)
+    assert sha(tmp / "replayed.h5") == sha(out)
+    # h5diff reports the same elements and bits.
+    d = A.diff(src, out, positions=True)
+    # A scaled value's log row has no bit (None); h5diff names the bits that changed.
+    unbit = (lambda r: {**r, "bit": None}) if plan.scale is not None else (lambda r: r)
+    canon = lambda rows: sorted(json.dumps(unbit(r), sort_keys=True) for r in rows)  # noqa: E731
+    assert canon(d["positions"]) == canon(injections)
+    per = {r["dataset"]: r for r in d["datasets"] if "differing" in r}
+    for name in {k[0] for k in got}:
+        keys = [k for k in got if k[0] == name]
+        assert per[name]["differing"] == len(keys)
+        hist: dict[str, int] = {}
+        for k in keys:
+            kind, old, new = got[k]
+            for bit in flipped_bits(old ^ new, width_of(kind)):
+                hist[str(bit)] = hist.get(str(bit), 0) + 1
+        assert per[name]["bits"] == dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+
+
+@pytest.mark.parametrize("spec", PLANS, ids=[json.dumps(p, sort_keys=True) for p in PLANS])
+def test_plan_alters_exactly_what_the_readme_says(source, tmp_path, spec):
+    check_plan(source, tmp_path, spec)
