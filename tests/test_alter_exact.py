@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import h5py
@@ -258,12 +259,49 @@ def eligible_values(path, plan: A.Plan, classes: dict) -> dict:
             continue
         if plan.classes and classes.get(name, "other") not in plan.classes:
             continue
+        if plan.scale is not None:
+            for pos, x in enumerate(bits.tolist()):
+                new = scaled_bits(int(x), kind, plan.scale) if kind in FIELDS else None
+                if new is not None and new != x and (plan.nonfinite or finite(int(x), kind) and finite(new, kind)):
+                    out[(name, pos)] = [new ^ int(x)]
+            continue
         masks = candidates(kind, plan)
         for pos, x in enumerate(bits.tolist()):
             ok = masks if plan.nonfinite else [m for m in masks if finite(int(x) ^ m, kind)]
             if ok:
                 out[(name, pos)] = ok
     return out
+
+
+PRECISION = {"float16": (11, 15), "bfloat16": (8, 127), "float32": (24, 127), "float64": (53, 1023)}
+
+
+def rounded(x: Fraction, kind: str) -> float:
+    """x rounded once to the nearest value of a float kind, ties to even (IEEE 754), as a float."""
+    if x == 0:
+        return float(x)
+    digits, emax = PRECISION[kind]
+    e = max(abs(x.numerator).bit_length() - x.denominator.bit_length(), 1 - emax)  # within 1 of log2|x|
+    while abs(x) >= Fraction(2) ** (e + 1):
+        e += 1
+    while e > 1 - emax and abs(x) < Fraction(2) ** e:
+        e -= 1
+    ulp = Fraction(2) ** (e - digits + 1)
+    q = round(x / ulp) * ulp  # round() of a Fraction: halves to even
+    top = (2 - Fraction(2) ** (1 - digits)) * Fraction(2) ** emax
+    return (-1.0 if x < 0 else 1.0) * (math.inf if abs(q) > top else float(abs(q)))  # an underflow keeps its sign
+
+
+def scaled_bits(bits: int, kind: str, factor: float) -> int | None:
+    """The bits of a value multiplied by factor, the product rounded once (None: a NaN stays one)."""
+    v = value(bits, kind)
+    if math.isnan(v):
+        return None
+    new = v * factor if math.isinf(v) or v == 0 else rounded(Fraction(v) * Fraction(factor), kind)
+    if kind == "bfloat16":
+        return int(np.array([new], np.float32).view(np.uint32)[0]) >> 16
+    w = width_of(kind)
+    return int(np.array([new], f"f{w // 8}").view(f"u{w // 8}")[0])
 
 
 def expected_count(plan: A.Plan, total: int) -> int | None:
@@ -315,10 +353,9 @@ def check_plan(src: Path, tmp: Path, spec: dict) -> None:
     eligible = eligible_values(src, plan, CLASS_OF)
     want = expected_count(plan, len(eligible))
     got = changes(src, out)
-    if plan.scale is None:
-        # Every injected value differs bit for bit; each once.
-        assert len(got) == len(injections) == result.flips
-        assert want is None or len(got) == want
+    # Every injected value differs bit for bit; each once.
+    assert len(got) == len(injections) == result.flips
+    assert want is None or len(got) == want
     assert everything_else(src) == everything_else(out)
     logged = {}
     for row in injections:
@@ -332,10 +369,10 @@ def check_plan(src: Path, tmp: Path, spec: dict) -> None:
         assert key in got, f"{key}: logged, yet identical in the output"
         pos = int(np.ravel_multi_index(key[1], shapes[key[0]])) if key[1] else 0
         assert row["old"] == as_logged(value(old, kind)) and row["new"] == as_logged(value(new, kind))
+        assert (key[0], pos) in eligible and (old ^ new) in eligible[(key[0], pos)], (spec, row)
         if plan.scale is not None:
             assert row["bit"] is None
             continue
-        assert (key[0], pos) in eligible and (old ^ new) in eligible[(key[0], pos)], (spec, row)
         bits = flipped_bits(old ^ new, width_of(kind))
         assert row["bit"] == (bits[0] if len(bits) == 1 else bits)
         if not plan.nonfinite:
@@ -366,3 +403,26 @@ def check_plan(src: Path, tmp: Path, spec: dict) -> None:
 @pytest.mark.parametrize("spec", PLANS, ids=[json.dumps(p, sort_keys=True) for p in PLANS])
 def test_plan_alters_exactly_what_the_readme_says(source, tmp_path, spec):
     check_plan(source, tmp_path, spec)
+
+
+# Factors whose exact product with the value lies just past a halfway point of the dtype, and whose
+# product rounded to float64 lands on it: (kind, value, factor, the correctly rounded product).
+TIES = [("float32", 3.0, 1 + (2**29 + 1) // 3 * 2.0**-52, 3 + 2.0**-22),
+        ("float16", 5.0, 1 + (2**43 + 2) // 5 * 2.0**-52, 5 + 2.0**-8),
+        ("bfloat16", 3.0, 1 + (2**45 + 1) // 3 * 2.0**-52, 3 + 2.0**-6),
+        ("float32", -3.0, 1 + (2**29 + 1) // 3 * 2.0**-52, -3 - 2.0**-22)]
+
+
+@pytest.mark.parametrize("kind,old,factor,new", TIES)
+def test_scale_rounds_the_exact_product_once(tmp_path, kind, old, factor, new):
+    """The product was rounded to float64, then to the dtype: twice, the second time from a tie
+    the first one made, the wrong way; the value stayed as it was and counted as not eligible."""
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        if kind == "bfloat16":
+            f.create_dataset("w", data=_bf16([old])).attrs["dtype"] = "bfloat16"
+        else:
+            f["w"] = np.array([old], kind)
+    assert rounded(Fraction(old) * Fraction(factor), kind) == new  # the reference agrees
+    A.alter(src, tmp_path / "out.h5", A.Plan(count=1, scale=factor), log=tmp_path / "log.json")
+    assert json.loads((tmp_path / "log.json").read_text())["injections"][0]["new"] == new

@@ -778,13 +778,36 @@ def apply(edits: list[Edit], storage: Storage) -> list[dict]:
 
 
 def _scaled(old: np.ndarray, entry: Entry, factor: float) -> np.ndarray:
-    # The product in float64, then rounded to the dtype: a factor cast to float16/float32 first
-    # overflows (70000 in float16) or rounds away (1.0001 in float16) before it multiplies anything.
+    # The exact product rounded once to the dtype: a factor cast to float16/float32 first overflows
+    # (70000 in float16) or rounds away (1.0001 in float16) before it multiplies anything.
     with np.errstate(over="ignore", invalid="ignore"):
-        wide = _values(old, entry.dtype, entry.layout).astype(np.float64) * factor
+        x = _values(old, entry.dtype, entry.layout).astype(np.float64)
+        if entry.layout.name == "float64":
+            return (x * factor).astype(entry.dtype).view(old.dtype)  # in the file's byte order
+        wide = _product_round_to_odd(x, factor)
         if entry.layout.name == "bfloat16":
             return (_bf16_round(_f32_round_to_odd(wide)).view(np.uint32) >> np.uint32(16)).astype(old.dtype)
         return wide.astype(entry.dtype).view(old.dtype)
+
+
+def _product_round_to_odd(x: np.ndarray, factor: float) -> np.ndarray:
+    """x * factor rounded to odd in float64, so that rounding it again to a narrower float is exact:
+    the product rounded to nearest in float64 can land on a float32 (or float16) halfway point the
+    exact one is just past, and then round the wrong way (3.0 x (1 + 178956971 x 2^-52) gave 3.0)."""
+    mantissa, exponent = math.frexp(factor)  # scaled to [0.5, 1): no split below overflows
+    p = x * mantissa
+    # Dekker's exact product: p + err == x * mantissa, with both halves of 26-27 bits.
+    split = 134217729.0  # 2^27 + 1
+    xh = split * x - (split * x - x)
+    mh = split * mantissa - (split * mantissa - mantissa)
+    xl, ml = x - xh, mantissa - mh
+    err = ((xh * mh - p) + xh * ml + xl * mh) + xl * ml
+    u = p.view(np.uint64)
+    inexact = np.isfinite(p) & (err != 0)
+    # p rounded away from zero: its neighbour toward zero; then the odd one of the two around the product.
+    u = np.where(inexact & (np.signbit(err) != np.signbit(p)), u - np.uint64(1), u)
+    u = np.where(inexact, u | np.uint64(1), u)
+    return np.ldexp(u.view(np.float64), exponent)
 
 
 def _bit_list(xor: np.ndarray, width: int) -> list:
