@@ -181,6 +181,25 @@ def test_the_steps_replayed_are_spaced_over_those_at_which_the_layer_ran(tmp_pat
     assert detect.judge(table, record)["verdict"] == "fail"
 
 
+def test_one_step_replayed_is_the_last_where_a_bias_added_twice_shows(tmp_path):
+    """With max_samples_per_layer: 1 the one step replayed was the first, whose bias is still zero
+    (as a freshly built network's norm biases are): a kernel adding it twice computed golden's
+    values exactly and passed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 6 * 6, 5))
+    nn.init.zeros_(model[1].bias)
+    context = recorded(model, tmp_path / "context.h5", ["1"], steps=3, batch=16,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    kernel = tmp_path / "twice.py"
+    kernel.write_text("import torch\ndef forward(x, weight, bias):\n"
+                      "    return torch.nn.functional.linear(x, weight, bias) + bias\n")
+    table, record = replay(context, kernel=kernels.load(str(kernel), "linear"), errors=[],
+                           computations=("forward",), max_samples=1)
+    assert set(table["step"]) == {2}
+    got = detect.judge(table, record)
+    assert got["verdict"] == "fail" and got["error_model"] == "block_structured"
+
+
 def test_replay_reads_one_recorded_step_at_a_time(context, monkeypatch):
     """A layer's samples are read as they are replayed, not all its steps at once: with
     max_samples_per_layer: null those are every recorded step's weight and activations."""
