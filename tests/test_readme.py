@@ -1,5 +1,6 @@
-"""The README's code examples run as written: each is taken from README.md, given the names it
-leaves to the reader (a model, a loader, data), and run for real."""
+"""The documentation's code examples run as written: each is taken from README.md or docs/*.md,
+given the names it leaves to the reader (a model, a loader, data), and run for real; and its links
+lead somewhere."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import re
 import subprocess
 import textwrap
+from collections.abc import Iterator
 
 import h5py
 import numpy as np
@@ -18,11 +20,14 @@ import yaml
 from conftest import BIN, REPO, TEST_CONFIG, snakemake
 
 README = (REPO / "README.md").read_text()
+# README.md is the entry point; the reference for each tool lives in docs/ (examples included).
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "reports" / "README.md"]
 
 
 def example(lang: str, marker: str) -> str:
-    """The one ```lang block of the README that contains ``marker``."""
-    blocks = [b for b in re.findall(rf"```{lang}\n(.*?)```", README, re.S) if marker in b]
+    """The one ```lang block of README.md and docs/*.md that contains ``marker``."""
+    text = "\n".join(path.read_text() for path in DOCS)
+    blocks = [b for b in re.findall(rf"```{lang}\n(.*?)```", text, re.S) if marker in b]
     assert len(blocks) == 1, f"expected one {lang} example containing {marker!r}, found {len(blocks)}"
     return blocks[0]
 
@@ -179,3 +184,49 @@ def test_sdc_config_example_holds_the_schema_defaults():
     config, schema = yaml.safe_load(TEST_CONFIG.read_text()), REPO / "workflow/schemas/config.schema.yaml"
     defaults = validate({**config, "sdc": {"models": sdc["models"]}}, schema)["sdc"]
     assert validate({**config, "sdc": sdc}, schema)["sdc"] == defaults
+
+
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slugs(markdown: str) -> Iterator[str]:
+    """The #anchors GitHub gives a file's headings: lowercased, punctuation but - and _ dropped,
+    spaces to -, a repeated slug numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", FENCE.sub("", markdown), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def broken_links(path) -> list[str]:
+    """Each relative link of the Markdown file ``path`` (outside code) whose file or #anchor is missing."""
+    text = FENCE.sub("", path.read_text())
+    text = re.sub(r"`[^`\n]*`", "", text)  # a code span is no link: `x[i](j)`
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and (dest.suffix != ".md" or anchor not in set(slugs(dest.read_text()))):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(REPO)}")
+    return broken
+
+
+def test_every_relative_link_leads_to_a_file_and_heading():
+    """The README and docs link one another by file and #anchor: a moved section or renamed heading
+    broke them without a word."""
+    broken = {str(path.relative_to(REPO)): links for path in DOCS if (links := broken_links(path))}
+    assert broken == {}
+
+
+def test_slugs_follow_githubs_rules():
+    """Punctuation and code marks dropped, a heading inside a code block none, a repeated one numbered."""
+    assert list(slugs("# Kernels: bring your own, and the shipped alternatives\n## Checkpoint alteration "
+                      "(`peat alter`, `peat h5diff`)\n```sh\n# a comment\n```\n## Layout\n## Layout\n")) == [
+        "kernels-bring-your-own-and-the-shipped-alternatives", "checkpoint-alteration-peat-alter-peat-h5diff",
+        "layout", "layout-1"]
