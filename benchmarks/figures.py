@@ -135,7 +135,7 @@ def sweep_figure(entry: dict, frame: pd.DataFrame):
 
 
 def markdown(results: dict) -> str:
-    """The results as a Markdown table (for the README), one row per benchmark."""
+    """The results as a Markdown table (for docs/benchmarks.md), one row per benchmark."""
     lines = ["| benchmark | median | min | max | repeats | goal | met |", "|---|---|---|---|---|---|---|"]
     for e in results["benchmarks"]:
         if e.get("median") is None:

@@ -1,4 +1,4 @@
-"""Example user kernel for the linear op (see README, section "Kernels").
+"""Example user kernel for the linear op (see docs/kernels.md).
 
 A GEMM that accumulates each 64-wide K block in float64 and rounds the running sum to float32
 after every block, as a kernel with a wide accumulator register and a narrow output buffer

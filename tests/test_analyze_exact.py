@@ -1,5 +1,5 @@
 """The Analyzer's tables (layers.csv, summary.json) recomputed independently of peat.analyze, from the
-README's definitions, on a real playback table (a tiny GPT-2 trained here, its two blocks' c_fc
+definitions in docs/playback.md, on a real playback table (a tiny GPT-2 trained here, its two blocks' c_fc
 replayed with a split-K GEMM, followed to the next layer and the loss), and at the edges a user meets.
 
 Compared exactly: counts, the layers' order, every list's keys and fields. Compared to float64 rounding
@@ -27,7 +27,7 @@ from test_analyze_edge import _context, _row
 
 torch.set_num_threads(1)
 
-SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")  # README's list
+SCORES = ("err_max", "err_mean", "err_top10", "err_var", "rel_top10", "ulp_median", "frac_diff")  # docs/playback.md's list
 RUNNING = ("running_mean", "running_var")
 KEYS = ("case", "computation", "layer", "fop", "tensor")
 REL = 1e-12
@@ -35,7 +35,7 @@ REL = 1e-12
 LAYERS = ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
 
 
-# -- the README's definitions, written here without peat.analyze ----------------------------------
+# -- docs/playback.md's definitions, written here without peat.analyze ----------------------------
 def scored(table: pd.DataFrame) -> pd.DataFrame:
     """Rows of calls that returned (a failed call has an ``error``), their scores as floats (None: NaN)."""
     own = table[table["error"].isna()] if "error" in table else table
@@ -122,7 +122,7 @@ def expected_spearman(table: pd.DataFrame, context) -> dict[tuple, dict]:
 
 
 def role(layer: str) -> str:
-    """The README's block role: the first run of indices ('layer2.1.', 'h.3.' -> its digits) as '*'."""
+    """docs/playback.md's block role: the first run of indices ('layer2.1.', 'h.3.' -> its digits) as '*'."""
     parts = layer.split(".")
     index = [bool(re.fullmatch(r"(layer)?\d+", p)) for p in parts[:-1]]
     if True not in index:

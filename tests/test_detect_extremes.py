@@ -1,5 +1,5 @@
 """The Detector on extreme but real tensors: golden's own overflow, NaN and Inf, values near
-float32's largest, all-zero and subnormal outputs (see README, Playback FI's Detector)."""
+float32's largest, all-zero and subnormal outputs (see docs/playback.md, Extreme tensors)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The playback table's score columns against their definitions (README, "Playback FI, Analyzer and
-Detector", the table's columns), computed here a second time, independently and plainly: float64,
+"""The playback table's score columns against their definitions (docs/playback.md, the
+table's columns), computed here a second time, independently and plainly: float64,
 one element at a time where that is clearer, exactly rounded sums (``math.fsum``). Both of peat's
 paths (the C loops of ``peat.tensor_stats`` and numpy without them) must give them.
 
@@ -24,7 +24,7 @@ LARGEST = np.finfo(np.float64).max
 ROW_BINS, MAP_EDGE, TILE, MAX_PERIOD = 256, 32, 16, 64
 
 
-# ----------------------------------------------------------------- the reference, from the README
+# ----------------------------------------------------------- the reference, from docs/playback.md
 
 def matrix_view(t: torch.Tensor) -> np.ndarray:
     """Rows x columns: channels as columns for NCHW, else the last dimension; a scalar is 1 x 1."""

@@ -46,7 +46,7 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, ste
 
 
 def _create(group: h5py.Group, name: str, value) -> h5py.Dataset:
-    # numpy has no bfloat16: its bits go in uint16, tagged as peat alter reads bfloat16 (README).
+    # numpy has no bfloat16: its bits go in uint16, tagged as peat alter reads bfloat16 (docs/alter.md).
     if torch.is_tensor(value) and value.dtype == torch.bfloat16:
         ds = group.create_dataset(name, data=value.detach().cpu().view(torch.int16).numpy().view(np.uint16))
         ds.attrs["dtype"] = "bfloat16"

@@ -563,7 +563,7 @@ def _norm_hp(op: str, sample: dict, attrs: dict) -> dict:
 
 
 # How peat calls each computation of each op, (positional, keyword): the tensors by position, named as
-# in the README's table, then the hyper-parameters by name. ``arguments`` builds every call from it and
+# in docs/kernels.md's table, then the hyper-parameters by name. ``arguments`` builds every call from it and
 # the config check (``candidate``) reads a kernel file's signatures against it, so the two cannot drift.
 _CONV, _BN, _NORM = ("stride", "padding", "dilation", "groups"), ("running_mean", "running_var", "training", "eps"), \
     ("normalized_shape", "eps")
