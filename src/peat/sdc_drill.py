@@ -765,7 +765,9 @@ class Fault:
         # The same generator state on every call: a persistent fault hits the same lane each time. Seeded as
         # peat.errors seeds every injected error (a seed past 32 bits hashed, not cut to its low 32 bits).
         wrong = self.error.apply(t.detach(), errors.seeded(self.seed))
-        return t + (wrong - t).detach()  # wrong values forward, gradients flow as through t
+        # The error model's values bit for bit: t + (wrong - t) rounds, so a weight's exponent flip to 8.8e-20
+        # wrote 0.0 (19 bits changed, not one), and a NaN-free gradient's -0.0 became +0.0.
+        return _Injected.apply(t, wrong) if t.requires_grad else wrong
 
     def _on_gradient(self, grad):
         return self._corrupt(grad) if self.armed else grad
@@ -778,6 +780,18 @@ class Fault:
             return output
         self.armed = False  # one faulty call: a rerun of this step is correct
         return self._corrupt(output)
+
+
+class _Injected(torch.autograd.Function):
+    """The wrong values forward, the gradient passed through as if the clean ones had been used."""
+
+    @staticmethod
+    def forward(ctx, clean, wrong):
+        return wrong.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 # --- benchmark ----------------------------------------------------------------------------------
