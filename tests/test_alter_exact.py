@@ -9,15 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 from pathlib import Path
 
 import h5py
 import numpy as np
+import pandas as pd
 import pytest
 
 from peat import alter as A
+from peat import alter_study as S
 
 # The README's table: (width, sign, exponent range, mantissa range) in peat's numbering (bit 0 = MSB).
 FIELDS = {
@@ -382,6 +385,16 @@ def check_plan(src: Path, tmp: Path, spec: dict) -> None:
     assert sha(tmp / "again.h5") == sha(out)
     A.alter(src, tmp / "replayed.h5", A.Plan(), replay=log)
     assert sha(tmp / "replayed.h5") == sha(out)
+    # --in-place alters the input the same way, keeping its mode.
+    inplace = tmp / "inplace.h5"
+    shutil.copyfile(src, inplace)
+    inplace.chmod(0o640)
+    A.alter(inplace, None, plan, in_place=True)
+    assert sha(inplace) == sha(out) and inplace.stat().st_mode & 0o777 == 0o640
+    header = json.loads(log.read_text())
+    assert {k: header[k] for k in ("tool", "format", "input", "scale")} == {
+        "tool": "peat alter", "format": 1, "input": str(src), "scale": plan.scale}
+    assert header["plan"]["seed"] == plan.seed and header["bit_numbering"].startswith("bit 0 = most significant")
     # h5diff reports the same elements and bits.
     d = A.diff(src, out, positions=True)
     # A scaled value's log row has no bit (None); h5diff names the bits that changed.
@@ -398,6 +411,36 @@ def check_plan(src: Path, tmp: Path, spec: dict) -> None:
             for bit in flipped_bits(old ^ new, width_of(kind)):
                 hist[str(bit)] = hist.get(str(bit), 0) + 1
         assert per[name]["bits"] == dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+        assert {k: per[name][k] for k in STATS} == diff_stats([got[k] for k in keys]), name
+
+
+STATS = ("max_rel", "mean_rel", "euclidean", "nonfinite_new")
+
+
+def diff_stats(pairs: list) -> dict:
+    """h5diff's numeric columns, from the README's words, over (kind, old bits, new bits) pairs that differ."""
+    values = [(Fraction(a), Fraction(b)) if isinstance(a, int) else (a, b)
+              for a, b in ((value(x, k), value(y, k)) for k, x, y in pairs)]
+    fin = [(a, b) for a, b in values if math.isfinite(a) and math.isfinite(b)]
+    rel = [0.0 if a == b else math.inf if a == 0 else big_float(abs(Fraction(b) - Fraction(a)) / abs(Fraction(a)))
+           for a, b in fin]
+    out = {"nonfinite_new": sum(not math.isfinite(b) for _, b in values)}
+    if not fin:
+        return {**out, "max_rel": "n/a", "mean_rel": "n/a", "euclidean": "n/a"}
+    finite_rel = [r for r in rel if math.isfinite(r)]
+    deltas = [abs(Fraction(b) - Fraction(a)) for a, b in fin]
+    top = max(deltas)
+    euclid = top and big_float(top) * math.sqrt(float(sum((d / top) ** 2 for d in deltas)))
+    logged = lambda x: pytest.approx(x, rel=1e-12) if math.isfinite(x) else str(x)  # noqa: E731
+    return {**out, "max_rel": logged(max(rel)), "euclidean": logged(euclid),
+            "mean_rel": logged(sum(finite_rel) / len(finite_rel) if finite_rel else math.inf)}
+
+
+def big_float(x: Fraction) -> float:
+    try:
+        return float(x)
+    except OverflowError:  # beyond float64: h5diff's float64 arithmetic reads inf
+        return math.inf
 
 
 @pytest.mark.parametrize("spec", PLANS, ids=[json.dumps(p, sort_keys=True) for p in PLANS])
@@ -426,3 +469,189 @@ def test_scale_rounds_the_exact_product_once(tmp_path, kind, old, factor, new):
     assert rounded(Fraction(old) * Fraction(factor), kind) == new  # the reference agrees
     A.alter(src, tmp_path / "out.h5", A.Plan(count=1, scale=factor), log=tmp_path / "log.json")
     assert json.loads((tmp_path / "log.json").read_text())["injections"][0]["new"] == new
+
+
+def chi2(observed: list[int], expected: list[float]) -> float:
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+
+
+def loose_bound(dof: int) -> float:
+    """Far above the chi-square quantiles a uniform draw reaches (mean dof, sd sqrt(2 dof))."""
+    return dof + 6 * math.sqrt(2 * dof)
+
+
+def test_positions_and_bits_are_uniform(tmp_path):
+    """Positions uniform over all eligible values (datasets in proportion to their size), each
+    value once; the bit uniform over the region."""
+    src = tmp_path / "in.h5"
+    sizes = {"a": 10, "b": 90, "c": 900}
+    with h5py.File(src, "w") as f:
+        for name, n in sizes.items():
+            f[name] = np.linspace(-2, 2, n, dtype=np.float32)
+    per_set, per_bit = dict.fromkeys(sizes, 0), [0] * 32
+    for seed in range(20):
+        out = tmp_path / f"o{seed}.h5"
+        A.alter(src, out, A.Plan(fraction=0.1, seed=seed))
+        got = changes(src, out)
+        assert len(got) == 100
+        for (name, _), (_, old, new) in got.items():
+            per_set[name.lstrip("/")] += 1
+            (bit,) = flipped_bits(old ^ new, 32)
+            per_bit[bit] += 1
+    assert chi2(list(per_set.values()), [2000 * n / 1000 for n in sizes.values()]) < loose_bound(2)
+    assert chi2(per_bit, [2000 / 32] * 32) < loose_bound(31)
+
+
+def test_no_nonfinite_draws_uniformly_among_the_flips_that_stay_finite(tmp_path):
+    """1.0 (float32): its exponent MSB gives inf, each other exponent bit a finite value."""
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f["x"] = np.ones(700, np.float32)
+    out = tmp_path / "o.h5"
+    A.alter(src, out, A.Plan(count=700, region="exponent", nonfinite=False, seed=3))
+    per_bit = [0] * 9
+    for _, old, new in changes(src, out).values():
+        (bit,) = flipped_bits(old ^ new, 32)
+        per_bit[bit] += 1
+    assert per_bit[:2] == [0, 0] and sum(per_bit) == 700
+    assert chi2(per_bit[2:], [100] * 7) < loose_bound(6)
+
+
+BAD = [  # options after IN OUT, and a word of the one line that must say why
+    (["--count", "0"], "--count"), (["--count", "-3"], "--count"), (["--fraction", "1.5"], "--fraction"),
+    (["--probability", "-0.1"], "--probability"), (["--bits", "5-3"], "--bits"), (["--bits", "0-64"], "--bits"),
+    (["--bits", "x"], "--bits"), (["--region", "sign", "--bits", "0-0"], "--region"), (["--burst", "0"], "--burst"),
+    (["--burst", "65"], "--burst"), (["--mask", "102"], "--mask"), (["--mask", "000"], "--mask"),
+    (["--mask", "11", "--burst", "2"], "--mask"), (["--scale", "nan"], "--scale"),
+    (["--scale", "2", "--region", "sign"], "--scale"), (["--region", "sign", "--no-sign-change"], "--no-sign-change"),
+    (["--scale", "-2", "--no-sign-change"], "--no-sign-change"), (["--class", "bogus"], "--class"),
+    (["--seed", "-1"], "--seed"), (["--count", "2", "--fraction", "0.1"], "--fraction"),
+    (["--select", "nothing_here"], "nothing_here"), (["--select", "re:("], "re:("),
+    (["--select", "one", "--count", "2"], "eligible"), (["--select", "empty"], "no values"),
+    (["--select", "history"], "string"), (["--select", "deep/a"], "group"),
+    (["--select", "counters/u8", "--region", "exponent"], "--region exponent"),
+    (["--select", "model/emb.weight", "--bits", "16-16"], "--bits 16-16"),
+    (["--select", "counters/i8", "--mask", "1000000001"], "--mask"),
+    (["--select", "counters/u8", "--scale", "2"], "--scale"),
+    (["--select", "model/bn1.weight", "--count", "17", "--bits", "1-1", "--no-nonfinite"], "eligible"),
+    (["--class", "norm_stats", "--select", "model/fc.bias"], "norm_stats"),
+    (["--count", "100000"], "eligible"), (["--replay", "missing.json"], "missing.json"),
+    (["--replay", "log.json", "--seed", "1"], "--replay"),
+]
+
+
+@pytest.mark.parametrize("options,word", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_is_one_line_before_any_write(source, tmp_path, capsys, monkeypatch, options, word):
+    from peat.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "log.json").write_text(json.dumps({"injections": [], "scale": None}))
+    before = sha(source), sorted(tmp_path.iterdir())
+    try:
+        rc = main(["alter", str(source), str(tmp_path / "out.h5"), *options])
+    except SystemExit as exit_:  # argparse's own refusals (after its usage line)
+        rc = exit_.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("peat alter: error:") and word in err[-1], err
+    assert len([line for line in err if "error" in line]) == 1 and "Traceback" not in "\n".join(err)
+    assert (sha(source), sorted(tmp_path.iterdir())) == before  # no output, no hidden copy
+
+
+def test_replay_on_other_values_warns_and_flips_the_same_bits(source, tmp_path, capsys):
+    """The log decides: the same datasets, indices and bits, whatever the other file holds."""
+    log, other = tmp_path / "log.json", tmp_path / "other.h5"
+    A.alter(source, tmp_path / "o.h5", A.Plan(count=25, seed=4, burst=2), log=log)
+    shutil.copyfile(source, other)
+    with h5py.File(other, "r+") as f:
+        f["model/conv1.weight"][...] = f["model/conv1.weight"][()] + 1
+    capsys.readouterr()
+    A.alter(other, tmp_path / "r.h5", A.Plan(), replay=log)
+    first, again = changes(source, tmp_path / "o.h5"), changes(other, tmp_path / "r.h5")
+    assert first.keys() == again.keys()
+    assert all(first[k][1] ^ first[k][2] == again[k][1] ^ again[k][2] for k in first)
+    hit = sum(k[0] == "/model/conv1.weight" for k in first)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ([f"peat alter: warning: {hit} value(s) of /model/conv1.weight in {other} differ from the "
+                       f"'old' values in {log}; they are altered the same way anyway"] if hit else [])
+
+
+# --- the study's tables, recomputed from their definitions ----------------------------------------
+
+
+def study_cells(rng: np.random.Generator, n: int) -> list[tuple]:
+    """(golden curve, resumed curve) pairs: accuracies in hundredths (a validation set of 100), as
+    a real run's correct / total, so that gaps and losses meet the thresholds exactly."""
+    cells = []
+    for _ in range(n):
+        epochs = [1, 2, 3, 4]
+        golden = pd.DataFrame({"accuracy": rng.integers(40, 90, 4) / 100, "loss": rng.uniform(0.2, 2, 4)}, index=epochs)
+        run = pd.DataFrame({"accuracy": [golden.loc[e, "accuracy"] - rng.integers(-3, 4) / 100 for e in epochs],
+                            "loss": rng.uniform(0.2, 2, 4)}, index=epochs)
+        if rng.random() < 0.2:
+            run.loc[rng.integers(2, 5), "loss"] = rng.choice([np.nan, np.inf])
+        cells.append((golden, run))
+    return cells
+
+
+def hundredths(x: float) -> Fraction:
+    return Fraction(round(x * 100), 100)
+
+
+def test_compare_and_epochs_to_recover_follow_their_definitions():
+    tolerance = 0.02
+    for golden, run in study_cells(np.random.default_rng(0), 200):
+        out = S.compare(run, golden, 1)
+        g, f = hundredths(golden.loc[4, "accuracy"]), hundredths(run.loc[4, "accuracy"])
+        assert out["accuracy_loss_pct"] == pytest.approx(float(100 * (g - f) / g), abs=1e-9)
+        losses = run.loc[2:, "loss"]
+        assert out["diverged"] == (not np.isfinite(losses).all())
+        assert out["loss_change_pct"] == (pytest.approx(100 * (losses[4] - golden.loc[4, "loss"]) / golden.loc[4, "loss"])
+                                          if np.isfinite(losses[4]) else math.inf)
+        gaps = [abs(hundredths(run.loc[e, "accuracy"]) - hundredths(golden.loc[e, "accuracy"]))
+                if np.isfinite(run.loc[e, "loss"]) else math.inf for e in (2, 3, 4)]
+        within = [n for n, gap in enumerate(gaps, 1) if gap <= Fraction("0.02")]
+        got = S.epochs_to_recover(out["accuracy_gaps"], tolerance)
+        assert (got if within else "never") == (within[0] if within else "never" if np.isnan(got) else got), gaps
+
+
+def absorbed_reference(rows: list[dict], max_loss_pct: Fraction) -> dict:
+    """absorbed.csv per (cls, region), from the README's words, with exact accuracies."""
+    out = {}
+    for key in sorted({(r["cls"], r["region"]) for r in rows}):
+        runs = [r for r in rows if (r["cls"], r["region"]) == key]
+        ok = lambda r: r["exact_loss_pct"] < max_loss_pct and not r["diverged"]  # noqa: E731
+        counts = sorted({r["flips"] for r in runs})
+        harmful = [n for n in counts if not all(ok(r) for r in runs if r["flips"] == n)]
+        absorbed_counts = [n for n in counts if not harmful or n < harmful[0]]
+        out[key] = {"max_absorbed_flips": max(absorbed_counts, default=0),
+                    "first_harmful_flips": harmful[0] if harmful else None, "runs": len(runs),
+                    "absorbed_runs": sum(map(ok, runs)), "diverged_runs": sum(r["diverged"] for r in runs)}
+    return out
+
+
+def test_absorbed_follows_its_definition():
+    rng = np.random.default_rng(1)
+    rows = []
+    for cls in ("weight", "bias", "optimizer"):
+        for region in ("sign", "mantissa"):
+            for flips in (1, 10, 100):
+                for seed in (0, 1):
+                    golden, run = study_cells(rng, 1)[0]
+                    # A validation set of 20: golden's final accuracy k / 20, the run's j samples fewer (or more),
+                    # so that the loss meets the limits exactly: 1 of 10 is 10 %, 2 of 20 too.
+                    k, j = (10, 1) if not rows else (rng.integers(10, 21), rng.integers(-1, 4))
+                    golden.loc[4, "accuracy"], run.loc[4, "accuracy"] = k / 20, (k - j) / 20
+                    cell = S.compare(run, golden, 1)
+                    g, f = (Fraction(round(x * 20), 20) for x in (golden.loc[4, "accuracy"], run.loc[4, "accuracy"]))
+                    rows.append(dict(cls=cls, region=region, flips=flips, seed=seed, status="ok",
+                                     accuracy_loss_pct=cell["accuracy_loss_pct"], diverged=cell["diverged"],
+                                     exact_loss_pct=100 * (g - f) / g))
+    rows.append(dict(cls="bias", region="sign", flips=1000, seed=0, status="not_applicable", accuracy_loss_pct=np.nan,
+                     diverged=False, exact_loss_pct=None))
+    for max_loss in ("5", "10", "1"):
+        table = S.absorbed(pd.DataFrame(rows), float(max_loss)).set_index(["cls", "region"])
+        want = absorbed_reference([r for r in rows if r["status"] == "ok"], Fraction(max_loss))
+        got = {key: {k: (None if pd.isna(v) else int(v)) for k, v in table.loc[key].items() if k != "max_loss_pct"}
+               for key in want}
+        assert got == want

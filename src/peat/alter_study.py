@@ -178,9 +178,16 @@ def epochs_to_recover(gaps, tolerance: float) -> float:
     """Epochs after the alteration until validation accuracy is back within ``tolerance`` (absolute) of
     golden's: 1 = the first resumed epoch already was; NaN if never (or no gaps: a cell not run)."""
     for n, gap in enumerate(gaps.split() if isinstance(gaps, str) else [], 1):
-        if float(gap) <= tolerance:
+        if float(gap) <= tolerance or _same(float(gap), tolerance):
             return n
     return math.nan
+
+
+def _same(x, limit: float):
+    """Whether a measured share equals a configured limit but for float rounding: accuracies are
+    ratios such as 72 / 100, whose difference from 0.70 is 0.020000000000000018, not 0.02, and a
+    loss of 1 sample in 10 is 9.999999999999998 %. Elementwise for arrays."""
+    return np.isclose(x, limit, rtol=1e-9, atol=1e-12)
 
 
 def stopped(run: pd.DataFrame, golden: pd.DataFrame, epoch: int) -> dict:
@@ -214,7 +221,8 @@ def collect(parts: list[str | Path], out_csv: str | Path, tolerance: float) -> p
 def absorbed(table: pd.DataFrame, max_loss_pct: float) -> pd.DataFrame:
     """Per class x region: the most flips absorbed (every run at that count and below lost < X%)."""
     ok = table[table["status"] == "ok"].copy()
-    ok["absorbed"] = (ok["accuracy_loss_pct"] < max_loss_pct) & ~ok["diverged"]
+    lost = ok["accuracy_loss_pct"]
+    ok["absorbed"] = (lost < max_loss_pct) & ~_same(lost, max_loss_pct) & ~ok["diverged"]
     rows = []
     for (cls, region), group in ok.groupby(["cls", "region"], sort=True):
         per_n = group.groupby("flips")["absorbed"].all().sort_index()
