@@ -29,15 +29,15 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
 x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(1))
 y = torch.randn(4 * world, 3, generator=torch.Generator().manual_seed(2))
-out = {"nonfinite": [], "fingerprint": [], "audit": []}
+out = {"nonfinite": [], "fingerprint": [], "audit": [], "every": [], "tolerant": []}
 
 
-def build(fused, audit_every):
+def build(fused, audit_every, **options):
     torch.manual_seed(0)
     # Weights of 30 and 15 elements (64-bit words), biases of 5 and 3 (one word per element).
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
     ddp = DistributedDataParallel(model)
-    guard = sdc.Guard(ddp, policy="log", fused=fused, audit_every=audit_every)
+    guard = sdc.Guard(ddp, policy="log", fused=fused, audit_every=audit_every, **options)
     return model, ddp, guard, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
@@ -125,6 +125,20 @@ for fused in (False, True):
                 out["fingerprint"].append([fused, [names[i], position, bit, k], alarms(guard, since)])
                 step += 1
 
+# --- fingerprint_every 2: a flip after step 1 is compared at step 2, and kept there on ---
+model, ddp, guard, opt = build(False, audit_every=0, fingerprint_every=2)
+for step in range(5):
+    guard.begin_step(step)
+    opt.zero_grad(set_to_none=True)
+    loss_of(ddp, rank, step).backward()
+    assert guard.check_gradients()
+    opt.step()
+    if step == 1 and rank == 1:
+        model[0].bias.data.view(torch.int32)[-1] ^= 1 << 3
+    guard.check_weights()
+guard.finish()
+out["every"] = [[e.step, e.check, e.suspect_ranks, e.localized] for e in guard.alarms]
+
 # --- ring audit: wrong local gradients (finite) on one rank, or a wrong replay ---
 for fused in (False, True):
     model, ddp, guard, opt = build(fused, audit_every=1)
@@ -156,7 +170,26 @@ for fused in (False, True):
         out["audit"].append([fused, [kind, k], alarms(guard, since)])
     guard.finish()
 
-print(f"RANK{rank} " + json.dumps(out), flush=True)
+# --- audit_tolerance 1e-4 on the gradient norms: a change of 1e-6 passes, one of 1e-3 does not ---
+model, ddp, guard, opt = build(False, audit_every=1, audit_tolerance=1e-4)
+armed = {}
+model[2].weight.register_hook(lambda g: g * (1 + 2 ** -20) if armed.pop("now", False) else g)
+model[0].register_forward_hook(lambda m, i, o: o * 1.001 if armed.get("forward") else o)
+for step, kind in enumerate(["report", "persistent"]):
+    guard.begin_step(step)
+    opt.zero_grad(set_to_none=True)
+    armed["now"] = rank == 1 and kind == "report"
+    armed["forward"] = rank == 1 and kind == "persistent"
+    loss_of(ddp, rank, step).backward()
+    guard.check_gradients(replay=lambda r: loss_of(guard.module, r, step))
+    armed["forward"] = False
+    opt.step()
+    guard.check_weights()
+guard.finish()
+out["tolerant"] = [[e.step, e.check, e.suspect_ranks, e.localized] for e in guard.alarms]
+
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:  # long lines on one stdout would interleave
+    json.dump(out, f)
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -166,15 +199,11 @@ dist.destroy_process_group()
 def exact(request, tmp_path_factory) -> tuple[int, list[dict]]:
     """Every case on ``world`` ranks: what each rank saw."""
     world = request.param
-    script = tmp_path_factory.mktemp("exact") / "exact.py"
+    folder = tmp_path_factory.mktemp("exact")
+    script = folder / "exact.py"
     script.write_text(EXACT_LOOP)
-    proc = _torchrun(script, world)
-    seen = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RANK"):
-            head, body = line.split(" ", 1)
-            seen[int(head[4:])] = json.loads(body)
-    return world, [seen[r] for r in range(world)]
+    _torchrun(script, world, str(folder))
+    return world, [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def _alike(ranks: list[dict], check: str) -> list:
@@ -207,6 +236,15 @@ def test_flipped_weight_bit_is_named_by_the_majority(exact):
         assert (check, suspects, localized) == ("fingerprint", *expected)
         assert detail["first_differing_parameter"] == name
         assert ("note" in detail) == (world == 2)
+
+
+def test_fingerprint_every_and_audit_tolerance(exact):
+    world, ranks = exact
+    named = ([1], True) if world >= 3 else (list(range(world)), False)
+    # Compared at steps 0, 2 and 4 only: the flip after step 1 shows at step 2, and stays.
+    assert _alike(ranks, "every") == [[step, "fingerprint", *named] for step in (2, 4)]
+    # Only the persistent fault (1e-3 on the norms) fails the tolerant audits, on the rank that made it.
+    assert _alike(ranks, "tolerant") == [[1, "audit", *named]]
 
 
 def test_audit_names_the_rank_whose_gradients_were_wrong(exact):
@@ -411,3 +449,27 @@ def test_drill_fault_injects_the_error_models_values_bit_for_bit(drill, spec):
             clean, got = w, captured[0]
         wrong = errors.parse(spec).apply(clean, errors.seeded(seed))
         assert torch.equal(got.detach().view(torch.int32), wrong.view(torch.int32)), (seed, spec)
+
+
+# --- the checksum is the README's formula --------------------------------------------------------
+
+def _readme_checksum(t: torch.Tensor) -> int:
+    """Wrap-around sum of the tensor's bytes (in element order) read as 64-bit words, or as words one
+    element wide where its byte count is not a multiple of 8; as a signed 64-bit integer."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    width = 8 if len(raw) % 8 == 0 else t.element_size()
+    total = sum(int.from_bytes(raw[i:i + width], "little", signed=True) for i in range(0, len(raw), width))
+    total %= 1 << (8 * width)
+    return total - (1 << (8 * width)) if total >= 1 << (8 * width - 1) else total
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_checksum_is_the_documented_wrap_around_sum(dtype):
+    g = torch.Generator().manual_seed(3)
+    store = (torch.randn(301, generator=g) * 1e4).to(dtype)
+    views = [store[:1], store[:3], store[:4], store[:8], store[1:5], store[3:300], store[:300].view(20, 15).t(),
+             store[0], store[:0], store[1:301:2]]
+    for t in views:
+        expected = _readme_checksum(t)
+        assert int(sdc.checksum([t])[0]) == expected, (dtype, t.shape, t.stride(), t.storage_offset())
+        assert int(sdc.checksum([t.clone()])[0]) == expected  # the same values laid out anew: the same sum
