@@ -235,7 +235,7 @@ def test_flipped_weight_bit_is_named_by_the_majority(exact):
         step, check, suspects, localized, detail = alarms[0]
         assert (check, suspects, localized) == ("fingerprint", *expected)
         assert detail["first_differing_parameter"] == name
-        assert ("note" in detail) == (world == 2)
+        assert detail.get("note") == ("two replicas: detected but cannot localize" if world == 2 else None)
 
 
 def test_fingerprint_every_and_audit_tolerance(exact):
@@ -260,6 +260,8 @@ def test_audit_names_the_rank_whose_gradients_were_wrong(exact):
         assert check == "audit" and sorted(detail["failed_audits"]) == sorted(failed), (fused, kind, k, detail)
         if kind == "unscaled" or world == 2:
             assert (suspects, localized) == (list(range(world)), False), (fused, kind, k, alarms)
+            why = "two replicas" if world == 2 else "failed audits have no common rank"
+            assert detail["note"] == f"{why}: detected but cannot localize"
         else:
             assert (suspects, localized) == ([k], True), (fused, kind, k, alarms)
 
@@ -473,3 +475,52 @@ def test_checksum_is_the_documented_wrap_around_sum(dtype):
         expected = _readme_checksum(t)
         assert int(sdc.checksum([t])[0]) == expected, (dtype, t.shape, t.stride(), t.storage_offset())
         assert int(sdc.checksum([t.clone()])[0]) == expected  # the same values laid out anew: the same sum
+
+
+# --- policy stop: who writes, who saves, who drains, how every rank exits ------------------------
+
+class _Stopping(sdc.Guard):
+    """One rank of a simulated group under policy stop, each rank on a node of its own (n0, n1, ...)."""
+
+    def __init__(self, rank: int, world: int, folder, saved: list):
+        self.rank, self.world, self.group, self.policy, self.alarms = rank, world, "group", "stop", []
+        self.hosts = [f"n{r}" for r in range(world)]
+        self.events, self.checkpoint = folder / "events.jsonl", folder / "stop.pt"
+        self.save = lambda path: saved.append((rank, path))
+        self._marker = folder / f"drain-{self.hosts[rank]}.json"
+        self.step = 7
+
+    def _collective(self, what, fn, out, mine, group):  # every rank's part of the stop went well
+        assert what == "stop"
+        out[:] = [None] * self.world
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_policy_stop_acts_on_every_rank_as_documented(world, tmp_path, capsys):
+    cases = [([k], True) for k in range(world)] + [(list(range(world)), False)]
+    if world == 4:
+        cases.append(([0, 1, 2], False))  # an audit whose failures have no common rank
+    for n, (suspects, localized) in enumerate(cases):
+        folder, saved = tmp_path / str(n), []
+        folder.mkdir()
+        codes = []
+        for rank in range(world):
+            me = _Stopping(rank, world, folder, saved)
+            with pytest.raises(SystemExit) as stop:
+                me._alarm("audit", suspects, localized, {})
+            codes.append(stop.value.code)
+        err = capsys.readouterr().err
+        healthy = [r for r in range(world) if r not in suspects]
+        writer = min(healthy, default=0)  # the lowest healthy rank; rank 0 when none is known healthy
+        (event,) = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+        assert (event["suspect_ranks"], event["localized"], event["hosts"]) == (
+            suspects, localized, [f"n{r}" for r in suspects])
+        assert saved == [(writer, folder / "stop.pt")]
+        drained = sorted(p.name for p in folder.glob("drain-*.json"))
+        assert drained == ([f"drain-n{r}.json" for r in suspects] if localized else [])
+        code = sdc.EXIT_SDC if localized else sdc.EXIT_SDC_UNLOCALIZED
+        assert codes == [code] * world
+        advice = (f"drain node(s) {', '.join(f'n{r}' for r in suspects)} and requeue" if localized
+                  else "a human must read the events; do not requeue")
+        assert err.count("peat sdc: stopping; ") == world and err.count(advice) == world
+        assert err.count("peat sdc: silent data corruption suspected at step 7") == 1
