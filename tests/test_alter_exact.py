@@ -99,13 +99,16 @@ def make_storages(path: Path, **kw) -> Path:
         f.create_dataset("fletcher", data=rng.standard_normal(20), chunks=(5,), fletcher32=True)
         f.create_dataset("never_written", shape=(6,), dtype=np.float32, fillvalue=2.0)
         f.create_dataset("plain", data=rng.standard_normal((3, 5)).astype(np.float32))
+        f["z_hard_link"] = f["plain"]  # one dataset, three names: altered once
+        f["z_soft_link"] = h5py.SoftLink("/plain")
     return path
 
 
 STORAGE_PLANS = [dict(count=1), dict(count=30, seed=1), dict(count=60, seed=2, region="mantissa"),
                  dict(fraction=0.25, seed=3, bits=(1, 1)), dict(count=10, burst=3, no_nonfinite=True, seed=4),
                  dict(count=20, scale=-0.5, seed=5), dict(count=5, select=["partial"], seed=6),
-                 dict(count=4, select=["compact_f32", "compact_i16"], seed=7), dict(count=2, select=["never_written"])]
+                 dict(count=4, select=["compact_f32", "compact_i16"], seed=7), dict(count=2, select=["never_written"]),
+                 dict(fraction=1.0, bits=(0, 0), seed=8)]
 KINDS = {"userblock": {"userblock_size": 512}, "latest": {"libver": "latest"}, "track_order": {"track_order": True}}
 
 
@@ -250,8 +253,12 @@ def candidates(kind: str, plan: A.Plan) -> list[int]:
 
 
 def finite(bits: int, kind: str) -> bool:
-    v = value(bits, kind)
-    return not isinstance(v, float) or math.isfinite(v)
+    """Not NaN or Inf: an exponent field of all ones (integers always are)."""
+    if kind not in FIELDS:
+        return True
+    w, _, (lo, hi), _ = FIELDS[kind]
+    ones = (1 << (hi - lo + 1)) - 1
+    return (bits >> (w - 1 - hi)) & ones != ones
 
 
 def eligible_values(path, plan: A.Plan, classes: dict) -> dict:
@@ -310,8 +317,8 @@ def scaled_bits(bits: int, kind: str, factor: float) -> int | None:
 def expected_count(plan: A.Plan, total: int) -> int | None:
     if plan.fraction is not None:
         return int((Decimal(str(plan.fraction)) * total).to_integral_value(ROUND_HALF_UP))
-    if plan.probability is not None:
-        return None  # a binomial draw: checked through the log
+    if plan.probability is not None:  # a binomial draw: checked through the log, but for 0 and 1
+        return {0: 0, 1: total}.get(plan.probability)
     return plan.count or 1
 
 
@@ -324,7 +331,8 @@ PLANS = [
     dict(count=60, no_nonfinite=True, seed=10), dict(count=30, no_nonfinite=True, region="exponent", seed=11),
     dict(count=15, no_nonfinite=True, bits=(1, 1), seed=12), dict(count=10, burst=4, no_nonfinite=True, seed=13),
     dict(fraction=0.1, seed=14), dict(fraction=0.5, region="sign", seed=15), dict(fraction=1.0, bits=(0, 0)),
-    dict(probability=0.2, seed=16), dict(count=3, classes=["weight"], bits=(1, 1)),
+    dict(probability=0.2, seed=16), dict(probability=1.0, region="sign"), dict(probability=0.0),
+    dict(fraction=0.0), dict(fraction=0.001, seed=2), dict(fraction=0.003, seed=2), dict(count=3, classes=["weight"], bits=(1, 1)),
     dict(count=6, classes=["optimizer"], seed=17), dict(count=4, classes=["norm_weight", "bias"], seed=18),
     dict(count=5, classes=["embedding"], region="exponent"), dict(count=2, classes=["norm_stats"]),
     dict(count=7, select=["optimizer/state/0/exp_avg"], region="mantissa"), dict(count=1, select=["one"]),
@@ -655,3 +663,12 @@ def test_absorbed_follows_its_definition():
         got = {key: {k: (None if pd.isna(v) else int(v)) for k, v in table.loc[key].items() if k != "max_loss_pct"}
                for key in want}
         assert got == want
+
+
+def test_classes_follow_the_readme(source):
+    """fc.weight_bf16, the README's example of a bfloat16 dataset marked by its name, was class
+    "other": --class weight never reached it."""
+    assert {e.path: e.cls for e in A.scan(source) if e.path in CLASS_OF} == CLASS_OF
+    assert [A.location_class(name, {}) for name in ("predictor/l1/W_bf16", "model/head.weight.bf16",
+                                                    "model/ln_f.bias_bfloat16", "model/wte.weight_bf16")] == [
+        "weight", "weight", "norm_weight", "embedding"]

@@ -150,9 +150,14 @@ _EMBED = re.compile(r"(embed|^wte$|^wpe$|^tok_embeddings$)")
 _KERNEL_BIAS = re.compile(r"^(dense|einsum_dense|conv[123]d|conv[123]d_transpose|depthwise_conv[12]d)(_\d+)?$")
 
 
+_BF16_TAG = re.compile(r"[_.-]?(bf16|bfloat16)$")
+
+
 def _parts(path: str) -> list[str]:
     # Keras names end in ":0"; Chainer separates with "/" as HDF5 does; PyTorch names use ".".
-    return [p.split(":")[0].lower() for p in re.split(r"[/.]", path.strip("/")) if p]
+    # A bfloat16 tag at the end of the name says the dtype, not the tensor: fc.weight_bf16 is a weight.
+    name = _BF16_TAG.sub("", path.strip("/").lower()) or path.strip("/").lower()
+    return [p.split(":")[0] for p in re.split(r"[/.]", name) if p]
 
 
 def location_class(path: str, attrs) -> str:
