@@ -672,3 +672,29 @@ def test_classes_follow_the_readme(source):
     assert [A.location_class(name, {}) for name in ("predictor/l1/W_bf16", "model/head.weight.bf16",
                                                     "model/ln_f.bias_bfloat16", "model/wte.weight_bf16")] == [
         "weight", "weight", "norm_weight", "embedding"]
+
+
+def test_h5diff_against_an_independent_comparison(tmp_path):
+    """Datasets only in one file, shape/dtype changes, bitwise element differences (-0.0, NaN
+    payloads, identical NaNs), and attributes by value, on files changed by hand."""
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    base = np.array([0.0, 1.0, np.nan, 2.0, -3.0], np.float32)
+    other = base.copy()
+    other[0], other[3] = -0.0, 2.5
+    other.view(np.uint32)[2] ^= 1  # another NaN: differs bit for bit
+    for path, x, extra in ((a, base, "only_a"), (b, other, "only_b")):
+        with h5py.File(path, "w") as f:
+            f.attrs.update(same=1.5, changed=1 if path == a else 2, nan=np.nan)
+            f.attrs[extra] = 0
+            f.create_dataset("g/x", data=x).attrs["unit"] = "m" if path == a else "cm"
+            f["g"].attrs["steps"] = np.arange(3, dtype=np.int64 if path == a else np.int32)
+            f["g/same"] = np.full(3, np.nan, np.float64)
+            f["g/reshaped"] = np.zeros(4 if path == a else 5, np.int16)
+            f[extra + "_data"] = np.ones(2)
+    d = A.diff(a, b)
+    rows = {r["dataset"]: r for r in d["datasets"]}
+    assert (d["only_in_a"], d["only_in_b"]) == (["/only_a_data"], ["/only_b_data"])
+    assert rows["/g/x"]["differing"] == 3 and rows["/g/x"]["bits"] == {"0": 1, "10": 1, "31": 1}  # 2.0 -> 2.5: the second mantissa bit
+    assert rows["/g/x"]["max_rel"] == 0.25 and rows["/g/x"]["nonfinite_new"] == 1
+    assert rows["/g/same"]["differing"] == 0 and rows["/g/reshaped"]["status"].startswith("differs in shape/dtype")
+    assert d["attributes_differ"] == {"/": ["changed", "only_a", "only_b"], "/g": ["steps"], "/g/x": ["unit"]}
