@@ -147,22 +147,31 @@ for fused in (False, True):
         lambda g: g * (1 + 2 ** -20) if armed.pop("now", False) else g)
     model[0].register_forward_hook(lambda m, i, o: o * 1.001 if armed["forward"] else o)
     scale = 1024.0
-    cases = [(kind, k) for kind in ("report", "replay", "persistent") for k in range(world)]
-    cases += [("clean", None), ("scaled", None), ("unscaled", None)]
+    cases = [(kind, k) for kind in ("report", "replay", "persistent", "accumulated") for k in range(world)]
+    cases += [("clean", None), ("scaled", None), ("unscaled", None), ("two micro-batches", None)]
     for step, (kind, k) in enumerate(cases):
         guard.begin_step(step)
         opt.zero_grad(set_to_none=True)
         mine = rank == k
         armed["forward"] = mine and kind == "persistent"
-        if mine and kind == "report":
+        if mine and kind in ("report", "accumulated"):  # accumulated: the first of two micro-batches
             armed["now"] = True
         s = scale if kind in ("scaled", "unscaled") else 1.0
-        (loss_of(ddp, rank, step) * s).backward()
+        if kind in ("accumulated", "two micro-batches"):
+            with ddp.no_sync():
+                loss_of(ddp, rank, step, 0).backward()
+            loss_of(ddp, rank, step, 1).backward()
+        else:
+            (loss_of(ddp, rank, step) * s).backward()
         if mine and kind == "replay":
             armed["now"] = True
         since = len(guard.alarms)
         replay_scale = 1.0 if kind == "unscaled" else s
-        assert guard.check_gradients(replay=lambda r: loss_of(guard.module, r, step) * replay_scale)
+        if kind in ("accumulated", "two micro-batches"):  # one loss, the sum of the rank's micro-batches'
+            replay = lambda r: loss_of(guard.module, r, step, 0) + loss_of(guard.module, r, step, 1)
+        else:
+            replay = lambda r: loss_of(guard.module, r, step) * replay_scale
+        assert guard.check_gradients(replay=replay)
         armed["forward"] = False
         armed.pop("now", None)
         opt.step()
@@ -251,7 +260,7 @@ def test_audit_names_the_rank_whose_gradients_were_wrong(exact):
     world, ranks = exact
     cases = _alike(ranks, "audit")
     for fused, (kind, k), alarms in cases:
-        if kind in ("clean", "scaled"):
+        if kind in ("clean", "scaled", "two micro-batches"):
             assert alarms == [], (fused, kind, alarms)
             continue
         assert len(alarms) == 1, (fused, kind, k, alarms)
@@ -273,7 +282,8 @@ def _failed_audits(kind: str, k: int | None, world: int) -> list:
     if kind == "unscaled":
         return [[r, (r + 1) % world] for r in range(world)]
     wrong_report, wrong_replay = [[(k - 1) % world, k]], [[k, (k + 1) % world]]
-    return {"report": wrong_report, "replay": wrong_replay, "persistent": wrong_report + wrong_replay}[kind]
+    return {"report": wrong_report, "accumulated": wrong_report, "replay": wrong_replay,
+            "persistent": wrong_report + wrong_replay}[kind]
 
 
 # --- pure rules, every case ---------------------------------------------------------------------
