@@ -393,7 +393,7 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(mixed, tmp_path, capsy
     with pytest.raises(PeatError) as err:
         run_alter(mixed, tmp_path / "o.h5", classes=["embedding"], select=["model/*"])
     assert str(err.value) == (f"{mixed}: no dataset of class 'embedding' among the selected ones; "
-                              "present: norm_stats, norm_weight, other, weight")
+                              "present: norm_stats, norm_weight, weight")  # head.weight_bf16: a weight
     with pytest.raises(PeatError) as err:
         run_alter(mixed, mixed)
     assert str(err.value) == f"{mixed}: output is the input file; use --in-place to alter it"

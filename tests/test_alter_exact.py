@@ -99,6 +99,9 @@ def make_storages(path: Path, **kw) -> Path:
         f.create_dataset("fletcher", data=rng.standard_normal(20), chunks=(5,), fletcher32=True)
         f.create_dataset("never_written", shape=(6,), dtype=np.float32, fillvalue=2.0)
         f.create_dataset("plain", data=rng.standard_normal((3, 5)).astype(np.float32))
+        f["wide/u64"] = rng.integers(0, 2**64 - 1, 6, dtype=np.uint64, endpoint=True)
+        f["wide/i64be"] = rng.integers(-2**63, 2**63 - 1, 6, dtype=np.int64).astype(">i8")
+        f["wide/f16be"] = rng.standard_normal(6).astype(">f2")
         f["z_hard_link"] = f["plain"]  # one dataset, three names: altered once
         f["z_soft_link"] = h5py.SoftLink("/plain")
     return path
@@ -698,3 +701,18 @@ def test_h5diff_against_an_independent_comparison(tmp_path):
     assert rows["/g/x"]["max_rel"] == 0.25 and rows["/g/x"]["nonfinite_new"] == 1
     assert rows["/g/same"]["differing"] == 0 and rows["/g/reshaped"]["status"].startswith("differs in shape/dtype")
     assert d["attributes_differ"] == {"/": ["changed", "only_a", "only_b"], "/g": ["steps"], "/g/x": ["unit"]}
+
+
+@pytest.mark.parametrize("factor", [3.0, 1 / 3, -1.0000001, 1 + 2.0**-30, 7e4, 1e-5, 0.5 + 2.0**-40, 65519 / 65504, -1e-300])
+def test_scale_matches_the_exactly_rounded_product_for_every_value(tmp_path, factor):
+    """Random float16/float32/bfloat16/float64 values, subnormals and values near the overflow
+    threshold among them: each scaled value is its exact product rounded once (or not eligible)."""
+    rng = np.random.default_rng(int(abs(math.frexp(factor)[0]) * 2**20))
+    x = rng.standard_normal(300) * np.exp2(rng.integers(-30, 30, 300))
+    near = np.array([65504, 65519, 65520, 6.1e-5, 6e-8, 3e-8, 1.17e-38, 1e-45, 3.4e38])
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f, np.errstate(over="ignore"):
+        for kind in ("float16", "float32", "float64"):
+            f[kind] = np.concatenate([x, near, -near]).astype(kind)
+        f.create_dataset("w_bf16", data=_bf16(np.concatenate([x, near, -near])))
+    check_plan(src, tmp_path, dict(fraction=1.0, scale=factor))
