@@ -21,6 +21,7 @@ import pytest
 
 from peat import alter as A
 from peat import alter_study as S
+from peat.io import PeatError
 
 # The README's table: (width, sign, exponent range, mantissa range) in peat's numbering (bit 0 = MSB).
 FIELDS = {
@@ -716,3 +717,20 @@ def test_scale_matches_the_exactly_rounded_product_for_every_value(tmp_path, fac
             f[kind] = np.concatenate([x, near, -near]).astype(kind)
         f.create_dataset("w_bf16", data=_bf16(np.concatenate([x, near, -near])))
     check_plan(src, tmp_path, dict(fraction=1.0, scale=factor))
+
+
+@pytest.mark.parametrize("kind,bits", [("float32", [0x7F800001, 0x3F800000]), ("float16", [0x7C01, 0x3C00]),
+                                       ("bfloat16", [0x7F81, 0x3F80])])
+def test_scale_never_counts_a_nan(tmp_path, kind, bits):
+    """A signalling NaN (an earlier flip's) times F is a quiet NaN: its bits changed, so it was
+    drawn, counted and logged as scaled ("nan" -> "nan"); the README: NaN is not eligible."""
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        raw = np.array(bits, np.uint16 if kind == "bfloat16" else f"u{np.dtype(kind).itemsize}")
+        ds = f.create_dataset("x", data=raw if kind == "bfloat16" else raw.view(kind))
+        if kind == "bfloat16":
+            ds.attrs["dtype"] = "bfloat16"
+    with pytest.raises(PeatError, match="2 values to corrupt but only 1 eligible"):
+        A.alter(src, tmp_path / "o.h5", A.Plan(count=2, scale=2.0))
+    result = A.alter(src, tmp_path / "o.h5", A.Plan(count=1, scale=2.0), keep_records=True)
+    assert [(r["old"], r["new"]) for r in result.records] == [(1.0, 2.0)]

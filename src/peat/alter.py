@@ -646,11 +646,13 @@ def _eligible(entry: Entry, raw: np.ndarray, plan: Plan, masks: np.ndarray) -> n
         # A value the factor leaves as it was (0 x F, NaN, a bfloat16 that rounds back) is no alteration:
         # counted and logged, it was missing from h5diff.
         scaled = _scaled(raw, entry, plan.scale)
-        changed = scaled != raw
+        old = _values(raw, entry.dtype, entry.layout)
+        # A NaN stays one: the product only sets the quiet bit of a signalling NaN (left by an
+        # earlier flip), which was counted and logged as an altered value, "nan" -> "nan".
+        changed = (scaled != raw) & ~np.isnan(old)
         if plan.nonfinite:
             return changed
-        new = _values(scaled, entry.dtype, entry.layout)
-        return changed & np.isfinite(_values(raw, entry.dtype, entry.layout)) & np.isfinite(new)
+        return changed & np.isfinite(old) & np.isfinite(_values(scaled, entry.dtype, entry.layout))
     if plan.nonfinite or not entry.layout.is_float:
         return None
     bad = _bad_counts(masks, entry.layout)
