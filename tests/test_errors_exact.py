@@ -3,6 +3,7 @@ tiles, casts of every op's operands, and results in any memory layout."""
 
 from __future__ import annotations
 
+import copy
 import math
 import struct
 
@@ -162,6 +163,35 @@ def test_an_error_is_the_same_whatever_the_results_memory_layout(spec):
         assert not layout.is_contiguous()
         out = errors.inject(errors.faulty(kernels.golden("conv2d"), spec, seed=4), "forward", layout, (), {})
         assert torch.equal(out.contiguous().view(torch.int32), contiguous.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("spec", ["lane:4", "lane:2:stuck:row", "tile:2", "tile:2:zero", "tile:2:splitk", "rz:2",
+                                  "bit_flip:any:2"])
+def test_an_error_leaves_the_results_memory_layout_as_it_was(spec):
+    """An (N, C, 1, 1) convolution result rebuilt from its matrix view had channels-last strides (they pass
+    as contiguous), so the batch norm after it in candidate or RFI training took its channels-last
+    backward, and the run differed from golden beside the error in the last bits (ResNet-18's layer4 at
+    32 x 32 images). The faulty result keeps golden's strides, and training around it is golden's but
+    for the error's values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 512, 3), torch.nn.BatchNorm2d(512), torch.nn.Flatten(),
+                                torch.nn.Linear(512, 2))
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 16, 3, 3, generator=gen(40))
+    kernels.route(model, errors.faulty(kernels.golden("conv2d"), spec, seed=2), ["0"])
+    hp = dict(stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
+    replayed = errors.faulty(kernels.golden("conv2d"), spec, seed=2)
+
+    def hook(module, args, golden):  # the same faulty values, in the layout golden gives them
+        out = replayed.forward(args[0], module.weight.detach(), module.bias.detach(), **hp)
+        assert out.stride() == golden.stride()
+        return out.clone(memory_format=torch.contiguous_format) + (golden - golden.detach())
+
+    twin[0].register_forward_hook(hook)
+    for net in (model, twin):
+        net(x).square().sum().backward()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
 
 def test_a_stale_tile_after_a_result_of_another_shape_is_zero_then_that_results():

@@ -105,12 +105,24 @@ class ErrorModel:
             out = _lane(self, t, generator)
         else:
             out = _tile(self, t, generator, operands)
+        out = _laid_out_as(out, t)
         if self.mode == "stale":  # what a stale tile would still hold next call; a copy of every result else
             self._previous = t.detach().clone()
         if self.strict and not self.on_operands and bool(_kept(t.detach(), out).all()):
             raise NotInjected(f"error spec {self.spec!r} changes nothing in this result (shape {tuple(t.shape)}): "
                               "every element it can act on already holds what it would set")
         return out
+
+
+def _laid_out_as(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` in the memory layout of ``like``, the result the error went into: an error changes values,
+    not the strides the rest of the model reads. A (N, C, 1, 1) result rebuilt from its matrix view had
+    channels-last strides, which pass as contiguous, and a batch norm after it took its channels-last
+    backward: training beside the error differed from golden's in the last bits."""
+    if out.stride() == like.stride():
+        return out
+    laid = torch.empty_like(like)  # like's strides where dense, else contiguous ones
+    return out if laid.stride() == out.stride() else laid.copy_(out)
 
 
 def parse(spec: str) -> ErrorModel:
