@@ -734,3 +734,20 @@ def test_scale_never_counts_a_nan(tmp_path, kind, bits):
         A.alter(src, tmp_path / "o.h5", A.Plan(count=2, scale=2.0))
     result = A.alter(src, tmp_path / "o.h5", A.Plan(count=1, scale=2.0), keep_records=True)
     assert [(r["old"], r["new"]) for r in result.records] == [(1.0, 2.0)]
+
+
+@pytest.mark.parametrize("tag", ["bf16", np.bytes_(b"bfloat16"), "BFloat16"])
+def test_load_reads_bfloat16_as_peat_alter_does(tmp_path, tag):
+    """A bfloat16 tensor tagged "bf16", or with a fixed-length string, is bfloat16 to peat alter,
+    which flips its bits so; checkpoint.load read its bits as integers (1.0 -> 16256.0)."""
+    torch = pytest.importorskip("torch")
+    from peat import checkpoint as C
+
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    C.save(tmp_path / "c.h5", model, None, step=1, epoch=1, meta={})
+    with h5py.File(tmp_path / "c.h5", "r+") as f:
+        f["model/weight"].attrs["dtype"] = tag
+    assert next(e for e in A.scan(tmp_path / "c.h5") if e.path == "/model/weight").layout.name == "bfloat16"
+    other = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    C.load(tmp_path / "c.h5", other)
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)

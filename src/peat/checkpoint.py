@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .alter import _is_bfloat16
 from .io import PeatError, atomic_path, open_h5
 
 
@@ -56,7 +57,9 @@ def _create(group: h5py.Group, name: str, value) -> h5py.Dataset:
 
 def _tensor(ds: h5py.Dataset) -> torch.Tensor:
     data = np.asarray(ds[()])
-    if ds.attrs.get("dtype") == "bfloat16" and data.dtype == np.uint16:
+    # bfloat16 as peat alter reads it (docs/alter.md): a tag "bf16", or one stored as a fixed-length
+    # string (h5repack, other writers), loaded the bits as integers, 16256.0 for 1.0, without a word.
+    if _is_bfloat16(ds):
         return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(data)
 
