@@ -547,7 +547,10 @@ BAD = [  # options after IN OUT, and a word of the one line that must say why
     (["--select", "counters/u8", "--scale", "2"], "--scale"),
     (["--select", "model/bn1.weight", "--count", "17", "--bits", "1-1", "--no-nonfinite"], "eligible"),
     (["--class", "norm_stats", "--select", "model/fc.bias"], "norm_stats"),
-    (["--count", "100000"], "eligible"), (["--replay", "missing.json"], "missing.json"),
+    (["--count", "100000"], "eligible"),
+    (["--select", "model/emb.weight", "--region", "exponent", "--burst", "6"], "--burst 6 in --region exponent"),
+    (["--select", "model/fc.weight_bf16", "--region", "exponent", "--mask", "100000001"], "--mask 100000001"),
+    (["--select", "counters/u8", "--region", "sign"], "--region sign"), (["--replay", "missing.json"], "missing.json"),
     (["--replay", "log.json", "--seed", "1"], "--replay"),
 ]
 

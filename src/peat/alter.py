@@ -800,20 +800,20 @@ def _scaled(old: np.ndarray, entry: Entry, factor: float) -> np.ndarray:
 def _product_round_to_odd(x: np.ndarray, factor: float) -> np.ndarray:
     """x * factor rounded to odd in float64, so that rounding it again to a narrower float is exact:
     the product rounded to nearest in float64 can land on a float32 (or float16) halfway point the
-    exact one is just past, and then round the wrong way (3.0 x (1 + 178956971 x 2^-52) gave 3.0)."""
-    mantissa, exponent = math.frexp(factor)  # scaled to [0.5, 1): no split below overflows
-    p = x * mantissa
-    # Dekker's exact product: p + err == x * mantissa, with both halves of 26-27 bits.
-    split = 134217729.0  # 2^27 + 1
-    xh = split * x - (split * x - x)
-    mh = split * mantissa - (split * mantissa - mantissa)
-    xl, ml = x - xh, mantissa - mh
-    err = ((xh * mh - p) + xh * ml + xl * mh) + xl * ml
-    u = p.view(np.uint64)
-    inexact = np.isfinite(p) & (err != 0)
+    exact one is just past, and then round the wrong way (3.0 x (1 + 178956971 x 2^-52) gave 3.0).
+
+    ``x`` holds at most 24 significant bits (float32, float16, bfloat16 values): times each half of
+    the factor's 53 (26 and 27 bits) it is exact, and their sum is the product plus what it rounds off.
+    """
+    mantissa, exponent = math.frexp(factor)  # [0.5, 1): neither half below overflows
+    high = math.ldexp(round(math.ldexp(mantissa, 26)), -26)
+    a, b = x * high, x * (mantissa - high)  # a + b == x * mantissa
+    p = x * mantissa  # rounded to nearest: within a factor 2 of a, so a - p is exact
+    err = (a - p) + b  # what p rounded off, exactly; NaN where x is not finite
+    inexact = np.isfinite(err) & (err != 0)
     # p rounded away from zero: its neighbour toward zero; then the odd one of the two around the product.
-    u = np.where(inexact & (np.signbit(err) != np.signbit(p)), u - np.uint64(1), u)
-    u = np.where(inexact, u | np.uint64(1), u)
+    away = inexact & (np.signbit(err) != np.signbit(p))
+    u = (p.view(np.uint64) - away.view(np.uint8)) | inexact.view(np.uint8)
     return np.ldexp(u.view(np.float64), exponent)
 
 
