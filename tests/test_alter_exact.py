@@ -81,6 +81,9 @@ def _compact(f: h5py.File, name: str, data: np.ndarray) -> None:
     """A compact dataset (its values in the object header), which h5py's high-level API cannot make."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_layout(h5py.h5d.COMPACT)
+    # No modification time, as h5py's own datasets: HDF5 stamps one into a version-2 header at each
+    # write, so that two runs of the same plan differ (the README's exception to byte-identical reruns).
+    dcpl.set_obj_track_times(False)
     space = h5py.h5s.create_simple(data.shape)
     ds = h5py.h5d.create(f.id, name.encode(), h5py.h5t.py_create(data.dtype), space, dcpl=dcpl)
     ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
@@ -103,6 +106,7 @@ def make_storages(path: Path, **kw) -> Path:
         f["wide/u64"] = rng.integers(0, 2**64 - 1, 6, dtype=np.uint64, endpoint=True)
         f["wide/i64be"] = rng.integers(-2**63, 2**63 - 1, 6, dtype=np.int64).astype(">i8")
         f["wide/f16be"] = rng.standard_normal(6).astype(">f2")
+        f.create_dataset("wide/be_bf16", data=_bf16(rng.standard_normal(6)).astype(">u2"))
         f["z_hard_link"] = f["plain"]  # one dataset, three names: altered once
         f["z_soft_link"] = h5py.SoftLink("/plain")
     return path
