@@ -758,3 +758,23 @@ def test_load_reads_bfloat16_as_peat_alter_does(tmp_path, tag):
     other = torch.nn.Linear(3, 2).to(torch.bfloat16)
     C.load(tmp_path / "c.h5", other)
     assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+
+
+def test_load_reads_big_endian_tensors(tmp_path):
+    """peat alter edits big-endian datasets in their byte order; checkpoint.load failed on them
+    (torch: a byte order other than the native one) or, for bfloat16, swapped their bytes."""
+    torch = pytest.importorskip("torch")
+    from peat import checkpoint as C
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = torch.nn.Linear(3, 2).to(dtype)
+        C.save(tmp_path / "c.h5", model, None, step=1, epoch=1, meta={})
+        with h5py.File(tmp_path / "c.h5", "r+") as f:
+            for name in ("weight", "bias"):
+                ds = f[f"model/{name}"]
+                data, attrs = ds[()], dict(ds.attrs)
+                del f[f"model/{name}"]
+                f.create_dataset(f"model/{name}", data=data.astype(data.dtype.newbyteorder(">"))).attrs.update(attrs)
+        other = torch.nn.Linear(3, 2).to(dtype)
+        C.load(tmp_path / "c.h5", other)
+        assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)

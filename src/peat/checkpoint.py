@@ -56,7 +56,10 @@ def _create(group: h5py.Group, name: str, value) -> h5py.Dataset:
 
 
 def _tensor(ds: h5py.Dataset) -> torch.Tensor:
+    # In this machine's byte order: torch takes no other (ValueError), and a bfloat16 view of
+    # big-endian bits swapped their bytes.
     data = np.asarray(ds[()])
+    data = data.astype(data.dtype.newbyteorder("="), copy=False)
     # bfloat16 as peat alter reads it (docs/alter.md): a tag "bf16", or one stored as a fixed-length
     # string (h5repack, other writers), loaded the bits as integers, 16256.0 for 1.0, without a word.
     if _is_bfloat16(ds):
