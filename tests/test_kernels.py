@@ -345,6 +345,25 @@ def test_a_routed_kernel_gets_a_contiguous_input_as_playback_does():
     assert {args[1 if c == "weight_grad" else 0] for _, c, args in seen} == {((5, 3), (3, 1)), ((5, 4), (4, 1))}
 
 
+def test_a_routed_kernel_returning_golden_in_channels_last_strides_trains_as_golden():
+    """An (N, C, 1, 1) result with channels-last strides passes as contiguous: the router handed it on
+    so, the batch norm after it took its channels-last backward, and every gradient before it differed
+    from golden's though the kernel computed golden's values."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(16, 512, 3), nn.BatchNorm2d(512), nn.Flatten(), nn.Linear(512, 2))
+    routed = copy.deepcopy(plain)
+    golden = kernels.golden("conv2d")
+
+    def forward(*args, **kwargs):
+        out = golden.forward(*args, **kwargs)
+        return torch.empty_strided(out.shape, (out.shape[1], 1, out.shape[1], out.shape[1])).copy_(out)
+    kernels.route(routed, dataclasses.replace(golden, name="channels_last", forward=forward, custom=("forward",)))
+    x = torch.randn(8, 16, 3, 3)
+    for net in (plain, routed):
+        net(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), routed.parameters()))
+
+
 def test_a_routed_kernel_may_send_its_inputs_to_a_worker_pool_as_in_playback():
     """A pool's calls pickle their arguments with multiprocessing's pickler, which refuses a tensor
     with autograd history: a kernel sending its inputs to a pool for a CPU reference passed
