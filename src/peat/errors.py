@@ -424,9 +424,13 @@ def _splitk_partial(model: ErrorModel, t, generator, operands) -> torch.Tensor:
     out = partial(chunk)
     # Judged on the result, not on the partial sum alone: one the result's rounding absorbs (1e-9 beside
     # 1), or that adds only to NaN or inf, left it as it was, a case labeled a bug that was golden.
-    missed = lambda p: bool((~_kept(t.detach(), t.detach() - p)).any())  # noqa: E731
-    if not missed(out):
-        changing = torch.tensor([missed(partial(c)) for c in range(chunks)])
+    result = t.detach()
+
+    def changes(p: torch.Tensor) -> bool:  # missing the partial sum p changes the result
+        return bool((~_kept(result, result - p)).any())
+
+    if not changes(out):
+        changing = torch.tensor([changes(partial(c)) for c in range(chunks)])
         out = partial(_redrawn(chunk, changing, generator))
     return out
 
