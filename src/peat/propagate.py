@@ -221,7 +221,7 @@ class Propagator:
             ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
                                  itself(model64), prefix=prefix.on(model64, torch.float64), seed=seed)
             recorded = sample["A"].cpu()
-            recon = float((gold["A"].cpu() - recorded).abs().max() / recorded.abs().max().clamp_min(1e-30))
+            recon = _recon_error(gold["A"].cpu(), recorded)
 
             own, kept = variants.get("kernel"), {}  # the kernel itself; its output at L, and its input there
 
@@ -281,6 +281,19 @@ class Propagator:
         # The rounded references first: their rows and their footprints come from one error each.
         return ([row(f"ref:{p}", refs[p], diff) for p, diff in scored_references(env, refs, gold_point, rules)]
                 + [row(case, seen[point].cpu().float()) for case, seen in runs.items()])
+
+
+def _recon_error(live: torch.Tensor, recorded: torch.Tensor) -> float:
+    """``recon_error``: the largest difference between L's live input and the recorded one, over the
+    recorded one's largest finite magnitude. Equal elements differ by 0, inf and NaN included (inf - inf
+    made an exact rebuild of a diverged training's input NaN); a non-finite element rebuilt otherwise, by inf."""
+    if not recorded.numel():
+        return 0.0
+    recorded = recorded.to(live.dtype)
+    same = (live == recorded) | (live.isnan() & recorded.isnan())
+    diff = torch.where(same, 0.0, (live - recorded).abs()).nan_to_num(nan=float("inf"), posinf=float("inf"))
+    scale = torch.where(recorded.isfinite(), recorded.abs(), 0.0).max().clamp_min(1e-30)
+    return float(diff.max() / scale)
 
 
 def _status(err: BaseException) -> str:

@@ -1,0 +1,159 @@
+"""peat.propagate re-derived from docs/playback.md: the later observing points against a network
+rebuilt here by hand, the convolutions' fast paths against torch's, recon_error's definition."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peat import checkpoint
+from peat.models import build, loss_and_metrics
+from peat.profiler import match_layers, read_layer, recorded_steps
+from peat.propagate import Propagator, _conv, _recon_error
+from peat.train import epoch_seed
+
+
+@pytest.fixture(scope="module")
+def golden_run(tmp_path_factory):
+    """A tiny GPT-2 trained under the Profiler: 3 steps an epoch, 2 epochs, a checkpoint after the first."""
+    from peat.data import prepare
+    from peat.train import train_model
+
+    root = tmp_path_factory.mktemp("golden")
+    data = root / "pydoc.h5"
+    prepare("pydoc", {"source": "pydoc", "seq_len": 16, "part": [0.0, 0.05], "val_fraction": 0.1}, data)
+    spec = {"arch": "gpt2", "dataset": "pydoc", "size": {"hidden": 16, "layers": 2, "heads": 2}, "epochs": 2,
+            "batch_size": 8, "max_train_samples": 24, "max_val_samples": 8, "optimizer": {"name": "adamw", "lr": 0.01},
+            "checkpoint_epochs": [1], "record": {"layers": ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_1"],
+                                                 "every": 1}}
+    train_model("gpt2", spec, data, root / "run", config_hash="h")
+    prop = Propagator(context=root / "run" / "context.h5", spec=spec, data=data,
+                      checkpoints=root / "run" / "checkpoints", samples=None)
+    return root, spec, prop
+
+
+def rebuilt(root, spec, prop, step):
+    """The network before ``step`` as docs/playback.md says: seeded build, the latest checkpoint at or
+    before the step, every recorded layer's weights of that step."""
+    torch.manual_seed(0)
+    model = build(spec, prop.dataset.attrs, 0)
+    saved = sorted((int(checkpoint_step(p)), p) for p in (root / "run" / "checkpoints").glob("epoch*.h5"))
+    for s, path in saved:
+        if s <= step:
+            checkpoint.load(path, model)
+    context = root / "run" / "context.h5"
+    for name, module in match_layers(model, prop.order).items():
+        if step in recorded_steps(context, name):
+            attrs, (sample,) = read_layer(context, name, [step], derive=False)
+            with torch.no_grad():
+                module.weight.copy_(sample["W"].t() if attrs.get("transposed") else sample["W"])
+                module.bias.copy_(sample["B"])
+    return model.train()
+
+
+def checkpoint_step(path):
+    from peat.io import open_h5
+
+    with open_h5(path) as f:
+        return f.attrs["step"]
+
+
+def own_forward(model, prop, layer, nxt, x, y, seed, replace=None):
+    """A plain forward to the loss, ``layer``'s output replaced by ``replace(its input)``."""
+    seen = {}
+    hooks = [model.get_submodule(nxt).register_forward_hook(lambda m, i, o: seen.setdefault("next", o.detach()))]
+    if replace is not None:
+        hooks.append(model.get_submodule(layer).register_forward_hook(lambda m, i, o: replace(i[0])))
+    torch.manual_seed(seed)
+    try:
+        with torch.no_grad():
+            loss, _ = loss_and_metrics(model, prop.dataset.kind, x, y)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen["next"], loss.reshape(1)
+
+
+def test_later_points_equal_a_network_rebuilt_by_hand_bit_for_bit(golden_run):
+    """Golden, and a candidate (golden's output plus 1 on every 4th column), at next and loss, at
+    every recorded step (exact ones, 0 and 3, and approximate ones): as a forward of the network
+    rebuilt here, bit for bit."""
+    root, spec, prop = golden_run
+    layer, nxt = "transformer.h.0.mlp.c_fc", "transformer.h.1.ln_1"
+    context = root / "run" / "context.h5"
+    cases = 0
+    for step in recorded_steps(context, layer):
+        epoch = 1 + step // prop.per_epoch
+        x, y = prop.batch(step, epoch)
+        model, _ = prop.models_at(step)
+        prop.readers, prop.before = None, {}
+        mine = rebuilt(root, spec, prop, step)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), mine.state_dict().values()))
+        seed = epoch_seed(0, epoch)
+        module = mine.get_submodule(layer)
+
+        def shifted(a, module=module):
+            out = F.linear(a, module.weight.t(), module.bias).clone()
+            out[..., ::4] += 1
+            return out
+
+        for replace in (None, shifted):
+            theirs = prop.observe(model, layer, nxt, x, y, replace, seed=seed)
+            ours = own_forward(mine, prop, layer, nxt, x, y, seed, replace)
+            assert torch.equal(theirs["next"], ours[0]) and torch.equal(theirs["loss"], ours[1])
+            cases += 1
+    assert cases == 12
+
+
+def test_recon_error_is_the_max_relative_difference_and_0_where_exact():
+    recorded = torch.tensor([[1.0, -4.0], [2.0, 0.5]])
+    assert _recon_error(recorded.clone(), recorded) == 0
+    live = recorded.clone()
+    live[1, 0] = 2.5
+    assert _recon_error(live, recorded) == pytest.approx(0.5 / 4)
+
+
+def test_recon_error_of_an_exact_rebuild_of_non_finite_inputs_is_0():
+    """A diverged training's recorded input holds inf and NaN: an exact rebuild has them at the same
+    places, and its recon_error was NaN (inf - inf), not 0."""
+    recorded = torch.tensor([[1.0, float("inf")], [float("nan"), -float("inf")]])
+    assert _recon_error(recorded.clone(), recorded) == 0
+    live = recorded.clone()
+    live[0, 0] = 1.5
+    assert _recon_error(live, recorded) == 0.5
+    live[0, 1] = 3.0  # inf rebuilt as a finite value: as far as can be
+    assert _recon_error(live, recorded) == float("inf")
+
+
+CONVS = list(itertools.product([(1, 1), (2, 3), (5, 5)], [1, 3, (1, 3)], [1, 2], [0, 1, 4], [1, 2], [1, 2],
+                               [torch.float32, torch.float64], [False, True]))
+
+
+def test_fast_convolutions_compute_what_torch_does_with_nan_and_inf_where_torch_has_them():
+    """_conv on small maps (matrix and crop paths, float64 GEMM), stride/dilation/groups, padding
+    beyond the map, channels-last, empty batches: torch's results to rounding, NaN and inf where
+    torch's are, the same shape."""
+    torch.manual_seed(0)
+    checked = 0
+    for (h, w), k, s, p, d, g, dtype, cl in CONVS:
+        conv = torch.nn.Conv2d(4, 6, k, stride=s, padding=p, dilation=d, groups=g).to(dtype)
+        for n, poison in ((0, None), (2, None), (2, float("nan")), (2, float("inf"))):
+            x = torch.randn(n, 4, h, w, dtype=dtype)
+            if poison is not None:
+                x[0, 1, h - 1, 0] = poison
+            if cl:
+                x = x.contiguous(memory_format=torch.channels_last)
+            try:
+                want = F.conv2d(x, conv.weight, conv.bias, s, p, d, g)
+            except RuntimeError:  # a map too small for the kernel: no convolution to compare
+                continue
+            with torch.no_grad():
+                got = _conv(conv, {}, x)
+            assert got.shape == want.shape
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+            finite = want.isfinite()
+            tol = 1e-5 if dtype == torch.float32 else 1e-12
+            torch.testing.assert_close(got[finite], want.detach()[finite], rtol=tol, atol=tol)
+            checked += 1
+    assert checked > 500
