@@ -157,3 +157,76 @@ def test_fast_convolutions_compute_what_torch_does_with_nan_and_inf_where_torch_
             torch.testing.assert_close(got[finite], want.detach()[finite], rtol=tol, atol=tol)
             checked += 1
     assert checked > 500
+
+
+class Branchy(torch.nn.Module):
+    """A downsample reading the block's input, a residual add, a layer read by two later ones, a layer
+    whose output nothing reads, dropout after them all."""
+
+    def __init__(self):
+        super().__init__()
+        for name in ("a", "down", "b", "c", "d", "dead", "e"):
+            setattr(self, name, torch.nn.Linear(4, 4))
+        self.head, self.drop = torch.nn.Linear(4, 3), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.down(x)
+        h = self.b(self.a(x)) + h
+        u, v = self.c(h), self.d(h)
+        self.dead(u)
+        return self.head(self.drop(self.e(u + v)))
+
+
+def test_next_readers_of_a_branching_network_follow_the_data_in_call_order():
+    from peat.propagate import call_graph
+
+    torch.manual_seed(0)
+    order = ["a", "b", "down", "c", "d", "dead", "e", "head"]
+    readers, before = call_graph(Branchy().train(), order, "image", torch.randn(5, 4), torch.randint(0, 3, (5,)), 0)
+    # a's next in definition order, down, reads x; b does not read down (the add comes after it); c's first reader in call order is dead, not d.
+    assert readers == {"a": "b", "down": "c", "b": "c", "c": "dead", "d": "e", "dead": None, "e": "head", "head": None}
+    assert before["b"] == {"a", "down"} and before["down"] == set() and before["head"] >= {"drop", "e", "dead"}
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self, dropout_before):
+        super().__init__()
+        self.c0, self.bn, self.pd = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.Dropout(
+            dropout_before)
+        self.L = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(4, 4, 3, padding=2, dilation=2, stride=2)
+        self.c3 = torch.nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.drop, self.fc = torch.nn.Dropout(0.5), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.L(self.pd(torch.relu(self.bn(self.c0(x)))))
+        return self.fc(self.drop(self.c3(torch.relu(self.c2(h))).mean((2, 3))))
+
+
+@pytest.mark.parametrize("dropout_before", [0.0, 0.3])
+def test_prefix_replay_and_fast_paths_keep_the_loss_and_give_fp64_goldens_input(dropout_before):
+    """Golden's loss through a recorded prefix (replayed, or run whole where a dropout before L draws),
+    _conv and channels-last after L equals a plain forward's; every run of the step draws the same
+    dropout masks; the float64 twin's L gets golden's input exactly."""
+    import types
+
+    from peat.propagate import Prefix, _downstream, _fast_modules, _float64
+
+    fake = object.__new__(Propagator)
+    fake.dataset = types.SimpleNamespace(kind="image")
+    for size in (1, 2, 5):
+        torch.manual_seed(size)
+        model, x, y = ConvNet(dropout_before).train(), torch.randn(6, 3, size, size), torch.randint(0, 3, (6,))
+        torch.manual_seed(7)
+        with torch.no_grad():
+            plain = F.cross_entropy(model(x), y).reshape(1)
+        fast = _fast_modules(model)
+        twin = _float64(model, fast)
+        for channels_last in (False, True):
+            prefix = Prefix(model, "L")
+            with _downstream(model, "L", {"c0", "bn", "pd"}, channels_last=channels_last, fast=fast, kept={}):
+                runs = [fake.observe(model, "L", "c3", x, y, None, prefix=prefix, seed=7) for _ in range(3)]
+                ref = fake.observe(twin, "L", "c3", x.double(), y, None, prefix=prefix.on(twin, torch.float64), seed=7)
+            assert prefix.valid == (dropout_before == 0)
+            assert all(torch.equal(run["loss"], plain) and torch.equal(run["next"], runs[0]["next"]) for run in runs)
+            assert torch.equal(ref["A"], runs[0]["A"].double())
