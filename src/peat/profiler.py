@@ -27,6 +27,7 @@ import collections.abc
 import contextlib
 import fnmatch
 import functools
+import json
 import operator
 import os
 import warnings
@@ -407,9 +408,9 @@ class Profiler:
         self.file = open_h5(self.partial, "w")
         try:
             _write_meta(self.file.attrs, self.meta)
-            self.file.attrs.update(torch_version=str(torch.__version__), dtype="float32", every=self.every,
-                                   record_epochs=list(self.epochs or []), derived=self.derived,
-                                   layers=np.array(list(self.targets), dtype=h5py.string_dtype()))
+            settings = self._settings()
+            self.file.attrs.update(settings | {"dtype": "float32",
+                                               "layers": np.array(settings["layers"], dtype=h5py.string_dtype())})
             for name, module in self.targets.items():
                 group = self.file.create_group(f"layers/{name}")
                 group.attrs.update(op=op_of(module), module_type=type(module).__name__, **hyper_params(module))
@@ -425,10 +426,29 @@ class Profiler:
         # The last step and the summary rows inside a snapshot: every one before first_step.
         self._snapped, self._snapped_rows = self.first_step - 1, len(self.file["summaries"])
 
+    def _settings(self) -> dict:
+        """What a resumed run must share with the killed one whose snapshots it continues."""
+        return {"torch_version": str(torch.__version__), "every": self.every,
+                "record_epochs": list(self.epochs or []), "derived": self.derived, "layers": list(self.targets)}
+
+    def _check_same_settings(self, shards: list[Path]) -> None:
+        """A snapshot of other settings (another ``every``, other layers) was restored as it was, and
+        the context mixed two recordings under the new settings' attributes."""
+        mine = self._settings()
+        for shard in shards:
+            with open_h5(shard) as f:
+                theirs = json.loads(f.attrs.get("settings", "{}"))  # none in snapshots of older versions
+            for key, value in theirs.items():
+                if mine.get(key) != value:
+                    raise PeatError(f"{shard}: a snapshot recorded with {key}={value!r}, not {mine.get(key)!r}; "
+                                    f"resume with the killed run's settings, or delete {self.partial.parent} "
+                                    "to train again from the start")
+
     def _restore(self) -> None:
         """Rebuild what was recorded before ``first_step`` from the snapshots: the file a killed
         run had open for writing may be corrupt, they were closed whole."""
         shards = sorted(self._shards.glob("*.h5"), key=_step_of) if self._shards.is_dir() else []
+        self._check_same_settings(shards)  # first: nothing deleted or copied for a refused resume
         if shards and int(shards[0].stem) < self.first_step:
             with open_h5(shards[0]) as f:
                 self.origin = int(f.attrs.get("origin", 0))
@@ -585,7 +605,7 @@ class Profiler:
             _copy_steps(self.file, shard, self.targets, self.last_step + 1, since=first)
             shard.create_dataset("summaries", data=self.file["summaries"][self._snapped_rows:])
             shard.attrs.update(naive_bytes_per_step=self.naive_bytes_per_step, last_step=self.last_step,
-                               origin=self.origin)
+                               origin=self.origin, settings=json.dumps(self._settings()))
         self._snapped, self._snapped_rows = self.last_step, len(self.file["summaries"])
 
     def abandon(self) -> None:

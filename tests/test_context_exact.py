@@ -1,0 +1,60 @@
+"""The training context against training itself, checked independently of the Profiler's own hooks:
+which steps a resumed run records, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from peat.io import PeatError
+from peat.profiler import Profiler, read_layer
+
+NAMES = ["0", "1", "3"]
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+
+
+def train(profiler: Profiler, net: nn.Module, steps, *, snapshot_after: int | None = None, kill_at: int | None = None,
+          first_step: int = 0, resuming: bool = False) -> None:
+    """Three steps an epoch, numbered across epochs; ``kill_at`` abandons that step half-way."""
+    profiler.attach(net, first_step=first_step, resuming=resuming)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in steps:
+        profiler.begin_step(step, step // 3 + 1)
+        net(batch(step)).square().mean().backward()
+        if step == kill_at:
+            profiler.abandon()
+            return
+        profiler.end_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == snapshot_after:
+            profiler.snapshot()
+    profiler.close()
+
+
+def test_a_resume_with_another_every_is_refused_naming_the_snapshot(tmp_path):
+    path = tmp_path / "context.h5"
+    train(Profiler(path, NAMES, every=2), model(), range(6), snapshot_after=2, kill_at=4)
+    with pytest.raises(PeatError, match=r"context\.snapshots/0000000\.h5: .*every=2, not 3") as err:
+        train(Profiler(path, NAMES, every=3), model(), range(3, 6), first_step=3, resuming=True)
+    assert "\n" not in str(err.value)
+    assert not path.exists() and not (tmp_path / ".partial" / "context.h5").exists()
+    # the killed run's snapshot is kept: a resume with its settings still finds it
+    train(Profiler(path, NAMES, every=2), model(), range(3, 6), first_step=3, resuming=True)
+    assert [s["step"] for s in read_layer(path, "0", derive=False)[1]] == [0, 2, 4]
+
+
+def test_a_resume_recording_other_layers_is_refused(tmp_path):
+    path = tmp_path / "context.h5"
+    train(Profiler(path, NAMES, every=1), model(), range(6), snapshot_after=2, kill_at=4)
+    with pytest.raises(PeatError, match=r"0000000\.h5: .*layers="):
+        train(Profiler(path, ["0"], every=1), model(), range(3, 6), first_step=3, resuming=True)
