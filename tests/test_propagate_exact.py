@@ -230,3 +230,27 @@ def test_prefix_replay_and_fast_paths_keep_the_loss_and_give_fp64_goldens_input(
             assert prefix.valid == (dropout_before == 0)
             assert all(torch.equal(run["loss"], plain) and torch.equal(run["next"], runs[0]["next"]) for run in runs)
             assert torch.equal(ref["A"], runs[0]["A"].double())
+
+
+class Shared(torch.nn.Module):
+    """A layer called twice in a step (weights reused): the Profiler records its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.L, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.L(torch.relu(self.L(x))))
+
+
+def test_the_live_input_of_a_layer_called_twice_is_its_first_calls_as_recorded():
+    """recon_error compares L's live input with the recorded one, the first call's: the second
+    call's input made an exact rebuild's recon_error the distance between two different inputs."""
+    import types
+
+    fake = object.__new__(Propagator)
+    fake.dataset = types.SimpleNamespace(kind="image")
+    torch.manual_seed(0)
+    model, x, y = Shared().train(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    seen = fake.observe(model, "L", "head", x, y, None, seed=0)
+    assert torch.equal(seen["A"], x) and _recon_error(seen["A"], x) == 0
