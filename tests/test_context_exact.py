@@ -3,6 +3,9 @@ which steps a resumed run records, and what it refuses."""
 
 from __future__ import annotations
 
+import re
+
+import h5py
 import pytest
 import torch
 from torch import nn
@@ -58,3 +61,25 @@ def test_a_resume_recording_other_layers_is_refused(tmp_path):
     train(Profiler(path, NAMES, every=1), model(), range(6), snapshot_after=2, kill_at=4)
     with pytest.raises(PeatError, match=r"0000000\.h5: .*layers="):
         train(Profiler(path, ["0"], every=1), model(), range(3, 6), first_step=3, resuming=True)
+
+
+def damaged(tmp_path, edit) -> str:
+    net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    path = tmp_path / "context.h5"
+    train(Profiler(path, ["0", "1"]), net, range(1))
+    with h5py.File(path, "a") as f:
+        edit(f)
+    return str(path)
+
+
+@pytest.mark.parametrize("edit, layer, says", [
+    (lambda f: f.__delitem__("layers/0/0000000/W"),
+     "0", "layers/0/0000000 lacks W"),
+    (lambda f: f["layers/1"].attrs.__delitem__("op"), "1", "layer '1' has op None"),
+    (lambda f: f["layers/1"].attrs.__delitem__("normalized_shape"), "1", "lacks its attribute 'normalized_shape'"),
+], ids=["no_weight", "no_op", "no_hyper_parameter"])
+def test_a_damaged_context_is_read_with_one_line_naming_the_file_and_what_it_lacks(tmp_path, edit, layer, says):
+    path = damaged(tmp_path, edit)
+    with pytest.raises(PeatError, match=re.escape(f"{path}: ") + ".*" + re.escape(says)) as err:
+        read_layer(path, layer)
+    assert "\n" not in str(err.value)

@@ -833,6 +833,8 @@ def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True,
         if missing:
             raise PeatError(f"{path}: layer {layer!r} has no recorded step {missing[0]} "
                             f"(recorded: {', '.join(str(k) for k in sorted(map(int, group))) or 'none'})")
+        if derive:
+            _check_derivable(path, layer, attrs, group, keys)
         for key in keys:
             sample = {k: torch.from_numpy(v[()]) for k, v in group[key].items() if tensors is None or k in tensors}
             sample.update({k: _plain(v) for k, v in group[key].attrs.items()})
@@ -840,6 +842,31 @@ def read_layer(path: str | Path, layer: str, steps=None, derive: bool = True,
                 sample.update(derive_outputs(sample, attrs))
             samples.append(sample)
     return attrs, samples
+
+
+# What golden needs to derive a layer's outputs: the layer's attributes (hyper_params) and, in a step at
+# which it ran, the recorded tensors (a norm's weight is optional: no affine).
+_DERIVE_ATTRS = {"linear": ("transposed",), "conv2d": ("stride", "padding", "dilation", "groups"),
+                 "batch_norm": ("eps", "momentum"), "layer_norm": ("eps", "normalized_shape"),
+                 "rms_norm": ("eps", "normalized_shape")}
+_DERIVE_TENSORS = {"linear": ("A", "W"), "conv2d": ("A", "W")}
+
+
+def _check_derivable(path, layer: str, attrs: dict, group, keys) -> None:
+    """One line naming what a damaged or foreign context lacks: it ended in golden's KeyError or TypeError."""
+    op = attrs.get("op")
+    if op not in _DERIVE_ATTRS:
+        raise PeatError(f"{path}: layer {layer!r} has op {op!r}, not one of {', '.join(_DERIVE_ATTRS)} "
+                        "(a damaged context, or not the Profiler's)")
+    for name in _DERIVE_ATTRS[op]:
+        if name not in attrs:
+            raise PeatError(f"{path}: layer {layer!r} ({op}) lacks its attribute {name!r} (a damaged context)")
+    for key in keys:
+        if "O" in group[key] or "A" not in group[key]:  # stored outputs, or not run: nothing derived
+            continue
+        for name in _DERIVE_TENSORS.get(op, ()):
+            if name not in group[key]:
+                raise PeatError(f"{path}: layers/{layer}/{key} lacks {name} (a damaged context)")
 
 
 def derive_outputs(sample: dict, attrs: dict) -> dict:
