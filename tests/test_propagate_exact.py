@@ -254,3 +254,40 @@ def test_the_live_input_of_a_layer_called_twice_is_its_first_calls_as_recorded()
     model, x, y = Shared().train(), torch.randn(5, 4), torch.randint(0, 3, (5,))
     seen = fake.observe(model, "L", "head", x, y, None, seed=0)
     assert torch.equal(seen["A"], x) and _recon_error(seen["A"], x) == 0
+
+
+class Viewing(torch.nn.Module):
+    """A convolution after L whose output is viewed, as training (default memory layout) allows."""
+
+    def __init__(self):
+        super().__init__()
+        self.L, self.c = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.fc(self.c(self.L(x)).view(len(x), -1))
+
+
+def test_a_model_viewing_a_convolutions_output_after_the_layer_is_followed_in_the_default_layout():
+    """On the CPU the network after L ran in channels-last memory, where x.view(len(x), -1) fails:
+    golden's run raised and the playback job failed for a model that trained. It runs in the
+    default layout then, with golden's loss, for that layer from then on."""
+    import types
+
+    from peat.propagate import _downstream, _fast_modules
+
+    fake = object.__new__(Propagator)
+    fake.dataset, fake.contiguous = types.SimpleNamespace(kind="image"), set()
+    torch.manual_seed(0)
+    model, x, y = Viewing().train(), torch.randn(2, 3, 4, 4), torch.randint(0, 3, (2,))
+    with torch.no_grad():
+        plain = F.cross_entropy(model(x), y).reshape(1)
+    fast = _fast_modules(model)
+
+    def downstream(channels_last):
+        return _downstream(model, "L", set(), channels_last=channels_last, fast=fast, kept={})
+
+    for _ in range(2):
+        gold, channels_last, prefix = fake._golden(model, "L", "c", x, y, model.L.forward, 0, downstream)
+        assert not channels_last and fake.contiguous == {"L"} and prefix.recorded
+        torch.testing.assert_close(gold["loss"], plain, rtol=1e-6, atol=0)

@@ -78,6 +78,7 @@ class Propagator:
         self.chosen: dict[str, set] = {}
         self.readers: dict[str, str | None] | None = None  # layer -> its next observing point
         self.before: dict[str, set[str]] = {}  # layer -> the modules whose forward starts before it
+        self.contiguous: set[str] = set()  # layers whose later network fails in channels-last memory (see rows)
 
     # -- the rebuilt network ------------------------------------------------------------------
     def _steps(self, layer: str) -> list[int]:
@@ -207,7 +208,6 @@ class Propagator:
         if self.readers is None:
             self.readers, self.before = call_graph(model, self.order, self.dataset.kind, x, y, self.seed)
         nxt = self.readers[layer]
-        prefix = Prefix(model, layer)
 
         def itself(net):  # the layer's own forward in ``net``: a kernel call, timed as the candidates' are
             forward = net.get_submodule(layer).forward
@@ -217,9 +217,12 @@ class Propagator:
                     return forward(a)
             return run
 
-        with _downstream(model, layer, self.before[layer], channels_last=x.device.type == "cpu", fast=self.fast_at(step),
-                         kept=self._models[step][3]):
-            gold = self.observe(model, layer, nxt, x, y, itself(model), prefix=prefix, seed=seed)
+        def downstream(channels_last):
+            return _downstream(model, layer, self.before[layer], channels_last=channels_last, fast=self.fast_at(step),
+                               kept=self._models[step][3])
+
+        gold, channels_last, prefix = self._golden(model, layer, nxt, x, y, itself(model), seed, downstream)
+        with downstream(channels_last):
             ref64 = self.observe(model64, layer, nxt, x if not x.is_floating_point() else x.double(), y,
                                  itself(model64), prefix=prefix.on(model64, torch.float64), seed=seed)
             recorded = sample["A"].cpu()
@@ -265,6 +268,24 @@ class Propagator:
             out += [{**base, "fop": fop, "tensor": tensor, "case": case, "status": status, "error": message}
                     for case, (status, message) in failed.items()]
         return out
+
+    def _golden(self, model, layer: str, nxt, x, y, forward, seed: int, downstream):
+        """Golden's run of a step (``observe``) inside ``downstream(channels_last)``; returns it, the
+        layout every other run of the step takes, and the ``Prefix`` it recorded."""
+        channels_last = x.device.type == "cpu" and layer not in self.contiguous
+        prefix = Prefix(model, layer)
+        try:
+            with downstream(channels_last):
+                return self.observe(model, layer, nxt, x, y, forward, prefix=prefix, seed=seed), channels_last, prefix
+        except RuntimeError:
+            # A model viewing a convolution's output after L (x.view(len(x), -1)) cannot take it in
+            # channels-last memory, which training never gave it: that layer's runs keep the default.
+            if not channels_last:
+                raise
+        self.contiguous.add(layer)
+        prefix = Prefix(model, layer)  # the failed run's record stopped part way
+        with downstream(False):
+            return self.observe(model, layer, nxt, x, y, forward, prefix=prefix, seed=seed), False, prefix
 
     @staticmethod
     def _score(point: str, nxt, gold: dict, ref64: dict, rounded: dict, runs: dict, rules, base: dict) -> list[dict]:
