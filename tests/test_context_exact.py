@@ -83,3 +83,22 @@ def test_a_damaged_context_is_read_with_one_line_naming_the_file_and_what_it_lac
     with pytest.raises(PeatError, match=re.escape(f"{path}: ") + ".*" + re.escape(says)) as err:
         read_layer(path, layer)
     assert "\n" not in str(err.value)
+
+
+def test_a_conv2ds_derived_bias_gradient_is_trainings_own_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, stride=2, padding=1), nn.Tanh(),
+                        nn.Conv2d(6, 6, 3, padding=2, dilation=2, groups=6))
+    path, grads = tmp_path / "context.h5", []
+    profiler = Profiler(path, ["0", "2"])
+    profiler.attach(net)
+    for step in range(3):
+        profiler.begin_step(step, 1)
+        net(torch.randn(4, 3, 9, 9, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        grads.append({name: net.get_submodule(name).bias.grad.clone() for name in ("0", "2")})
+        profiler.end_step()
+        net.zero_grad()
+    profiler.close()
+    for name in ("0", "2"):
+        for sample in read_layer(path, name)[1]:
+            assert torch.equal(sample["dB"], grads[sample["step"]][name]), (name, sample["step"])
