@@ -59,6 +59,22 @@ def workflow_run(tmp_path_factory) -> Path:
     return workdir
 
 
+def tiny_gpt2_golden(root: Path) -> tuple[dict, Path]:
+    """A real (tiny) golden training of GPT-2 under the Profiler in ``root / "run"``: 3 steps an epoch,
+    2 epochs, a checkpoint after the first. Returns its model spec and dataset."""
+    from peat.data import prepare
+    from peat.train import train_model
+
+    data = root / "pydoc.h5"
+    prepare("pydoc", {"source": "pydoc", "seq_len": 16, "part": [0.0, 0.05], "val_fraction": 0.1}, data)
+    spec = {"arch": "gpt2", "dataset": "pydoc", "size": {"hidden": 16, "layers": 2, "heads": 2}, "epochs": 2,
+            "batch_size": 8, "max_train_samples": 24, "max_val_samples": 8, "optimizer": {"name": "adamw", "lr": 0.01},
+            "checkpoint_epochs": [1], "record": {"layers": ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_1"],
+                                                 "every": 1}}
+    train_model("gpt2", spec, data, root / "run", config_hash="h")
+    return spec, data
+
+
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory) -> Path:
     """The test config's digits dataset, prepared by the library."""

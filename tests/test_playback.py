@@ -20,7 +20,7 @@ import torch
 from matplotlib.text import Text
 from torch import nn
 
-from conftest import DEVICES, REPO, needs_gpu
+from conftest import DEVICES, REPO, needs_gpu, tiny_gpt2_golden
 from peat import analyze, detect, errors, kernels, playback
 from peat.io import PeatError
 from peat.profiler import Profiler, read_layer
@@ -904,17 +904,8 @@ def test_workflow_verdicts(workflow_run):
 @pytest.fixture(scope="module")
 def golden_run(tmp_path_factory):
     """A real (tiny) golden training of GPT-2 with the Profiler: context, checkpoints, data."""
-    from peat.data import prepare
-    from peat.train import train_model
-
     root = tmp_path_factory.mktemp("golden")
-    data = root / "pydoc.h5"
-    prepare("pydoc", {"source": "pydoc", "seq_len": 16, "part": [0.0, 0.05], "val_fraction": 0.1}, data)
-    spec = {"arch": "gpt2", "dataset": "pydoc", "size": {"hidden": 16, "layers": 2, "heads": 2}, "epochs": 2,
-            "batch_size": 8, "max_train_samples": 24, "max_val_samples": 8, "optimizer": {"name": "adamw", "lr": 0.01},
-            "checkpoint_epochs": [1], "record": {"layers": ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_1"],
-                                                 "every": 1}}
-    train_model("gpt2", spec, data, root / "run", config_hash="h")
+    spec, data = tiny_gpt2_golden(root)
     return root, spec, data
 
 

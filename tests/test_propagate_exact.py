@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_gpt2_golden
 from peat import checkpoint
 from peat.models import build, loss_and_metrics
 from peat.profiler import match_layers, read_layer, recorded_steps
@@ -17,17 +18,8 @@ from peat.train import epoch_seed
 @pytest.fixture(scope="module")
 def golden_run(tmp_path_factory):
     """A tiny GPT-2 trained under the Profiler: 3 steps an epoch, 2 epochs, a checkpoint after the first."""
-    from peat.data import prepare
-    from peat.train import train_model
-
     root = tmp_path_factory.mktemp("golden")
-    data = root / "pydoc.h5"
-    prepare("pydoc", {"source": "pydoc", "seq_len": 16, "part": [0.0, 0.05], "val_fraction": 0.1}, data)
-    spec = {"arch": "gpt2", "dataset": "pydoc", "size": {"hidden": 16, "layers": 2, "heads": 2}, "epochs": 2,
-            "batch_size": 8, "max_train_samples": 24, "max_val_samples": 8, "optimizer": {"name": "adamw", "lr": 0.01},
-            "checkpoint_epochs": [1], "record": {"layers": ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_1"],
-                                                 "every": 1}}
-    train_model("gpt2", spec, data, root / "run", config_hash="h")
+    spec, data = tiny_gpt2_golden(root)
     prop = Propagator(context=root / "run" / "context.h5", spec=spec, data=data,
                       checkpoints=root / "run" / "checkpoints", samples=None)
     return root, spec, prop
