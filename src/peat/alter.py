@@ -101,7 +101,7 @@ def _attr_text(attrs, key: str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def _is_bfloat16(ds: h5py.Dataset) -> bool:
+def is_bfloat16(ds: h5py.Dataset) -> bool:
     tag = _attr_text(ds.attrs, "dtype")
     return ds.dtype.kind == "u" and ds.dtype.itemsize == 2 and (tag.lower() in ("bfloat16", "bf16")
                                                                  or ds.name.lower().endswith(("bf16", "bfloat16")))
@@ -117,7 +117,7 @@ def layout_of(ds: h5py.Dataset) -> Layout | None:
         # Bits are edited in place: a stored element h5py converts (a 3-byte float read as
         # float32, a 12-bit integer in 16 bits) does not have the layout of its numpy view.
         return None
-    if _is_bfloat16(ds):
+    if is_bfloat16(ds):
         return FLOAT_LAYOUTS["bfloat16"]
     if dt.kind == "f" and dt.itemsize in (2, 4, 8):
         return FLOAT_LAYOUTS[f"float{8 * dt.itemsize}"]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .alter import _is_bfloat16
+from .alter import is_bfloat16
 from .io import PeatError, atomic_path, open_h5
 
 
@@ -62,7 +62,7 @@ def _tensor(ds: h5py.Dataset) -> torch.Tensor:
     data = data.astype(data.dtype.newbyteorder("="), copy=False)
     # bfloat16 as peat alter reads it (docs/alter.md): a tag "bf16", or one stored as a fixed-length
     # string (h5repack, other writers), loaded the bits as integers, 16256.0 for 1.0, without a word.
-    if _is_bfloat16(ds):
+    if is_bfloat16(ds):
         return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(data)
 
