@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -54,6 +55,15 @@ def test_a_resume_with_another_every_is_refused_naming_the_snapshot(tmp_path):
     # the killed run's snapshot is kept: a resume with its settings still finds it
     train(Profiler(path, NAMES, every=2), model(), range(3, 6), first_step=3, resuming=True)
     assert [s["step"] for s in read_layer(path, "0", derive=False)[1]] == [0, 2, 4]
+
+
+def test_numpy_integer_settings_snapshot_and_resume(tmp_path):
+    """every and epochs take numpy integers; the settings a snapshot keeps were JSON of them, a TypeError."""
+    path = tmp_path / "context.h5"
+    train(Profiler(path, NAMES, every=np.int64(2), epochs=np.arange(1, 2)), model(), range(6), snapshot_after=2,
+          kill_at=4)
+    train(Profiler(path, NAMES, every=2, epochs=[1]), model(), range(3, 6), first_step=3, resuming=True)
+    assert [s["step"] for s in read_layer(path, "0", derive=False)[1]] == [0, 2]  # epoch 1: steps 0-2
 
 
 def test_a_resume_recording_other_layers_is_refused(tmp_path):

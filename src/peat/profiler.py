@@ -428,8 +428,10 @@ class Profiler:
 
     def _settings(self) -> dict:
         """What a resumed run must share with the killed one whose snapshots it continues."""
-        return {"torch_version": str(torch.__version__), "every": self.every,
-                "record_epochs": list(self.epochs or []), "derived": self.derived, "layers": list(self.targets)}
+        # Plain ints: a numpy integer (which every and epochs take) is no JSON, and the snapshot failed.
+        return {"torch_version": str(torch.__version__), "every": int(self.every),
+                "record_epochs": [int(e) for e in self.epochs or []], "derived": bool(self.derived),
+                "layers": list(self.targets)}
 
     def _check_same_settings(self, shards: list[Path]) -> None:
         """A snapshot of other settings (another ``every``, other layers) was restored as it was, and
