@@ -711,10 +711,13 @@ def test_h5diff_against_an_independent_comparison(tmp_path):
     assert d["attributes_differ"] == {"/": ["changed", "only_a", "only_b"], "/g": ["steps"], "/g/x": ["unit"]}
 
 
+@pytest.mark.parametrize("chunk", [A.SCALE_CHUNK, 7])
 @pytest.mark.parametrize("factor", [3.0, 1 / 3, -1.0000001, 1 + 2.0**-30, 7e4, 1e-5, 0.5 + 2.0**-40, 65519 / 65504, -1e-300])
-def test_scale_matches_the_exactly_rounded_product_for_every_value(tmp_path, factor):
+def test_scale_matches_the_exactly_rounded_product_for_every_value(tmp_path, monkeypatch, factor, chunk):
     """Random float16/float32/bfloat16/float64 values, subnormals and values near the overflow
-    threshold among them: each scaled value is its exact product rounded once (or not eligible)."""
+    threshold among them: each scaled value is its exact product rounded once (or not eligible),
+    in one piece and a chunk at a time (a big dataset's products are computed so)."""
+    monkeypatch.setattr(A, "SCALE_CHUNK", chunk)
     rng = np.random.default_rng(int(abs(math.frexp(factor)[0]) * 2**20))
     x = rng.standard_normal(300) * np.exp2(rng.integers(-30, 30, 300))
     near = np.array([65504, 65519, 65520, 6.1e-5, 6e-8, 3e-8, 1.17e-38, 1e-45, 3.4e38])

@@ -784,7 +784,21 @@ def apply(edits: list[Edit], storage: Storage) -> list[dict]:
     return done
 
 
+SCALE_CHUNK = 1 << 20  # values scaled at once: the exact product takes several float64 copies of them
+
+
 def _scaled(old: np.ndarray, entry: Entry, factor: float) -> np.ndarray:
+    """``old``'s raw values times ``factor``, a chunk at a time: at once, a 131M-value embedding's
+    float64 copies peaked at 7 GB."""
+    if old.size <= SCALE_CHUNK:
+        return _scaled_chunk(old, entry, factor)
+    flat, out = old.reshape(-1), np.empty(old.size, old.dtype)
+    for start in range(0, flat.size, SCALE_CHUNK):
+        out[start:start + SCALE_CHUNK] = _scaled_chunk(flat[start:start + SCALE_CHUNK], entry, factor)
+    return out.reshape(old.shape)
+
+
+def _scaled_chunk(old: np.ndarray, entry: Entry, factor: float) -> np.ndarray:
     # The exact product rounded once to the dtype: a factor cast to float16/float32 first overflows
     # (70000 in float16) or rounds away (1.0001 in float16) before it multiplies anything.
     with np.errstate(over="ignore", invalid="ignore"):
